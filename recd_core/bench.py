@@ -1,0 +1,108 @@
+"""`recd bench`: the headline ratios, measured side by side in one run on one workload.
+
+Today (the data plane): storage of the shuffled (baseline) vs the session-clustered (RecD)
+layout, the clustered bytes against the storage lower bound, the dedup profile, and the
+ingestion rate. The DPP and training ratios join with their stages. Results go to
+`OUT/bench.json` (the `bench.*` keys) and `OUT/bench.md` (a table for docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import shutil
+from pathlib import Path
+
+from recd_core.config import GenerateConfig, IngestConfig, load_feature_set, synth_config
+from recd_core.datagen import generate
+from recd_core.ingest import ingest
+from recd_core.report import human_bytes
+from recd_core.synth import synthesize
+from recd_core.warehouse import Warehouse
+
+DS = "2026-11-01"
+
+
+def _storage(wh: Warehouse, ds: str, cfg: GenerateConfig) -> dict:
+    g = generate(wh, ds, cfg, layouts=("clustered", "shuffled"))
+    c, s = g["layouts"]["clustered"], g["layouts"]["shuffled"]
+    return {
+        "storage_ratio": s["storage.bytes"] / c["storage.bytes"],
+        "clustered_bytes": c["storage.bytes"],
+        "shuffled_bytes": s["storage.bytes"],
+        "lower_bound_bytes": c["storage.lower_bound_bytes"],
+        "clustered_over_lower_bound": c["storage.bytes_over_lower_bound"],
+        "rows": c["storage.rows"],
+        "sessions": c["storage.sessions"],
+        "dedup_factor_mean_clustered": c["dedup.factor.mean"],
+        "dedup_factor_mean_shuffled": s["dedup.factor.mean"],
+        "dedup_factor_user_group_clustered": c["dedup.factor.user_group"],
+    }
+
+
+def run_bench(preset: str, out: Path, movielens: Path | None = None) -> dict:
+    out = Path(out)
+    if (out / "warehouse").exists():
+        shutil.rmtree(out / "warehouse")
+    wh = Warehouse(out / "warehouse")
+    features = load_feature_set("synthetic")
+    logs = out / "logs"
+    if logs.exists():
+        shutil.rmtree(logs)
+    synthesize(features, synth_config(preset, start_date=dt.date.fromisoformat(DS)), logs)
+    gen = GenerateConfig()
+    ing = ingest(logs / f"ds={DS}", wh, DS, features, IngestConfig(), gen)
+    storage = _storage(wh, DS, gen)
+    result = {
+        "bench.preset": preset,
+        "bench.batch_size": gen.batch_size,
+        "bench.storage_ratio": storage["storage_ratio"],
+        "bench.storage_over_lower_bound": storage["clustered_over_lower_bound"],
+        "bench.ingest_rows_per_s": ing["ingest.rows_per_s"],
+        "bench.ingest_mb_per_s": ing["ingest.bytes_in"] / 1e6 / ing["ingest.seconds"],
+        "bench.machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "synthetic": {
+            **storage,
+            "ingest_rows": ing["ingest.rows_in"],
+            "ingest_seconds": ing["ingest.seconds"],
+        },
+    }
+    if movielens is not None:
+        ml_features = load_feature_set("movielens")
+        ml_ing = ingest(
+            movielens, wh, "2026-10-01", ml_features, IngestConfig(format="movielens"), gen
+        )
+        ml = _storage(wh, "2026-10-01", gen)
+        result["bench.movielens.storage_ratio"] = ml["storage_ratio"]
+        result["bench.movielens.storage_over_lower_bound"] = ml["clustered_over_lower_bound"]
+        result["movielens"] = {
+            **ml,
+            "ingest_rows": ml_ing["ingest.rows_in"],
+            "ingest_quarantined": ml_ing["ingest.rows_quarantined"],
+        }
+    (out / "bench.md").write_text(markdown(result))
+    return result
+
+
+def markdown(r: dict) -> str:
+    rows = [
+        "| workload | rows | sessions | shuffled | clustered | ratio | lower bound | clustered / bound | dedup factor (clustered / shuffled) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in ("synthetic", "movielens"):
+        s = r.get(name)
+        if not s:
+            continue
+        label = f"synthetic ({r['bench.preset']})" if name == "synthetic" else "MovieLens-100k"
+        rows.append(
+            f"| {label} | {s['rows']:,} | {s['sessions']:,} | {human_bytes(s['shuffled_bytes'])} | "
+            f"{human_bytes(s['clustered_bytes'])} | **{s['storage_ratio']:.2f}x** | {human_bytes(s['lower_bound_bytes'])} | "
+            f"{s['clustered_over_lower_bound']:.3f} | {s['dedup_factor_mean_clustered']:.1f} / {s['dedup_factor_mean_shuffled']:.2f} |"
+        )
+    rows.append("")
+    rows.append(
+        f"Ingestion ({r['bench.preset']}): {r['bench.ingest_rows_per_s']:,.0f} rows/s, "
+        f"{r['bench.ingest_mb_per_s']:.1f} MB/s of gzipped JSON lines, on {r['bench.machine']}."
+    )
+    return "\n".join(rows) + "\n"

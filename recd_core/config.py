@@ -1,0 +1,237 @@
+"""Typed configuration: feature specs, dataset and stage configs, loaded from YAML.
+
+Everything a stage needs arrives as one of these objects; nothing reads the environment
+behind the caller's back. A bad file fails with `ConfigError` naming the file and the
+dotted path of every offending field.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PACKAGE_CONFIGS = Path(__file__).parent / "configs"
+
+Side = Literal["user", "item", "context"]
+Kind = Literal["dense", "sparse", "id_list", "sequence"]
+M = TypeVar("M", bound=BaseModel)
+Identifier = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$", max_length=64)]
+
+
+class ConfigError(ValueError):
+    """A configuration file or object that does not validate; the message names the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FeatureSpec(_Strict):
+    """One model input.
+
+    kind:
+      dense     `dim` finite floats per sample (a list of length `dim`, or a scalar if dim=1)
+      sparse    one non-negative id per sample, hashed into `table_size` rows later (DPP)
+      id_list   a variable-length list of ids, at most `max_length` long
+      sequence  an ordered id list (the user history), at most `max_length` long
+    side: which entity owns the value. User-side values are snapshotted at session start and
+      are identical for every sample of a session: that is the duplication RecD removes.
+    """
+
+    name: Identifier
+    side: Side
+    kind: Kind
+    table_size: int | None = Field(default=None, gt=0)
+    max_length: int | None = Field(default=None, gt=0)
+    dim: int = Field(default=1, gt=0, le=4096)
+    required: bool = True
+    synth_length: tuple[int, int] | None = Field(
+        default=None, description="length range the synthetic generator draws lists from"
+    )
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> FeatureSpec:
+        if self.kind == "dense":
+            if self.table_size is not None or self.max_length is not None:
+                raise ValueError("a dense feature takes `dim`, not `table_size`/`max_length`")
+        else:
+            if self.table_size is None:
+                raise ValueError(f"a {self.kind} feature needs `table_size`")
+            if self.dim != 1:
+                raise ValueError("`dim` is for dense features only")
+        is_list = self.kind in ("id_list", "sequence")
+        if is_list and self.max_length is None:
+            raise ValueError(f"a {self.kind} feature needs `max_length`")
+        if not is_list and (self.max_length is not None or self.synth_length is not None):
+            raise ValueError("`max_length`/`synth_length` are for id_list and sequence features")
+        if self.synth_length is not None:
+            lo, hi = self.synth_length
+            if not 0 <= lo <= hi <= (self.max_length or 0):
+                raise ValueError("`synth_length` must satisfy 0 <= low <= high <= max_length")
+        return self
+
+    @property
+    def is_list(self) -> bool:
+        return self.kind in ("id_list", "sequence")
+
+
+class FeatureSet(_Strict):
+    """The schema of a dataset: its features and which of them identify users and items."""
+
+    name: Identifier
+    user_key: Identifier = "user_id"
+    item_key: Identifier = "item_id"
+    features: list[FeatureSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _keys(self) -> FeatureSet:
+        names = [f.name for f in self.features]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate feature names: {dupes}")
+        reserved = set(names) & set(ENVELOPE_COLUMNS)
+        if reserved:
+            raise ValueError(f"feature names clash with envelope columns: {sorted(reserved)}")
+        for key, side in ((self.user_key, "user"), (self.item_key, "item")):
+            spec = next((f for f in self.features if f.name == key), None)
+            if spec is None or spec.side != side or spec.kind != "sparse":
+                raise ValueError(f"`{key}` must name a {side}-side sparse feature")
+        return self
+
+    def by_side(self, side: Side) -> list[FeatureSpec]:
+        return [f for f in self.features if f.side == side]
+
+    def __getitem__(self, name: str) -> FeatureSpec:
+        for f in self.features:
+            if f.name == name:
+                return f
+        raise KeyError(name)
+
+
+# Columns every event and sample carries besides the features.
+ENVELOPE_COLUMNS = ("event_id", "ts", "session_id", "label")
+
+
+class SynthConfig(_Strict):
+    """The synthetic workload (DESIGN.md section 6). Presets live in `SYNTH_PRESETS`."""
+
+    users: int = Field(gt=0)
+    items: int = Field(gt=1)
+    samples_per_day: int = Field(gt=0)
+    mean_session_length: float = Field(default=12.0, ge=1.0)
+    max_session_length: int = Field(default=64, ge=1)
+    latent_dim: int = Field(default=8, gt=0)
+    item_zipf: float = Field(default=1.1, gt=1.0)
+    base_ctr_logit: float = -2.0
+    seed: int = 0
+    start_date: dt.date = dt.date(2026, 11, 1)
+    days: int = Field(default=1, gt=0, le=366)
+
+    @model_validator(mode="after")
+    def _lengths(self) -> SynthConfig:
+        if self.mean_session_length > self.max_session_length:
+            raise ValueError("mean_session_length must not exceed max_session_length")
+        return self
+
+
+SYNTH_PRESETS: dict[str, dict[str, Any]] = {
+    # Runs in seconds: tests and the embedded `make run` default.
+    "small": {"users": 400, "items": 2_000, "samples_per_day": 4_000},
+    # The benchmark workload: about 200k samples a day.
+    "standard": {"users": 20_000, "items": 100_000, "samples_per_day": 200_000},
+}
+
+
+class IngestConfig(_Strict):
+    format: Literal["events", "movielens"] = "events"
+    max_quarantine_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
+    # MovieLens: a new session starts after this many seconds without a rating.
+    session_gap_s: int = Field(default=30 * 60, gt=0)
+    label_min_rating: float = 4.0
+
+
+class GenerateConfig(_Strict):
+    """How samples are laid out and written (Parquet) and how dedup is profiled."""
+
+    layout: Literal["clustered", "shuffled"] = "clustered"
+    batch_size: int = Field(default=4096, gt=0)
+    row_group_size: int = Field(default=65_536, gt=0)
+    max_rows_per_file: int = Field(default=1_000_000, gt=0)
+    compression: Literal["zstd", "snappy", "gzip", "lz4", "none"] = "zstd"
+    compression_level: int | None = 3
+    # Dictionary-encode list columns? None = each layout's better choice: plain for
+    # `clustered` (repeated lists stay byte-aligned, so zstd removes the repeats; bit-packed
+    # dictionary indices shift by bits and hide them), dictionary for `shuffled`.
+    list_dictionary: bool | None = None
+    shuffle_seed: int = 0
+
+
+class PipelineConfig(_Strict):
+    """Everything one pipeline run needs; loadable from one YAML file."""
+
+    features: FeatureSet
+    synth: SynthConfig = SynthConfig(**SYNTH_PRESETS["small"])
+    ingest: IngestConfig = IngestConfig()
+    generate: GenerateConfig = GenerateConfig()
+
+
+def _format_validation_error(err: ValidationError, where: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        got = e.get("input")
+        got_txt = "" if isinstance(got, dict | list) else f" (got {got!r})"
+        lines.append(f"  {loc}: {e['msg']}{got_txt}")
+    return f"invalid config in {where}:\n" + "\n".join(lines)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def parse_config(model: type[M], data: dict[str, Any], where: str) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, where)) from None
+
+
+def load_feature_set(name_or_path: str | Path) -> FeatureSet:
+    """A built-in feature set by name (`synthetic`, `movielens`) or a YAML file."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PACKAGE_CONFIGS / f"{name_or_path}.yaml"
+    data = load_yaml(path)
+    return parse_config(FeatureSet, data.get("features", data), str(path))
+
+
+def load_pipeline_config(
+    path: str | Path | None = None, *, dataset: str = "synthetic"
+) -> PipelineConfig:
+    """The pipeline config from a YAML file, or the built-in one for `dataset`."""
+    if path is None:
+        return PipelineConfig(features=load_feature_set(dataset))
+    data = load_yaml(path)
+    if isinstance(data.get("features"), str):
+        data["features"] = load_feature_set(data["features"]).model_dump()
+    return parse_config(PipelineConfig, data, str(path))
+
+
+def synth_config(preset: str, **overrides: Any) -> SynthConfig:
+    if preset not in SYNTH_PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(SYNTH_PRESETS)}")
+    values = {**SYNTH_PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}}
+    return parse_config(SynthConfig, values, f"preset {preset!r}")

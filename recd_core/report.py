@@ -1,0 +1,84 @@
+"""Human output at the edges: progress bars, summary tables and the `--summary` JSON."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console(stderr=True)
+
+
+@contextlib.contextmanager
+def progress(description: str, total: int | None) -> Iterator[Callable[[str, int], None]]:
+    """A progress bar; yields `advance(label, n)`. Quiet when stderr is not a terminal."""
+    bar = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[label]}"),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
+    with bar:
+        task = bar.add_task(description, total=total, label="")
+
+        def advance(label: str, n: int = 1) -> None:
+            bar.update(task, advance=n, label=label)
+
+        yield advance
+
+
+def _fmt(key: str, value) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, int):
+        if key.endswith(("bytes", "bytes_gz", "bytes_in", "lower_bound_bytes", "events_bytes")):
+            return f"{human_bytes(value)} ({value:,})"
+        return f"{value:,}"
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        if key.endswith("fraction"):
+            return f"{value:.2%}"
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {v}" for k, v in value.items()) or "-"
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
+    return str(value)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def print_summary(title: str, summary: dict, skip_prefixes: tuple[str, ...] = ()) -> None:
+    table = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
+    table.add_column(style="cyan")
+    table.add_column()
+    for key, value in summary.items():
+        if key.startswith(skip_prefixes) or isinstance(value, dict) and key == "layouts":
+            continue
+        table.add_row(key, _fmt(key, value))
+    Console().print(table)
+
+
+def write_summary(path: str | Path | None, summary: dict) -> None:
+    if path is None:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")

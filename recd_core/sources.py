@@ -1,0 +1,379 @@
+"""Readers for raw event files: JSON lines (plain or gzipped) and Parquet.
+
+Readers only parse. They return the rows they could type, each tagged with its source file
+and line, and a `Rejects` of everything they could not read, with the reason. Semantic
+checks (ranges, lengths, finiteness) are `ingest`'s job and run on whole columns.
+
+JSON lines are parsed by Arrow in large chunks. A chunk that fails is split in halves until
+the bad line is isolated, so clean files pay one vectorized parse and a damaged one pays
+about log2(chunk) extra parses per bad line. Two Arrow quirks are guarded against: a line
+that is not a JSON object (a bare `null` crashes pyarrow 25's reader) is rejected before
+Arrow sees it, and a line holding two objects (`{..}{..}`, which Arrow reads as two rows)
+is caught by counting rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.json as pj
+import pyarrow.parquet as pq
+
+QUARANTINE_SCHEMA = pa.schema(
+    [
+        pa.field("source", pa.string()),
+        pa.field("line", pa.int64()),  # 1-based line (text files) or row (Parquet)
+        pa.field("field", pa.string()),  # the offending field, where one is to blame
+        pa.field("reason", pa.string()),
+        pa.field("raw", pa.binary()),  # the rejected line's exact bytes / the row as JSON
+    ]
+)
+CHUNK_LINES = 16384
+
+
+class SourceError(Exception):
+    """A source that cannot be read at all (missing, unreadable, not the expected format)."""
+
+
+@dataclass
+class Rejects:
+    """Rejected rows accumulated column by column (cheap to append arrays to)."""
+
+    parts: list[pa.Table] = field(default_factory=list)
+
+    def add(self, source: str, lines, fields, reasons, raws) -> None:
+        n = len(lines)
+        if n == 0:
+            return
+        cols = [
+            pa.array([source] * n, pa.string()) if isinstance(source, str) else source,
+            pa.array(lines, pa.int64()),
+            fields
+            if isinstance(fields, pa.Array | pa.ChunkedArray)
+            else pa.array(fields, pa.string()),
+            reasons
+            if isinstance(reasons, pa.Array | pa.ChunkedArray)
+            else pa.array(reasons, pa.string()),
+            raws if isinstance(raws, pa.Array | pa.ChunkedArray) else pa.array(raws, pa.binary()),
+        ]
+        self.parts.append(pa.Table.from_arrays(cols, schema=QUARANTINE_SCHEMA))
+
+    def extend(self, other: Rejects) -> None:
+        self.parts.extend(other.parts)
+
+    def table(self) -> pa.Table:
+        if not self.parts:
+            return QUARANTINE_SCHEMA.empty_table()
+        return pa.concat_tables(self.parts).combine_chunks()
+
+    def __len__(self) -> int:
+        return sum(p.num_rows for p in self.parts)
+
+
+@dataclass
+class Parsed:
+    """Rows a reader could type: `table` plus, per row, where it came from.
+
+    `raw` maps 1-based line numbers to the lines' original bytes (only rejected rows are
+    ever looked up); None for columnar sources, whose rows are quarantined as JSON.
+    """
+
+    table: pa.Table
+    source: str
+    lines: np.ndarray  # int64, 1-based, one per table row
+    raw: Callable[[np.ndarray], pa.Array] | None
+
+    def subset(self, keep: np.ndarray) -> Parsed:
+        return Parsed(self.table.take(pa.array(keep)), self.source, self.lines[keep], self.raw)
+
+    def raw_rows(self, rows: np.ndarray) -> pa.Array:
+        """The original bytes of table rows `rows`."""
+        if self.raw is not None:
+            return self.raw(self.lines[rows])
+        return rows_as_json(self.table, rows)
+
+
+@dataclass(frozen=True)
+class Lines:
+    """The lines of a decompressed buffer, located by numpy (no per-line Python objects)."""
+
+    data: bytes
+    starts: np.ndarray
+    ends: np.ndarray  # exclusive, without the '\n' (and a trailing '\r')
+
+    @classmethod
+    def of(cls, data: bytes) -> Lines:
+        buf = np.frombuffer(data, np.uint8)
+        nl = np.flatnonzero(buf == 10)
+        ends = nl if (len(data) == 0 or data.endswith(b"\n")) else np.append(nl, len(data))
+        starts = np.concatenate([[0], nl + 1])[: ends.size]
+        cr = (
+            (ends > starts) & (buf[np.maximum(ends - 1, 0)] == 13)
+            if ends.size
+            else ends.astype(bool)
+        )
+        return cls(data, starts, ends - cr)
+
+    def __len__(self) -> int:
+        return int(self.starts.size)
+
+    def get(self, i: int) -> bytes:
+        return self.data[self.starts[i] : self.ends[i]]
+
+    def take(self, idx: np.ndarray) -> pa.Array:
+        return pa.array([self.get(int(i)) for i in idx], pa.binary())
+
+    def blob(self, idx: np.ndarray, clean: np.ndarray):
+        """The lines `idx` as one newline-separated buffer: a zero-copy slice when they are
+        consecutive clean lines, a join otherwise (only around damaged lines)."""
+        a, b = int(idx[0]), int(idx[-1])
+        if b - a + 1 == idx.size and clean[a : b + 1].all():
+            return pa.py_buffer(memoryview(self.data)[self.starts[a] : self.ends[b]])
+        return b"\n".join(self.get(int(i)) for i in idx)
+
+
+# -- bytes ------------------------------------------------------------------------------------
+def read_bytes(path: Path) -> tuple[bytes, str | None]:
+    """The file's decompressed bytes, and a problem if a gzip stream was cut short."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
+    if data[:2] != b"\x1f\x8b":
+        return data, None
+    d = zlib.decompressobj(wbits=31)
+    try:
+        out = d.decompress(data)
+    except zlib.error as e:
+        # Keep what came out before the damage; the tail is reported as one rejected record.
+        return _partial_gunzip(data), f"gzip stream corrupt: {e}"
+    if not d.eof:
+        return out, "gzip stream truncated (file cut short)"
+    return out, None
+
+
+def _partial_gunzip(data: bytes) -> bytes:
+    d = zlib.decompressobj(wbits=31)
+    out = []
+    for i in range(0, len(data), 1 << 16):
+        try:
+            out.append(d.decompress(data[i : i + (1 << 16)]))
+        except zlib.error:
+            break
+    return b"".join(out)
+
+
+def _bad_utf8_lines(lines: Lines) -> np.ndarray:
+    """0-based indices of lines that are not valid UTF-8 (a loop over bad spots only)."""
+    data = lines.data
+    try:
+        data.decode("utf-8")
+        return np.zeros(0, np.int64)
+    except UnicodeDecodeError:
+        pass
+    bad, pos = [], 0
+    while pos < len(data):
+        try:
+            data[pos:].decode("utf-8")
+            break
+        except UnicodeDecodeError as e:
+            i = int(np.searchsorted(lines.starts, pos + e.start, side="right")) - 1
+            bad.append(i)
+            pos = int(lines.ends[i]) + 1
+    return np.array(sorted(set(bad)), np.int64)
+
+
+# -- JSON lines -------------------------------------------------------------------------------
+def read_json_lines(path: Path, schema: pa.Schema) -> tuple[Parsed, Rejects]:
+    """Parse a JSON-lines file (plain or gzipped) into `schema`'s columns."""
+    source = str(path)
+    data, stream_problem = read_bytes(path)
+    lines = Lines.of(data)
+    n = len(lines)
+    rejects = Rejects()
+
+    def reject(idx, fields, reasons):
+        idx = np.asarray(idx, np.int64)
+        rejects.add(source, idx + 1, fields, reasons, lines.take(idx))
+
+    buf = np.frombuffer(data, np.uint8)
+    nonempty = lines.ends > lines.starts
+    first = (
+        np.where(nonempty, buf[np.minimum(lines.starts, max(len(data) - 1, 0))], 0)
+        if n
+        else nonempty
+    )
+    last = np.where(nonempty, buf[np.maximum(lines.ends - 1, 0)], 0) if n else nonempty
+    clean = nonempty & (first == ord("{")) & (last == ord("}"))
+    candidate = clean.copy()
+    bad_utf8 = _bad_utf8_lines(lines)
+    clean[bad_utf8] = candidate[bad_utf8] = False
+    reject(bad_utf8, [None] * bad_utf8.size, ["invalid UTF-8"] * bad_utf8.size)
+    # Lines that are not plainly `{...}`: look closer, one by one (damaged or padded lines only).
+    odd = np.flatnonzero(~clean)
+    odd = odd[~np.isin(odd, bad_utf8)]
+    for i in odd:
+        text = lines.get(int(i)).strip()
+        if not text:
+            reject([i], [None], ["empty line"])
+        elif text.startswith(b"{") and text.endswith(b"}"):
+            candidate[i] = True
+        else:
+            reject([i], [None], ["not a JSON object"])
+
+    parse_opts = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    read_opts = pj.ReadOptions(block_size=4 << 20)
+    cand = np.flatnonzero(candidate)
+    good: list[tuple[int, pa.Table, np.ndarray]] = []
+    stack = [cand[i : i + CHUNK_LINES] for i in range(0, cand.size, CHUNK_LINES)][::-1]
+    while stack:
+        idx = stack.pop()
+        try:
+            t = pj.read_json(
+                pa.BufferReader(lines.blob(idx, clean)),
+                read_options=read_opts,
+                parse_options=parse_opts,
+            )
+            if t.num_rows != idx.size:
+                raise pa.ArrowInvalid("more than one JSON value on one line")
+            good.append((int(idx[0]), t, idx))
+        except pa.ArrowInvalid as e:
+            if idx.size == 1:
+                fld, reason = diagnose_json_line(lines.get(int(idx[0])), schema, str(e))
+                reject(idx, [fld], [reason])
+            else:
+                half = idx.size // 2
+                stack.extend([idx[half:], idx[:half]])
+    if stream_problem:
+        rejects.add(source, [n + 1], [None], [stream_problem], [b""])
+
+    good.sort(key=lambda g: g[0])
+    if good:
+        table = pa.concat_tables([g[1] for g in good])
+        rows = np.concatenate([g[2] for g in good])
+    else:
+        table, rows = schema.empty_table(), np.zeros(0, np.int64)
+    return Parsed(
+        table, source, rows + 1, lambda line_numbers: lines.take(line_numbers - 1)
+    ), rejects
+
+
+def diagnose_json_line(line: bytes, schema: pa.Schema, arrow_msg: str) -> tuple[str | None, str]:
+    """Name the field and the problem of one line Arrow refused (runs on bad lines only)."""
+
+    def pairs_hook(pairs):
+        keys = [k for k, _ in pairs]
+        dup = next((k for k in keys if keys.count(k) > 1), None)
+        if dup is not None:
+            raise ValueError(f"field {dup!r} appears twice")
+        return dict(pairs)
+
+    try:
+        obj = json.loads(line, object_pairs_hook=pairs_hook)
+    except json.JSONDecodeError as e:
+        return None, f"invalid JSON: {e.msg} (column {e.colno})"
+    except ValueError as e:  # duplicate key
+        return str(e).split("'")[1], f"invalid JSON: {e}"
+    if arrow_msg.startswith("more than one JSON value"):
+        return None, "invalid JSON: more than one JSON value on one line"
+    if not isinstance(obj, dict):
+        return None, f"not a JSON object (got {type(obj).__name__})"
+    for f in schema:
+        if f.name not in obj or obj[f.name] is None:
+            continue
+        problem = _type_problem(obj[f.name], f.type)
+        if problem:
+            return f.name, f"field {f.name!r}: {problem}"
+    return None, f"invalid JSON: {arrow_msg}"
+
+
+def _type_problem(value, typ: pa.DataType) -> str | None:
+    if pa.types.is_list(typ):
+        if not isinstance(value, list):
+            return f"expected a list, got {type(value).__name__}"
+        for v in value:
+            if v is not None and (p := _type_problem(v, typ.value_type)):
+                return f"list element {p}"
+        return None
+    if pa.types.is_integer(typ):
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"expected an integer, got {type(value).__name__} {value!r}"[:120]
+        info = np.iinfo(f"int{typ.bit_width}")
+        if not info.min <= value <= info.max:
+            return f"integer {value} out of range for {typ}"[:120]
+        return None
+    if pa.types.is_floating(typ):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"expected a number, got {type(value).__name__} {value!r}"[:120]
+        if isinstance(value, float) and math.isinf(value):
+            return "number too large"
+        return None
+    return None
+
+
+# -- Parquet ----------------------------------------------------------------------------------
+def read_parquet_events(path: Path, schema: pa.Schema) -> tuple[Parsed, Rejects]:
+    """Read a Parquet file into `schema`'s columns; a column that is missing or cannot be
+    cast rejects every row of the file (the schema is per file), each with the reason."""
+    source = str(path)
+    try:
+        table = pq.read_table(path)
+    except OSError as e:
+        raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
+    except pa.ArrowException as e:
+        raise SourceError(f"{path} is not a readable Parquet file: {e}") from None
+    n = table.num_rows
+    problems: list[tuple[str, str]] = []
+    cols = []
+    for f in schema:
+        if f.name not in table.column_names:
+            cols.append(
+                pa.nulls(n, f.type)
+            )  # a missing column is a null column: required-field check names it
+            continue
+        col = table[f.name]
+        if col.type != f.type:
+            try:
+                col = col.cast(f.type, safe=True)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                problems.append(
+                    (
+                        f.name,
+                        f"field {f.name!r}: column type {col.type} cannot be read as {f.type} ({e})",
+                    )
+                )
+                col = pa.nulls(n, f.type)
+        cols.append(col)
+    typed = pa.Table.from_arrays(cols, schema=schema)
+    lines = np.arange(1, n + 1, dtype=np.int64)
+    rejects = Rejects()
+    if problems:
+        fld, reason = problems[0]
+        if len(problems) > 1:
+            reason += f" (and {len(problems) - 1} more column problems)"
+        rejects.add(source, lines, [fld] * n, [reason] * n, rows_as_json(table, np.arange(n)))
+        return Parsed(schema.empty_table(), source, np.zeros(0, np.int64), None), rejects
+    return Parsed(typed, source, lines, None), rejects
+
+
+def rows_as_json(table: pa.Table, idx: np.ndarray) -> pa.Array:
+    """Rows as JSON bytes (for quarantining rows that came from a columnar file)."""
+    rows = table.take(pa.array(idx, pa.int64())).to_pylist() if idx.size else []
+    return pa.array([json.dumps(r, default=str).encode() for r in rows], pa.binary())
+
+
+def open_text(path: Path, encoding: str) -> str:
+    data, problem = read_bytes(path)
+    if problem:
+        raise SourceError(f"{path}: {problem}")
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as e:
+        raise SourceError(f"{path}: not {encoding} text at byte {e.start}") from None

@@ -1,0 +1,286 @@
+"""`recd synth`: raw impression logs with the structure RecD exploits (DESIGN.md section 6).
+
+Users open sessions; a session shows several items (heavy-tailed count, mean
+`mean_session_length`, capped). User-side features are snapshotted at session start, so
+every impression of a session repeats them; the user history is the user's recent clicks,
+so it changes between sessions of the same user. Clicks come from a latent user-item
+affinity plus item/user bias and noise, so a model can learn them.
+
+The generator is generic over a `FeatureSet` by (side, kind):
+
+  user  sparse    user key = the session's user; others a per-user categorical
+  user  id_list   a per-user list (lengths from `synth_length`)
+  user  sequence  the user's last clicked items before the session (most recent last)
+  user  dense     per-user floats; the leading dims carry the user's latent vector
+  item  sparse    item key = the shown item (Zipf popularity); others per-item categoricals
+  item  id_list   a per-item list;   item dense: per-item floats carrying its latent vector
+  context         `position` (rank in the session), `hour` (of the impression); others random
+
+Output: `OUT/ds=YYYY-MM-DD/events-NNNNN.jsonl.gz`, one JSON object per line (docs/events.md).
+The same (config, seed) always yields the same bytes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import gzip
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from recd_core.config import ConfigError, FeatureSet, FeatureSpec, SynthConfig
+
+ROWS_PER_FILE = 50_000
+HISTORY_SIDE_KINDS = {("user", "sequence")}
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """Per-entity variable-length lists: entity i owns values[offsets[i]:offsets[i+1]]."""
+
+    offsets: np.ndarray
+    values: np.ndarray
+
+    def row(self, i: int) -> np.ndarray:
+        return self.values[self.offsets[i] : self.offsets[i + 1]]
+
+
+def _skewed_ids(rng: np.random.Generator, table_size: int, n: int) -> np.ndarray:
+    """Ids in [0, table_size) with a heavy head (a few popular values), scattered over the table."""
+    ranks = np.minimum((table_size * rng.random(n) ** 2).astype(np.int64), table_size - 1)
+    return (ranks * 2_654_435_761 + 97) % table_size
+
+
+def _ragged(rng: np.random.Generator, spec: FeatureSpec, n: int) -> Ragged:
+    lo, hi = spec.synth_length or (1, min(spec.max_length or 8, 8))
+    lengths = rng.integers(lo, hi + 1, size=n)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return Ragged(offsets, _skewed_ids(rng, spec.table_size or 1, int(offsets[-1])))
+
+
+def _dense(rng: np.random.Generator, dim: int, latent: np.ndarray) -> np.ndarray:
+    out = rng.normal(0.0, 1.0, size=(latent.shape[0], dim)).astype(np.float32)
+    k = min(dim, latent.shape[1])
+    out[:, :k] = 0.7 * latent[:, :k] + 0.3 * out[:, :k]
+    return np.round(out, 4)
+
+
+def _session_length_sampler(
+    mean: float, cap: int
+) -> Callable[[np.random.Generator, int], np.ndarray]:
+    """Heavy-tailed (log-normal, sigma 1) session lengths in [1, cap] whose mean is `mean`."""
+    z = np.random.default_rng(12345).standard_normal(50_000)
+
+    def lengths(mu: float, zz: np.ndarray) -> np.ndarray:
+        return np.clip(np.ceil(np.exp(mu + zz)), 1, cap).astype(np.int64)
+
+    lo, hi = -5.0, np.log(cap) + 5
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if lengths(mid, z).mean() < mean else (lo, mid)
+    mu = (lo + hi) / 2
+    return lambda rng, n: lengths(mu, rng.standard_normal(n))
+
+
+class _World:
+    """Users and items with their latent factors and static features (fixed per seed)."""
+
+    def __init__(self, features: FeatureSet, cfg: SynthConfig):
+        rng = np.random.default_rng([cfg.seed, 0])
+        self.features, self.cfg = features, cfg
+        d = cfg.latent_dim
+        self.user_latent = rng.normal(size=(cfg.users, d)).astype(np.float32)
+        self.item_latent = rng.normal(size=(cfg.items, d)).astype(np.float32)
+        self.user_bias = rng.normal(0, 0.5, cfg.users)
+        self.item_bias = rng.normal(0, 0.5, cfg.items)
+        self.activity = rng.lognormal(0.0, 1.0, cfg.users)
+        self.activity /= self.activity.sum()
+        ranks = np.arange(1, cfg.items + 1, dtype=np.float64)
+        pop = ranks**-cfg.item_zipf
+        self.item_popularity = np.empty_like(pop)
+        self.item_popularity[rng.permutation(cfg.items)] = pop / pop.sum()
+        self.user_static: dict[str, np.ndarray | Ragged] = {}
+        self.item_static: dict[str, np.ndarray | Ragged] = {}
+        for spec in features.features:
+            if spec.side == "user" and spec.name != features.user_key:
+                self.user_static[spec.name] = self._static(rng, spec, cfg.users, self.user_latent)
+            elif spec.side == "item" and spec.name != features.item_key:
+                if spec.kind == "sequence":
+                    raise ConfigError(
+                        f"synth: item-side sequence feature {spec.name!r} is not supported"
+                    )
+                self.item_static[spec.name] = self._static(rng, spec, cfg.items, self.item_latent)
+        seq = [s for s in features.by_side("user") if s.kind == "sequence"]
+        self.history_len = (seq[0].synth_length or (16, seq[0].max_length))[1] if seq else 0
+        # Day-zero histories: popular items, a per-user number of them.
+        self.history: list[list[int]] = []
+        if seq:
+            lo, hi = seq[0].synth_length or (16, seq[0].max_length)
+            n = rng.integers(lo, hi + 1, size=cfg.users)
+            flat = rng.choice(cfg.items, size=int(n.sum()), p=self.item_popularity)
+            self.history = [a.tolist() for a in np.split(flat, np.cumsum(n)[:-1])]
+
+    @staticmethod
+    def _static(rng, spec: FeatureSpec, n: int, latent: np.ndarray) -> np.ndarray | Ragged:
+        if spec.kind == "sparse":
+            return _skewed_ids(rng, spec.table_size or 1, n)
+        if spec.kind == "dense":
+            return _dense(rng, spec.dim, latent)
+        return _ragged(rng, spec, n)
+
+
+def _json_value(spec: FeatureSpec, value) -> str:
+    if isinstance(value, np.ndarray):
+        return json.dumps(value.tolist(), separators=(",", ":"))
+    if spec.kind == "dense":
+        return json.dumps(float(value))
+    return str(int(value))
+
+
+def _static_fragment(spec: FeatureSpec, table: np.ndarray | Ragged, i: int) -> str:
+    if isinstance(table, Ragged):
+        v = table.row(i)
+    else:
+        v = table[i]
+        if spec.kind == "dense" and spec.dim == 1:
+            v = v[0]
+    return f'"{spec.name}":{_json_value(spec, v)}'
+
+
+def generate_day(
+    world: _World, day_index: int, day: dt.date, first_event_id: int, first_session_id: int
+):
+    """One day's impression lines (as str), plus the counters for the next day."""
+    cfg, fs = world.cfg, world.features
+    rng = np.random.default_rng([cfg.seed, 1, day_index])
+    sample_lengths = _session_length_sampler(cfg.mean_session_length, cfg.max_session_length)
+    lengths = sample_lengths(rng, int(cfg.samples_per_day / cfg.mean_session_length * 1.5) + 16)
+    n_sessions = int(np.searchsorted(np.cumsum(lengths), cfg.samples_per_day)) + 1
+    lengths = lengths[:n_sessions]
+    users = rng.choice(cfg.users, size=n_sessions, p=world.activity)
+    day_start_ms = int(dt.datetime.combine(day, dt.time(), dt.UTC).timestamp() * 1000)
+    starts = np.sort(rng.integers(0, 86_400_000 - 3_600_000, size=n_sessions))
+    n = int(lengths.sum())
+    session_of_row = np.repeat(np.arange(n_sessions), lengths)
+    row_start = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    position = np.arange(n) - row_start
+    gaps = rng.exponential(20_000.0, size=n).astype(np.int64)
+    ts = day_start_ms + starts[session_of_row] + _within_session_offsets(gaps, lengths)
+    items = rng.choice(cfg.items, size=n, p=world.item_popularity)
+    user_of_row = users[session_of_row]
+    affinity = (world.user_latent[user_of_row] * world.item_latent[items]).sum(1) / np.sqrt(
+        cfg.latent_dim
+    )
+    logit = (
+        cfg.base_ctr_logit
+        + 1.5 * affinity
+        + world.user_bias[user_of_row]
+        + world.item_bias[items]
+        - 0.02 * position
+    )
+    labels = (rng.random(n) < 1.0 / (1.0 + np.exp(-logit))).astype(np.int64)
+
+    user_specs = [s for s in fs.by_side("user") if s.name != fs.user_key]
+    static_user = [s for s in user_specs if (s.side, s.kind) not in HISTORY_SIDE_KINDS]
+    history_spec = next((s for s in user_specs if s.kind == "sequence"), None)
+    item_specs = [s for s in fs.by_side("item") if s.name != fs.item_key]
+    context_specs = fs.by_side("context")
+    context_cols = {}
+    for s in context_specs:
+        if s.name == "position":
+            context_cols[s.name] = position
+        elif s.name == "hour":
+            context_cols[s.name] = (ts // 3_600_000) % 24
+        elif s.kind == "sparse":
+            context_cols[s.name] = rng.integers(0, s.table_size or 1, size=n)
+        else:
+            raise ConfigError(f"synth: context feature {s.name!r} must be sparse")
+
+    user_cache: dict[int, str] = {}
+    item_cache: dict[int, str] = {}
+
+    def user_fragment(u: int) -> str:
+        if u not in user_cache:
+            parts = [f'"{fs.user_key}":{u}'] + [
+                _static_fragment(s, world.user_static[s.name], u) for s in static_user
+            ]
+            user_cache[u] = ",".join(parts)
+        return user_cache[u]
+
+    def item_fragment(i: int) -> str:
+        if i not in item_cache:
+            parts = [f'"{fs.item_key}":{i}'] + [
+                _static_fragment(s, world.item_static[s.name], i) for s in item_specs
+            ]
+            item_cache[i] = ",".join(parts)
+        return item_cache[i]
+
+    lines: list[str] = []
+    ends = np.cumsum(lengths)
+    for s in range(n_sessions):
+        u, lo, hi = int(users[s]), int(ends[s] - lengths[s]), int(ends[s])
+        head = user_fragment(u)
+        if history_spec is not None:
+            hist = world.history[u][-history_spec.max_length :]
+            head += f',"{history_spec.name}":' + json.dumps(hist, separators=(",", ":"))
+        sid = first_session_id + s
+        for r in range(lo, hi):
+            ctx = "".join(f',"{k}":{int(v[r])}' for k, v in context_cols.items())
+            lines.append(
+                f'{{"event_id":{first_event_id + r},"ts":{int(ts[r])},"session_id":{sid},'
+                f'{head},{item_fragment(int(items[r]))}{ctx},"label":{int(labels[r])}}}'
+            )
+        if history_spec is not None:
+            clicked = items[lo:hi][labels[lo:hi] == 1]
+            if clicked.size:
+                world.history[u] = (world.history[u] + clicked.tolist())[-world.history_len :]
+    return lines, first_event_id + n, first_session_id + n_sessions
+
+
+def _within_session_offsets(gaps: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Cumulative gaps restarting at 0 for the first impression of every session."""
+    csum = np.cumsum(gaps)
+    first = np.cumsum(lengths) - lengths
+    base = np.repeat(csum[first], lengths)
+    return csum - base
+
+
+def synthesize(
+    features: FeatureSet,
+    cfg: SynthConfig,
+    out_dir: str | Path,
+    progress: Callable[[str, int], None] | None = None,
+) -> dict[str, float]:
+    """Write `cfg.days` days of logs under `out_dir/ds=YYYY-MM-DD/`; return the figures."""
+    out = Path(out_dir)
+    world = _World(features, cfg)
+    event_id = session_id = 0
+    total_rows = total_bytes = 0
+    for k in range(cfg.days):
+        day = cfg.start_date + dt.timedelta(days=k)
+        lines, event_id, next_session = generate_day(world, k, day, event_id, session_id)
+        sessions = next_session - session_id
+        session_id = next_session
+        part = out / f"ds={day.isoformat()}"
+        part.mkdir(parents=True, exist_ok=True)
+        for old in part.glob("events-*.jsonl.gz"):
+            old.unlink()
+        for f, lo in enumerate(range(0, len(lines), ROWS_PER_FILE)):
+            path = part / f"events-{f:05d}.jsonl.gz"
+            data = ("\n".join(lines[lo : lo + ROWS_PER_FILE]) + "\n").encode("utf-8")
+            # mtime=0: the same seed gives the same bytes.
+            path.write_bytes(gzip.compress(data, compresslevel=1, mtime=0))
+            total_bytes += path.stat().st_size
+        total_rows += len(lines)
+        if progress:
+            progress(f"{day} {len(lines)} impressions in {sessions} sessions", len(lines))
+    return {
+        "synth.rows": total_rows,
+        "synth.days": cfg.days,
+        "synth.sessions": session_id,
+        "synth.bytes_gz": total_bytes,
+        "synth.mean_session_length": total_rows / max(session_id, 1),
+    }

@@ -1,0 +1,254 @@
+"""The warehouse: Hive-style partitions of Parquet tables on any `pyarrow.fs` filesystem.
+
+    <root>/<table>/[<key>=<value>/]ds=YYYY-MM-DD/part-00000.parquet
+                                                 part-00001.parquet
+                                                 _manifest.json      files, rows, bytes, write id
+    <root>/<table>/_staging/…   partitions being written (ignored by Hive discovery: '_' prefix)
+    <root>/<table>/_trash/…     the previous version during a swap
+
+A write goes to a fresh staging directory; on success the live partition is moved to the
+trash, the staging directory is moved into place and the trash is deleted. A failure or a
+crash before the swap leaves the live partition untouched (the staging leftovers are removed
+by the next write); a crash between the two moves is repaired by `recover`, which every
+read and write of that partition runs first. On a local or HDFS filesystem the moves are
+renames, hence atomic; on object stores pyarrow moves by copy, so the swap is not atomic
+there (the manifest still tells a complete partition from a partial one).
+Re-writing a partition replaces it: no duplicates, whatever the number of runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+MANIFEST = "_manifest.json"
+
+
+class PartitionNotFound(FileNotFoundError):
+    pass
+
+
+@dataclass(frozen=True)
+class PartitionInfo:
+    path: str
+    files: list[str]
+    rows: int
+    bytes: int
+
+
+def _validate_ds(ds: str) -> str:
+    try:
+        dt.date.fromisoformat(ds)
+    except ValueError:
+        raise ValueError(f"--ds must be a date YYYY-MM-DD, got {ds!r}") from None
+    return ds
+
+
+class Warehouse:
+    """A warehouse root: a local directory or a filesystem URI (`s3://bucket/prefix`, …)."""
+
+    def __init__(self, uri: str | Path):
+        uri = str(uri)
+        if "://" not in uri:
+            uri = str(Path(uri).resolve())
+        self.uri = uri
+        self.fs, self.root = pafs.FileSystem.from_uri(uri)
+        self.root = self.root.rstrip("/")
+        self.fs.create_dir(self.root, recursive=True)
+
+    # -- paths ------------------------------------------------------------------------------
+    def _rel(self, table: str, ds: str, keys: dict[str, str]) -> str:
+        parts = [table, *(f"{k}={v}" for k, v in keys.items()), f"ds={_validate_ds(ds)}"]
+        return "/".join(parts)
+
+    def partition_path(self, table: str, ds: str, **keys: str) -> str:
+        return f"{self.root}/{self._rel(table, ds, keys)}"
+
+    def _side_dir(self, table: str, kind: str, ds: str, keys: dict[str, str]) -> str:
+        flat = "__".join([*(f"{k}={v}" for k, v in keys.items()), f"ds={ds}"])
+        return f"{self.root}/{table}/{kind}/{flat}"
+
+    def _is_dir(self, path: str) -> bool:
+        return self.fs.get_file_info(path).type == pafs.FileType.Directory
+
+    def _children(self, path: str) -> list[pafs.FileInfo]:
+        if not self._is_dir(path):
+            return []
+        return self.fs.get_file_info(pafs.FileSelector(path, recursive=False))
+
+    # -- recovery ---------------------------------------------------------------------------
+    def recover(self, table: str, ds: str, **keys: str) -> bool:
+        """Restore a partition whose swap was interrupted; True if something was restored."""
+        live = self.partition_path(table, ds, **keys)
+        prefix = self._side_dir(table, "_trash", ds, keys)
+        trash = sorted(
+            (
+                i
+                for i in self._children(f"{self.root}/{table}/_trash")
+                if i.path.startswith(prefix + "-")
+            ),
+            key=lambda i: i.mtime_ns or 0,
+        )
+        if self._is_dir(live) or not trash:
+            for t in trash:
+                self.fs.delete_dir(t.path)
+            return False
+        self.fs.move(trash[-1].path, live)
+        for t in trash[:-1]:
+            self.fs.delete_dir(t.path)
+        return True
+
+    # -- writing ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def writing(self, table: str, ds: str, **keys: str) -> Iterator[PartitionWriter]:
+        """Write a partition atomically: `with wh.writing("events", ds) as w: w.write(t)`."""
+        self.recover(table, ds, **keys)
+        prefix = self._side_dir(table, "_staging", ds, keys)
+        for old in self._children(f"{self.root}/{table}/_staging"):
+            if old.path.startswith(prefix + "-"):
+                self.fs.delete_dir(old.path)
+        write_id = uuid.uuid4().hex[:12]
+        staging = f"{prefix}-{write_id}"
+        self.fs.create_dir(staging, recursive=True)
+        writer = PartitionWriter(self.fs, staging, write_id)
+        try:
+            yield writer
+            writer.close()
+        except BaseException:
+            writer.abort()
+            with contextlib.suppress(OSError):
+                self.fs.delete_dir(staging)
+            raise
+        files, rows, nbytes = writer.totals()
+        self._swap(staging, table, ds, keys, write_id)
+        writer.info = PartitionInfo(self.partition_path(table, ds, **keys), files, rows, nbytes)
+
+    def _swap(self, staging: str, table: str, ds: str, keys: dict[str, str], write_id: str) -> None:
+        live = self.partition_path(table, ds, **keys)
+        self.fs.create_dir(live.rsplit("/", 1)[0], recursive=True)
+        trash = None
+        if self._is_dir(live):
+            trash = f"{self._side_dir(table, '_trash', ds, keys)}-{write_id}"
+            self.fs.create_dir(trash.rsplit("/", 1)[0], recursive=True)
+            self.fs.move(live, trash)
+        self.fs.move(staging, live)
+        if trash:
+            self.fs.delete_dir(trash)
+
+    # -- reading ----------------------------------------------------------------------------
+    def exists(self, table: str, ds: str, **keys: str) -> bool:
+        self.recover(table, ds, **keys)
+        return self._is_dir(self.partition_path(table, ds, **keys))
+
+    def manifest(self, table: str, ds: str, **keys: str) -> dict:
+        if not self.exists(table, ds, **keys):
+            raise PartitionNotFound(
+                f"no partition {self._rel(table, ds, keys)} in warehouse {self.uri}"
+            )
+        path = f"{self.partition_path(table, ds, **keys)}/{MANIFEST}"
+        with self.fs.open_input_stream(path) as f:
+            return json.loads(f.read())
+
+    def files(self, table: str, ds: str, **keys: str) -> list[str]:
+        base = self.partition_path(table, ds, **keys)
+        return [f"{base}/{name}" for name in self.manifest(table, ds, **keys)["files"]]
+
+    def info(self, table: str, ds: str, **keys: str) -> PartitionInfo:
+        m = self.manifest(table, ds, **keys)
+        return PartitionInfo(
+            self.partition_path(table, ds, **keys), m["files"], m["rows"], m["bytes"]
+        )
+
+    def read(self, table: str, ds: str, columns: list[str] | None = None, **keys: str) -> pa.Table:
+        """The partition's rows in write order (file by file, as listed in the manifest)."""
+        parts = [
+            pq.read_table(p, columns=columns, filesystem=self.fs)
+            for p in self.files(table, ds, **keys)
+        ]
+        if not parts:
+            raise PartitionNotFound(f"partition {self._rel(table, ds, keys)} holds no files")
+        return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+
+    def partitions(self, table: str, **keys: str) -> list[str]:
+        """The `ds` values present for a table (and key values), sorted."""
+        base = "/".join([f"{self.root}/{table}", *(f"{k}={v}" for k, v in keys.items())])
+        return sorted(
+            i.base_name[3:] for i in self._children(base) if i.base_name.startswith("ds=")
+        )
+
+
+class PartitionWriter:
+    """Writes Parquet files into a staging directory; the warehouse commits them."""
+
+    def __init__(self, fs: pafs.FileSystem, staging: str, write_id: str):
+        self.fs, self.staging, self.write_id = fs, staging, write_id
+        self._files: list[str] = []
+        self._rows: list[int] = []
+        self._writer: pq.ParquetWriter | None = None
+        self.info: PartitionInfo | None = None
+        self._totals: tuple[list[str], int, int] | None = None
+
+    def write(
+        self, table: pa.Table, *, max_rows_per_file: int = 1 << 40, **parquet_options
+    ) -> None:
+        """Append rows, starting a new file every `max_rows_per_file` rows."""
+        start = 0
+        while start < table.num_rows:
+            if self._writer is None or self._rows[-1] >= max_rows_per_file:
+                self._start_file(table.schema, parquet_options)
+            room = max_rows_per_file - self._rows[-1]
+            chunk = table.slice(start, room)
+            self._writer.write_table(chunk, row_group_size=parquet_options.get("row_group_size"))
+            self._rows[-1] += chunk.num_rows
+            start += chunk.num_rows
+        if table.num_rows == 0 and self._writer is None:
+            self._start_file(table.schema, parquet_options)
+            self._writer.write_table(table)
+
+    def _start_file(self, schema: pa.Schema, options: dict) -> None:
+        self._close_file()
+        name = f"part-{len(self._files):05d}.parquet"
+        opts = {k: v for k, v in options.items() if k != "row_group_size"}
+        self._writer = pq.ParquetWriter(
+            f"{self.staging}/{name}", schema, filesystem=self.fs, **opts
+        )
+        self._files.append(name)
+        self._rows.append(0)
+
+    def _close_file(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def totals(self) -> tuple[list[str], int, int]:
+        if self._totals is not None:
+            return self._totals
+        sizes = [self.fs.get_file_info(f"{self.staging}/{n}").size for n in self._files]
+        return list(self._files), sum(self._rows), int(sum(s or 0 for s in sizes))
+
+    def close(self) -> None:
+        self._close_file()
+        files, rows, nbytes = self._totals = self.totals()
+        manifest = {
+            "write_id": self.write_id,
+            "files": files,
+            "rows": rows,
+            "bytes": nbytes,
+            "rows_per_file": self._rows,
+            "written_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        }
+        with self.fs.open_output_stream(f"{self.staging}/{MANIFEST}") as f:
+            f.write(json.dumps(manifest, indent=1).encode())
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self._close_file()
