@@ -215,7 +215,10 @@ def load_feature_set(name_or_path: str | Path) -> FeatureSet:
     if not path.suffix:
         path = PACKAGE_CONFIGS / f"{name_or_path}.yaml"
     data = load_yaml(path)
-    return parse_config(FeatureSet, data.get("features", data), str(path))
+    # Either a bare feature set (name, features, …) or a file holding one under `features:`.
+    if "name" not in data and isinstance(data.get("features"), dict):
+        data = data["features"]
+    return parse_config(FeatureSet, data, str(path))
 
 
 def load_pipeline_config(

@@ -226,7 +226,8 @@ def read_json_lines(path: Path, schema: pa.Schema) -> tuple[Parsed, Rejects]:
         elif text.startswith(b"{") and text.endswith(b"}"):
             candidate[i] = True
         else:
-            reject([i], [None], ["not a JSON object"])
+            fld, reason = diagnose_json_line(text, schema, "not a JSON object")
+            reject([i], [fld], [reason])
 
     parse_opts = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
     read_opts = pj.ReadOptions(block_size=4 << 20)
@@ -265,6 +266,9 @@ def read_json_lines(path: Path, schema: pa.Schema) -> tuple[Parsed, Rejects]:
     ), rejects
 
 
+_JSON_NAMES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
 def diagnose_json_line(line: bytes, schema: pa.Schema, arrow_msg: str) -> tuple[str | None, str]:
     """Name the field and the problem of one line Arrow refused (runs on bad lines only)."""
 
@@ -278,13 +282,14 @@ def diagnose_json_line(line: bytes, schema: pa.Schema, arrow_msg: str) -> tuple[
     try:
         obj = json.loads(line, object_pairs_hook=pairs_hook)
     except json.JSONDecodeError as e:
-        return None, f"invalid JSON: {e.msg} (column {e.colno})"
+        what = "more than one JSON value on one line" if e.msg == "Extra data" else e.msg
+        return None, f"invalid JSON: {what} (column {e.colno})"
     except ValueError as e:  # duplicate key
         return str(e).split("'")[1], f"invalid JSON: {e}"
     if arrow_msg.startswith("more than one JSON value"):
         return None, "invalid JSON: more than one JSON value on one line"
     if not isinstance(obj, dict):
-        return None, f"not a JSON object (got {type(obj).__name__})"
+        return None, f"not a JSON object (got {_JSON_NAMES.get(type(obj), type(obj).__name__)})"
     for f in schema:
         if f.name not in obj or obj[f.name] is None:
             continue

@@ -1,0 +1,53 @@
+"""Shared fixtures: small synthetic logs generated once per session, fresh warehouses."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from recd_core.config import FeatureSet, load_feature_set, synth_config
+from recd_core.synth import synthesize
+from recd_core.warehouse import Warehouse
+
+DAY = "2026-11-01"
+
+
+@pytest.fixture(scope="session")
+def features() -> FeatureSet:
+    return load_feature_set("synthetic")
+
+
+@pytest.fixture(scope="session")
+def small_logs(tmp_path_factory, features) -> Path:
+    """Two days of the small preset: OUT/ds=2026-11-01, OUT/ds=2026-11-02."""
+    out = tmp_path_factory.mktemp("logs")
+    synthesize(features, synth_config("small", start_date=dt.date.fromisoformat(DAY), days=2), out)
+    return out
+
+
+@pytest.fixture
+def day_logs(small_logs, tmp_path) -> Path:
+    """A private copy of the first day's logs (tests may damage it)."""
+    dst = tmp_path / "logs" / f"ds={DAY}"
+    shutil.copytree(small_logs / f"ds={DAY}", dst)
+    return dst
+
+
+@pytest.fixture
+def warehouse(tmp_path) -> Warehouse:
+    return Warehouse(tmp_path / "warehouse")
+
+
+@pytest.fixture(scope="session")
+def movielens_dir() -> Path:
+    """The real MovieLens-100k files (`make movielens`); `make test` always provides them."""
+    env = os.environ.get("RECD_MOVIELENS_DIR")
+    if not env:
+        pytest.skip("RECD_MOVIELENS_DIR not set: run through `make test` (it fetches MovieLens-100k)")
+    path = Path(env)
+    assert (path / "ml-100k.inter").exists(), f"RECD_MOVIELENS_DIR={path} has no ml-100k.inter: run `make movielens`"
+    return path

@@ -1,0 +1,87 @@
+from pathlib import Path
+
+import pytest
+
+from recd_core.config import (
+    ConfigError,
+    FeatureSpec,
+    load_feature_set,
+    load_pipeline_config,
+    synth_config,
+)
+
+
+def test_builtin_feature_sets_load():
+    synthetic = load_feature_set("synthetic")
+    assert synthetic.user_key == "user_id"
+    assert {f.side for f in synthetic.features} == {"user", "item", "context"}
+    assert synthetic["user_history"].kind == "sequence"
+    movielens = load_feature_set("movielens")
+    assert movielens["item_genres"].max_length == 19
+
+
+def test_pipeline_config_from_yaml_with_named_feature_set(tmp_path: Path):
+    path = tmp_path / "pipe.yaml"
+    path.write_text("features: movielens\ngenerate: {batch_size: 256}\ningest: {max_quarantine_fraction: 0.2}\n")
+    cfg = load_pipeline_config(path)
+    assert cfg.features.name == "movielens"
+    assert cfg.generate.batch_size == 256
+    assert cfg.ingest.max_quarantine_fraction == 0.2
+
+
+def test_bad_config_names_file_and_field(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "features:\n  name: x\n  features:\n"
+        "    - {name: user_id, side: user, kind: sparse, table_size: 10}\n"
+        "    - {name: item_id, side: item, kind: sparse, table_size: 10}\n"
+        "    - {name: tags, side: item, kind: id_list, table_size: -3, max_length: 4}\n"
+        "generate: {batch_sise: 10}\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_pipeline_config(path)
+    msg = str(e.value)
+    assert str(path) in msg
+    assert "features.features.2.table_size" in msg
+    assert "generate.batch_sise" in msg  # unknown keys are errors, not silently ignored
+
+
+def test_invalid_yaml_and_missing_file(tmp_path: Path):
+    bad = tmp_path / "x.yaml"
+    bad.write_text("features: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_pipeline_config(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        load_pipeline_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(
+    "spec, problem",
+    [
+        ({"name": "a", "side": "user", "kind": "sparse"}, "needs `table_size`"),
+        ({"name": "a", "side": "user", "kind": "id_list", "table_size": 5}, "needs `max_length`"),
+        ({"name": "a", "side": "user", "kind": "dense", "table_size": 5}, "dense feature"),
+        ({"name": "a", "side": "user", "kind": "id_list", "table_size": 5, "max_length": 4, "synth_length": [2, 9]}, "synth_length"),
+        ({"name": "Bad-Name", "side": "user", "kind": "dense"}, "pattern"),
+        ({"name": "a", "side": "sideways", "kind": "dense"}, "side"),
+    ],
+)
+def test_feature_spec_rejects_inconsistent_fields(spec, problem):
+    with pytest.raises(ValueError, match=problem):
+        FeatureSpec.model_validate(spec)
+
+
+def test_feature_set_keys_must_exist(tmp_path: Path):
+    path = tmp_path / "fs.yaml"
+    path.write_text("name: x\nuser_key: uid\nfeatures:\n  - {name: item_id, side: item, kind: sparse, table_size: 3}\n")
+    with pytest.raises(ConfigError, match="uid"):
+        load_feature_set(path)
+
+
+def test_synth_presets_and_overrides():
+    assert synth_config("standard").samples_per_day == 200_000
+    assert synth_config("small", users=7).users == 7
+    with pytest.raises(ConfigError, match="unknown preset"):
+        synth_config("huge")
+    with pytest.raises(ConfigError, match="mean_session_length"):
+        synth_config("small", mean_session_length=500.0)

@@ -1,0 +1,78 @@
+import datetime as dt
+import gzip
+import json
+import math
+
+import numpy as np
+
+from recd_core.config import synth_config
+from recd_core.synth import synthesize
+
+
+def _rows(day_dir):
+    rows = []
+    for f in sorted(day_dir.glob("*.jsonl.gz")):
+        rows += [json.loads(line) for line in gzip.decompress(f.read_bytes()).splitlines()]
+    return rows
+
+
+def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path, features):
+    cfg = synth_config("small", users=50, days=1)
+    for name in ("a", "b"):
+        synthesize(features, cfg, tmp_path / name)
+    synthesize(features, synth_config("small", users=50, days=1, seed=1), tmp_path / "c")
+    a, b, c = (sorted((tmp_path / n).rglob("*.gz")) for n in "abc")
+    assert [p.read_bytes() for p in a] == [p.read_bytes() for p in b]
+    assert [p.read_bytes() for p in a] != [p.read_bytes() for p in c]
+
+
+def test_events_are_well_formed_and_sessions_share_user_features(small_logs, features):
+    rows = _rows(small_logs / "ds=2026-11-01")
+    assert 3_500 < len(rows) < 4_500
+    names = {f.name for f in features.features} | {"event_id", "ts", "session_id", "label"}
+    assert all(set(r) == names for r in rows)
+    user_cols = [f.name for f in features.by_side("user")]
+    by_session: dict[int, dict] = {}
+    for r in rows:
+        assert r["label"] in (0, 1)
+        for f in features.features:
+            v = r[f.name]
+            if f.kind == "dense":
+                vals = v if isinstance(v, list) else [v]
+                assert all(isinstance(x, float | int) and math.isfinite(x) for x in vals)
+            else:
+                vals = v if isinstance(v, list) else [v]
+                assert all(isinstance(x, int) and x >= 0 for x in vals)
+                if f.is_list:
+                    assert len(v) <= f.max_length
+        snap = {c: r[c] for c in user_cols}
+        assert by_session.setdefault(r["session_id"], snap) == snap  # identical within a session
+    day = dt.date(2026, 11, 1)
+    lo = dt.datetime.combine(day, dt.time(), dt.UTC).timestamp() * 1000
+    assert all(lo <= r["ts"] < lo + 86_400_000 for r in rows)
+
+
+def test_session_lengths_are_heavy_tailed_with_the_configured_mean(tmp_path, features):
+    cfg = synth_config("small", samples_per_day=20_000, mean_session_length=12.0)
+    stats = synthesize(features, cfg, tmp_path)
+    rows = _rows(tmp_path / "ds=2026-11-01")
+    lengths = np.bincount([r["session_id"] for r in rows])
+    lengths = lengths[lengths > 0]
+    assert abs(lengths.mean() - 12.0) < 1.0
+    assert lengths.max() <= 64 and lengths.max() > 3 * lengths.mean()  # a real tail
+    assert np.median(lengths) < lengths.mean()
+    assert stats["synth.rows"] == len(rows)
+
+
+def test_history_evolves_with_clicks_and_clicks_follow_affinity(small_logs):
+    rows = _rows(small_logs / "ds=2026-11-01") + _rows(small_logs / "ds=2026-11-02")
+    by_user: dict[int, list] = {}
+    for r in rows:
+        by_user.setdefault(r["user_id"], []).append(r)
+    changed = 0
+    for user_rows in by_user.values():
+        histories = {tuple(r["user_history"]) for r in user_rows}
+        changed += len(histories) > 1
+    assert changed > 0.3 * len(by_user)
+    ctr = np.mean([r["label"] for r in rows])
+    assert 0.05 < ctr < 0.5
