@@ -27,7 +27,7 @@ venv: $(STAMP)
 # The main job: one day of the daily pipeline on the embedded default
 # (generated logs, local warehouse under data/).
 run: $(STAMP)
-	$(BIN)/recd run-day --workdir $(DATA)/default
+	$(BIN)/recd run --warehouse $(DATA)/default/warehouse --logs $(DATA)/default/logs --summary $(DATA)/default/summary.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check recd_core tests
@@ -51,7 +51,7 @@ $(MOVIELENS)/ml-100k.inter: | $(BIN)/python
 	@ls $(MOVIELENS)
 
 bench: $(STAMP) movielens
-	$(BIN)/recd bench-data --out build/bench --movielens $(MOVIELENS)
+	$(BIN)/recd bench --preset standard --out build/bench --movielens $(MOVIELENS)
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache

@@ -70,7 +70,8 @@ def print_summary(title: str, summary: dict, skip_prefixes: tuple[str, ...] = ()
     table.add_column(style="cyan")
     table.add_column()
     for key, value in summary.items():
-        if key.startswith(skip_prefixes) or isinstance(value, dict) and key == "layouts":
+        # nested sections (per-layout or per-workload figures) stay in the JSON summary
+        if key.startswith(skip_prefixes) or (isinstance(value, dict) and "." not in key):
             continue
         table.add_row(key, _fmt(key, value))
     Console().print(table)

@@ -6,14 +6,20 @@
     <root>/<table>/_staging/…   partitions being written (ignored by Hive discovery: '_' prefix)
     <root>/<table>/_trash/…     the previous version during a swap
 
-A write goes to a fresh staging directory; on success the live partition is moved to the
-trash, the staging directory is moved into place and the trash is deleted. A failure or a
-crash before the swap leaves the live partition untouched (the staging leftovers are removed
-by the next write); a crash between the two moves is repaired by `recover`, which every
-read and write of that partition runs first. On a local or HDFS filesystem the moves are
-renames, hence atomic; on object stores pyarrow moves by copy, so the swap is not atomic
-there (the manifest still tells a complete partition from a partial one).
-Re-writing a partition replaces it: no duplicates, whatever the number of runs.
+A write goes to a fresh staging directory (files named `part-NNNNN-<write id>.parquet`),
+then is committed:
+
+  local / HDFS   the live partition is renamed to the trash, the staging directory renamed
+                 into place, the trash deleted. Renames are atomic; a crash between the two
+                 is repaired by `recover`, which every read and write of the partition runs.
+  object stores  (no directory rename) the new files are copied server-side into the live
+                 partition, then `_manifest.json` is put: one atomic PUT, the commit point;
+                 then the files the manifest no longer lists are deleted.
+
+Readers go through the manifest, so either protocol shows the old version or the new one,
+never a mix. A failure or crash before the commit leaves the live partition as it was; its
+leftovers are removed by the next write. Re-writing a partition replaces it: no duplicates,
+whatever the number of runs.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ class PartitionInfo:
     bytes: int
 
 
-def _validate_ds(ds: str) -> str:
+def validate_ds(ds: str) -> str:
     try:
         dt.date.fromisoformat(ds)
     except ValueError:
@@ -63,11 +69,12 @@ class Warehouse:
         self.uri = uri
         self.fs, self.root = pafs.FileSystem.from_uri(uri)
         self.root = self.root.rstrip("/")
+        self.renames_atomically = self.fs.type_name in ("local", "hdfs")
         self.fs.create_dir(self.root, recursive=True)
 
     # -- paths ------------------------------------------------------------------------------
     def _rel(self, table: str, ds: str, keys: dict[str, str]) -> str:
-        parts = [table, *(f"{k}={v}" for k, v in keys.items()), f"ds={_validate_ds(ds)}"]
+        parts = [table, *(f"{k}={v}" for k, v in keys.items()), f"ds={validate_ds(ds)}"]
         return "/".join(parts)
 
     def partition_path(self, table: str, ds: str, **keys: str) -> str:
@@ -134,6 +141,9 @@ class Warehouse:
 
     def _swap(self, staging: str, table: str, ds: str, keys: dict[str, str], write_id: str) -> None:
         live = self.partition_path(table, ds, **keys)
+        if not self.renames_atomically:
+            self._commit_by_manifest(staging, live)
+            return
         self.fs.create_dir(live.rsplit("/", 1)[0], recursive=True)
         trash = None
         if self._is_dir(live):
@@ -144,10 +154,24 @@ class Warehouse:
         if trash:
             self.fs.delete_dir(trash)
 
+    def _commit_by_manifest(self, staging: str, live: str) -> None:
+        with self.fs.open_input_stream(f"{staging}/{MANIFEST}") as f:
+            files = json.loads(f.read())["files"]
+        for name in files:
+            self.fs.copy_file(f"{staging}/{name}", f"{live}/{name}")
+        self.fs.copy_file(f"{staging}/{MANIFEST}", f"{live}/{MANIFEST}")  # the commit point
+        keep = {*files, MANIFEST}
+        for old in self._children(live):
+            if old.base_name not in keep:
+                self.fs.delete_file(old.path)
+        self.fs.delete_dir(staging)
+
     # -- reading ----------------------------------------------------------------------------
     def exists(self, table: str, ds: str, **keys: str) -> bool:
+        """A partition exists once committed: its manifest is there."""
         self.recover(table, ds, **keys)
-        return self._is_dir(self.partition_path(table, ds, **keys))
+        manifest = f"{self.partition_path(table, ds, **keys)}/{MANIFEST}"
+        return self.fs.get_file_info(manifest).type == pafs.FileType.File
 
     def manifest(self, table: str, ds: str, **keys: str) -> dict:
         if not self.exists(table, ds, **keys):
@@ -216,7 +240,7 @@ class PartitionWriter:
 
     def _start_file(self, schema: pa.Schema, options: dict) -> None:
         self._close_file()
-        name = f"part-{len(self._files):05d}.parquet"
+        name = f"part-{len(self._files):05d}-{self.write_id}.parquet"
         opts = {k: v for k, v in options.items() if k != "row_group_size"}
         self._writer = pq.ParquetWriter(
             f"{self.staging}/{name}", schema, filesystem=self.fs, **opts

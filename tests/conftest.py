@@ -47,7 +47,11 @@ def movielens_dir() -> Path:
     """The real MovieLens-100k files (`make movielens`); `make test` always provides them."""
     env = os.environ.get("RECD_MOVIELENS_DIR")
     if not env:
-        pytest.skip("RECD_MOVIELENS_DIR not set: run through `make test` (it fetches MovieLens-100k)")
+        pytest.skip(
+            "RECD_MOVIELENS_DIR not set: run through `make test` (it fetches MovieLens-100k)"
+        )
     path = Path(env)
-    assert (path / "ml-100k.inter").exists(), f"RECD_MOVIELENS_DIR={path} has no ml-100k.inter: run `make movielens`"
+    assert (path / "ml-100k.inter").exists(), (
+        f"RECD_MOVIELENS_DIR={path} has no ml-100k.inter: run `make movielens`"
+    )
     return path

@@ -22,7 +22,9 @@ def test_builtin_feature_sets_load():
 
 def test_pipeline_config_from_yaml_with_named_feature_set(tmp_path: Path):
     path = tmp_path / "pipe.yaml"
-    path.write_text("features: movielens\ngenerate: {batch_size: 256}\ningest: {max_quarantine_fraction: 0.2}\n")
+    path.write_text(
+        "features: movielens\ngenerate: {batch_size: 256}\ningest: {max_quarantine_fraction: 0.2}\n"
+    )
     cfg = load_pipeline_config(path)
     assert cfg.features.name == "movielens"
     assert cfg.generate.batch_size == 256
@@ -61,7 +63,17 @@ def test_invalid_yaml_and_missing_file(tmp_path: Path):
         ({"name": "a", "side": "user", "kind": "sparse"}, "needs `table_size`"),
         ({"name": "a", "side": "user", "kind": "id_list", "table_size": 5}, "needs `max_length`"),
         ({"name": "a", "side": "user", "kind": "dense", "table_size": 5}, "dense feature"),
-        ({"name": "a", "side": "user", "kind": "id_list", "table_size": 5, "max_length": 4, "synth_length": [2, 9]}, "synth_length"),
+        (
+            {
+                "name": "a",
+                "side": "user",
+                "kind": "id_list",
+                "table_size": 5,
+                "max_length": 4,
+                "synth_length": [2, 9],
+            },
+            "synth_length",
+        ),
         ({"name": "Bad-Name", "side": "user", "kind": "dense"}, "pattern"),
         ({"name": "a", "side": "sideways", "kind": "dense"}, "side"),
     ],
@@ -73,7 +85,9 @@ def test_feature_spec_rejects_inconsistent_fields(spec, problem):
 
 def test_feature_set_keys_must_exist(tmp_path: Path):
     path = tmp_path / "fs.yaml"
-    path.write_text("name: x\nuser_key: uid\nfeatures:\n  - {name: item_id, side: item, kind: sparse, table_size: 3}\n")
+    path.write_text(
+        "name: x\nuser_key: uid\nfeatures:\n  - {name: item_id, side: item, kind: sparse, table_size: 3}\n"
+    )
     with pytest.raises(ConfigError, match="uid"):
         load_feature_set(path)
 

@@ -48,7 +48,11 @@ def damaged_cases(clean: list[bytes]):
         (_mutate(next(c), ts=-1), "ts", "negative value -1"),
         (_mutate(next(c), item_id=KeyError), "item_id", "missing required field 'item_id'"),
         (_mutate(next(c), session_id=None), "session_id", "missing required field"),
-        (_mutate(next(c), user_history=list(range(129))), "user_history", "length 129 exceeds max_length 128"),
+        (
+            _mutate(next(c), user_history=list(range(129))),
+            "user_history",
+            "length 129 exceeds max_length 128",
+        ),
         (_mutate(next(c), item_tags=[1, None]), "item_tags", "null list element"),
         (_mutate(next(c), item_dense=[1.0, 2.0]), "item_dense", "expected 4 values, got 2"),
         (_mutate(next(c), user_id=2**70), "user_id", "out of range"),
@@ -63,7 +67,9 @@ def damaged_cases(clean: list[bytes]):
     ], list(c)
 
 
-def test_every_damaged_line_quarantined_with_reason_and_every_clean_line_accepted(day_logs, warehouse, features):
+def test_every_damaged_line_quarantined_with_reason_and_every_clean_line_accepted(
+    day_logs, warehouse, features
+):
     clean_all = _clean_lines(day_logs, 400)
     cases, clean = damaged_cases(clean_all)
     dup = clean[5]  # redelivered event: the second copy is quarantined
@@ -91,7 +97,9 @@ def test_every_damaged_line_quarantined_with_reason_and_every_clean_line_accepte
         assert row["raw"] == raw, "the rejected bytes are kept exactly"
         assert row["source"] == str(src)
     events = warehouse.read("events", DAY)
-    assert sorted(events["event_id"].to_pylist()) == sorted(json.loads(x)["event_id"] for x in clean)
+    assert sorted(events["event_id"].to_pylist()) == sorted(
+        json.loads(x)["event_id"] for x in clean
+    )
 
 
 def test_truncated_gzip_keeps_readable_rows_and_reports_the_cut(day_logs, warehouse, features):
@@ -115,11 +123,17 @@ def test_quarantine_over_the_limit_does_not_publish_events(day_logs, warehouse, 
     src.write_bytes(b"\n".join(bad))
     with pytest.raises(QuarantineExceeded, match=r"10 of 100 rows \(10.0%\) quarantined"):
         ingest(src, warehouse, DAY, features, IngestConfig(max_quarantine_fraction=0.05))
-    assert warehouse.read("quarantine", DAY).num_rows == 10, "the quarantine is written for inspection"
-    assert warehouse.read("events", DAY).equals(before), "the previous events partition is untouched"
+    assert warehouse.read("quarantine", DAY).num_rows == 10, (
+        "the quarantine is written for inspection"
+    )
+    assert warehouse.read("events", DAY).equals(before), (
+        "the previous events partition is untouched"
+    )
 
 
-def test_parquet_source_matches_json_and_mistyped_columns_are_quarantined(day_logs, warehouse, features, tmp_path):
+def test_parquet_source_matches_json_and_mistyped_columns_are_quarantined(
+    day_logs, warehouse, features, tmp_path
+):
     s_json = ingest(day_logs, warehouse, DAY, features, IngestConfig())
     from_json = warehouse.read("events", DAY)
     pq.write_table(from_json, tmp_path / "events.parquet")
@@ -141,9 +155,17 @@ def test_parquet_source_matches_json_and_mistyped_columns_are_quarantined(day_lo
 
     narrow = from_json.slice(0, 20).drop_columns(["item_id"])
     pq.write_table(narrow, tmp_path / "narrow.parquet")
-    s = ingest(tmp_path / "narrow.parquet", warehouse, DAY, features, IngestConfig(max_quarantine_fraction=1))
+    s = ingest(
+        tmp_path / "narrow.parquet",
+        warehouse,
+        DAY,
+        features,
+        IngestConfig(max_quarantine_fraction=1),
+    )
     assert s["ingest.rows_quarantined"] == 20
-    assert set(warehouse.read("quarantine", DAY)["reason"].to_pylist()) == {"missing required field 'item_id'"}
+    assert set(warehouse.read("quarantine", DAY)["reason"].to_pylist()) == {
+        "missing required field 'item_id'"
+    }
 
 
 def test_missing_and_unreadable_sources_fail_with_one_line(tmp_path, warehouse, features):

@@ -1,0 +1,172 @@
+"""End to end through the `recd` console script on the small preset."""
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RECD = Path(sys.executable).parent / "recd"  # the console script installed beside python
+DAY = "2026-11-01"
+
+
+def recd(*args, check=True):
+    assert RECD.exists(), "the recd console script is installed"
+    r = subprocess.run([RECD, *map(str, args)], capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise AssertionError(
+            f"recd {' '.join(map(str, args))} failed ({r.returncode}):\n{r.stderr}"
+        )
+    return r
+
+
+@pytest.mark.slow
+def test_synth_ingest_generate_with_contract_summaries(tmp_path: Path):
+    logs, wh = tmp_path / "logs", tmp_path / "wh"
+    recd(
+        "synth",
+        "--out",
+        logs,
+        "--preset",
+        "small",
+        "--start-date",
+        DAY,
+        "--days",
+        "2",
+        "--seed",
+        "3",
+        "--summary",
+        tmp_path / "synth.json",
+    )
+    assert sorted(p.name for p in logs.iterdir()) == ["ds=2026-11-01", "ds=2026-11-02"]
+    r = recd(
+        "ingest",
+        "--source",
+        logs / f"ds={DAY}",
+        "--warehouse",
+        wh,
+        "--ds",
+        DAY,
+        "--summary",
+        tmp_path / "ingest.json",
+    )
+    assert "ingest.rows_ok" in r.stdout  # a readable summary
+    ing = json.loads((tmp_path / "ingest.json").read_text())
+    assert ing["status"] == "ok"
+    assert ing["ingest.rows_in"] == ing["ingest.rows_ok"] + ing["ingest.rows_quarantined"] > 3000
+    assert ing["ingest.rows_per_s"] > 0
+    recd(
+        "generate",
+        "--warehouse",
+        wh,
+        "--ds",
+        DAY,
+        "--layout",
+        "both",
+        "--batch-size",
+        "512",
+        "--summary",
+        tmp_path / "gen.json",
+    )
+    gen = json.loads((tmp_path / "gen.json").read_text())
+    for key in (
+        "storage.bytes",
+        "storage.rows",
+        "storage.bytes_per_sample",
+        "storage.sessions",
+        "dedup.factor.mean",
+        "dedup.factor.user_history",
+        "storage.lower_bound_bytes",
+        "storage.ratio",
+    ):
+        assert key in gen, key
+    assert gen["storage.rows"] == ing["ingest.rows_ok"]
+    assert gen["storage.ratio"] > 1.5
+    assert (wh / "samples" / "layout=clustered" / f"ds={DAY}" / "_manifest.json").exists()
+    assert (wh / "samples" / "layout=shuffled" / f"ds={DAY}" / "_manifest.json").exists()
+
+
+@pytest.mark.slow
+def test_run_is_idempotent_for_a_day(tmp_path: Path):
+    args = ("run", "--warehouse", tmp_path / "wh", "--logs", tmp_path / "logs", "--ds", DAY)
+    recd(*args, "--summary", tmp_path / "a.json")
+    first = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "wh").rglob("*.parquet")}
+    recd(*args, "--summary", tmp_path / "b.json")
+    a, b = (json.loads((tmp_path / n).read_text()) for n in ("a.json", "b.json"))
+    assert b["synth.skipped"] is True, "the day's logs are reused"
+    for key in ("ingest.rows_ok", "storage.rows", "storage.bytes", "storage.ratio"):
+        assert a[key] == b[key], key
+    second = list((tmp_path / "wh").rglob("*.parquet"))
+    assert len(second) == len(first), "same partitions, no duplicates"
+    tables = sorted(str(p.parent.relative_to(tmp_path / "wh")) for p in second)
+    assert tables == sorted(
+        [
+            "events/ds=2026-11-01",
+            "quarantine/ds=2026-11-01",
+            "samples/layout=clustered/ds=2026-11-01",
+            "samples/layout=shuffled/ds=2026-11-01",
+        ]
+    )
+
+
+def test_quarantine_gate_exits_nonzero_with_one_line(tmp_path: Path, day_logs):
+    src = tmp_path / "bad.jsonl"
+    lines = gzip.decompress(next(iter(sorted(day_logs.glob("*.gz")))).read_bytes()).splitlines()[
+        :50
+    ]
+    src.write_bytes(b"\n".join([b"{broken"] * 10 + lines))
+    r = recd(
+        "ingest",
+        "--source",
+        src,
+        "--warehouse",
+        tmp_path / "wh",
+        "--ds",
+        DAY,
+        "--summary",
+        tmp_path / "s.json",
+        check=False,
+    )
+    assert r.returncode == 3
+    assert r.stderr.count("\n") == 1 and "not published" in r.stderr
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert (
+        s["status"] == "failed"
+        and s["ingest.rows_quarantined"] == 10
+        and s["ingest.published"] is False
+    )
+    assert not (tmp_path / "wh" / "events" / f"ds={DAY}").exists()
+    assert (tmp_path / "wh" / "quarantine" / f"ds={DAY}" / "_manifest.json").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("generate", "--warehouse", "{tmp}/wh", "--ds", DAY), "no partition events/ds=2026-11-01"),
+        (
+            ("ingest", "--source", "{tmp}", "--warehouse", "{tmp}/wh", "--ds", "2026-13-01"),
+            "YYYY-MM-DD",
+        ),
+        (("synth", "--out", "{tmp}/x", "--start-date", "tomorrow"), "--start-date"),
+        (
+            (
+                "ingest",
+                "--source",
+                "{tmp}",
+                "--warehouse",
+                "{tmp}/wh",
+                "--ds",
+                DAY,
+                "--config",
+                "{tmp}/none.yaml",
+            ),
+            "config file not found",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args, message):
+    r = recd(*(a.format(tmp=tmp_path) for a in args), check=False)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and message in r.stderr, r.stderr

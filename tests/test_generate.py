@@ -1,0 +1,116 @@
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from recd_core.config import GenerateConfig, IngestConfig
+from recd_core.datagen import generate, session_clustered_order
+from recd_core.dedup import batch_factors, row_hashes
+from recd_core.ingest import ingest
+
+DAY = "2026-11-01"
+
+
+@pytest.fixture
+def generated(day_logs, warehouse, features):
+    ingest(day_logs, warehouse, DAY, features, IngestConfig())
+    summary = generate(
+        warehouse, DAY, GenerateConfig(batch_size=512), layouts=("clustered", "shuffled")
+    )
+    return warehouse, summary
+
+
+def test_clustered_layout_keeps_sessions_contiguous_ordered_by_user_then_time(generated):
+    wh, _ = generated
+    t = wh.read("samples", DAY, layout="clustered")
+    sid = np.asarray(t["session_id"])
+    starts = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]])
+    assert len(starts) == len(np.unique(sid)), "each session is one contiguous run"
+    users = np.asarray(t["user_id"])[starts]
+    ts = np.asarray(t["ts"])
+    assert (np.diff(users) >= 0).all(), "sessions ordered by user"
+    same_user = np.diff(users) == 0
+    assert (np.diff(ts[starts])[same_user] >= 0).all(), "then by session start"
+    run_ts = np.split(ts, starts[1:])
+    assert all((np.diff(r) >= 0).all() for r in run_ts), "then by time within the session"
+
+
+def test_both_layouts_hold_the_same_samples(generated):
+    wh, _ = generated
+    c = wh.read("samples", DAY, layout="clustered").sort_by("event_id")
+    s = wh.read("samples", DAY, layout="shuffled")
+    assert not s["event_id"].equals(c["event_id"]), "shuffled is not in clustered order"
+    assert s.sort_by("event_id").equals(c)
+    assert c.equals(wh.read("events", DAY).sort_by("event_id"))
+
+
+def test_summary_reports_storage_dedup_and_lower_bound(generated, features):
+    _, s = generated
+    for key in (
+        "storage.bytes",
+        "storage.rows",
+        "storage.bytes_per_sample",
+        "storage.sessions",
+        "dedup.factor.mean",
+    ):
+        assert key in s
+    for f in features.features:
+        assert f"dedup.factor.{f.name}" in s
+    clustered, shuffled = s["layouts"]["clustered"], s["layouts"]["shuffled"]
+    assert s["storage.ratio"] == pytest.approx(
+        shuffled["storage.bytes"] / clustered["storage.bytes"]
+    )
+    assert s["storage.ratio"] > 1.5
+    assert clustered["storage.bytes"] <= 1.15 * clustered["storage.lower_bound_bytes"]
+    # user-side features repeat within a session: clustered batches are full of duplicates
+    assert clustered["dedup.factor.user_history"] > 8
+    assert clustered["dedup.factor.user_history"] > 4 * shuffled["dedup.factor.user_history"]
+    # item-side features do not care about the layout
+    assert clustered["dedup.factor.item_id"] == pytest.approx(
+        shuffled["dedup.factor.item_id"], rel=0.25
+    )
+
+
+def test_regenerating_is_idempotent(generated):
+    wh, first = generated
+    before = wh.read("samples", DAY, layout="shuffled")
+    again = generate(wh, DAY, GenerateConfig(batch_size=512), layouts=("shuffled",))
+    assert wh.read("samples", DAY, layout="shuffled").equals(before)
+    assert again["storage.rows"] == first["layouts"]["shuffled"]["storage.rows"]
+
+
+def test_row_groups_and_files_follow_config(day_logs, warehouse, features):
+    import pyarrow.parquet as pq
+
+    ingest(day_logs, warehouse, DAY, features, IngestConfig())
+    generate(warehouse, DAY, GenerateConfig(row_group_size=500, max_rows_per_file=1500))
+    files = warehouse.files("samples", DAY, layout="clustered")
+    assert len(files) == int(
+        np.ceil(warehouse.info("samples", DAY, layout="clustered").rows / 1500)
+    )
+    meta = pq.ParquetFile(files[0]).metadata
+    assert meta.num_row_groups == 3
+    assert meta.row_group(0).column(0).compression == "ZSTD"
+
+
+def test_dedup_factor_by_hand():
+    col = pa.array([[1, 2], [1, 2], [2, 1], [], [], None, [1, 2], [3]])
+    h = row_hashes(col)
+    assert h[0] == h[1] == h[6] and h[0] != h[2] and h[3] == h[4] and h[5] != h[3]
+    assert batch_factors(h, 4).tolist() == [4 / 3, 4 / 4]
+    ints = pa.array([5, 5, 5, 7])
+    assert batch_factors(row_hashes(ints), 2).tolist() == [2.0, 1.0]
+    floats = pa.array([0.5, 0.5, -0.5], pa.float32())
+    assert batch_factors(row_hashes(floats), 3).tolist() == [1.5]
+
+
+def test_session_order_tolerates_interleaved_input():
+    t = pa.table(
+        {
+            "event_id": [1, 2, 3, 4, 5],
+            "ts": [50, 10, 60, 20, 5],
+            "session_id": [7, 8, 7, 8, 9],
+            "user_id": [1, 1, 1, 1, 0],
+        }
+    )
+    order = session_clustered_order(t, "user_id")
+    assert t.take(pa.array(order))["event_id"].to_pylist() == [5, 2, 4, 1, 3]

@@ -1,0 +1,141 @@
+"""MovieLens ingestion: the three file layouts, session and history semantics, bad lines."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from recd_core.config import GenerateConfig, IngestConfig, load_feature_set
+from recd_core.datagen import generate
+from recd_core.ingest import ingest
+from recd_core.sources import SourceError
+
+DAY = "2026-10-01"
+GAP = 30 * 60
+
+
+@pytest.fixture(scope="module")
+def ml_features():
+    return load_feature_set("movielens")
+
+
+def write_ml100k(d, ratings):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "u.data").write_text("".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in ratings))
+    (d / "u.user").write_text("1|24|M|technician|85711\n2|53|F|other|94043\n3|23|M|writer|T8H1N\n")
+    flags = lambda *on: "|".join("1" if g in on else "0" for g in range(19))  # noqa: E731
+    items = [
+        f"10|Toy Story (1995)|01-Jan-1995||http://x|{flags(3, 4, 5)}",
+        f"20|Cr\xe8me Br\xfbl\xe9e (1996)|01-Jan-1996||http://x|{flags(8)}",
+        f"30|Heat (1995)|01-Jan-1995||http://x|{flags(1, 6, 16)}",
+    ]
+    (d / "u.item").write_bytes(("\n".join(items) + "\n").encode("latin-1"))
+    return d
+
+
+RATINGS = [
+    # user 1: two sessions (gap of 2 hours), ratings out of order in the file
+    (1, 20, 5, 1000 + 60),
+    (1, 10, 3, 1000),
+    (1, 30, 4, 1000 + 7200),
+    # user 2: one session
+    (2, 10, 4, 500),
+    (2, 30, 1, 500 + GAP - 1),
+]
+
+
+def test_ml100k_sessions_history_and_labels(tmp_path, warehouse, ml_features):
+    src = write_ml100k(tmp_path / "ml", RATINGS)
+    s = ingest(src, warehouse, DAY, ml_features, IngestConfig(format="movielens"))
+    assert s["ingest.rows_ok"] == 5 and s["ingest.rows_quarantined"] == 0
+    t = (
+        warehouse.read("events", DAY)
+        .sort_by([("user_id", "ascending"), ("ts", "ascending")])
+        .to_pylist()
+    )
+    u1 = [r for r in t if r["user_id"] == 1]
+    assert [r["item_id"] for r in u1] == [10, 20, 30]
+    assert u1[0]["session_id"] == u1[1]["session_id"] != u1[2]["session_id"]
+    assert [r["user_history"] for r in u1] == [[], [], [10, 20]], (
+        "history = items before the session"
+    )
+    assert [r["position"] for r in u1] == [0, 1, 0]
+    assert [r["label"] for r in u1] == [0, 1, 1], "label = rating >= 4"
+    assert u1[0]["ts"] == 1000 * 1000
+    u2 = [r for r in t if r["user_id"] == 2]
+    assert u2[0]["session_id"] == u2[1]["session_id"], "a gap under 30 minutes keeps the session"
+    assert u2[0]["user_gender"] == 1 and u2[0]["user_age"] == 53
+    assert u1[0]["item_genres"] == [3, 4, 5] and u1[0]["item_year"] == 95
+    assert {r["event_id"] for r in t} == {1, 2, 3, 4, 5}, "event_id = the rating's line"
+
+
+def test_bad_rating_lines_are_quarantined_with_line_numbers(tmp_path, warehouse, ml_features):
+    src = write_ml100k(tmp_path / "ml", RATINGS)
+    with open(src / "u.data", "a") as f:
+        f.write("1\t10\t9\t1234\n")  # rating out of range: line 6
+        f.write("1\tten\t3\t1234\n")  # not a number: line 7
+        f.write("1\t10\t3\n")  # a field short: line 8
+        f.write("7\t10\t3\t1234\n")  # unknown user: line 9
+        f.write("1\t99\t3\t1234\n")  # unknown movie: line 10
+    s = ingest(
+        src,
+        warehouse,
+        DAY,
+        ml_features,
+        IngestConfig(format="movielens", max_quarantine_fraction=1),
+    )
+    assert s["ingest.rows_in"] == 10 and s["ingest.rows_ok"] == 5
+    q = {
+        r["line"]: (r["field"], r["reason"]) for r in warehouse.read("quarantine", DAY).to_pylist()
+    }
+    assert q[6] == ("rating", "field 'rating': must be within 1..5")
+    assert q[7][0] == "item_id" and "ten" in q[7][1]
+    assert q[8][0] is None and "expected 4 fields" in q[8][1]
+    assert q[9] == ("user_id", "field 'user_id': user not in u.user")
+    assert q[10] == ("item_id", "field 'item_id': movie not in u.item")
+
+
+def test_ml1m_dat_files_in_latin1(tmp_path, warehouse, ml_features):
+    d = tmp_path / "ml-1m"
+    d.mkdir()
+    (d / "ratings.dat").write_text(
+        "1::1193::5::978300760\n1::661::3::978302109\n2::1193::2::978298413\n"
+    )
+    (d / "users.dat").write_text("1::F::1::10::48067\n2::M::56::16::70072\n")
+    movies = "1193::One Flew Over the Cuckoo's Nest (1975)::Drama\n661::Caf\xe9 (1996)::Animation|Children's|Musical\n"
+    (d / "movies.dat").write_bytes(movies.encode("latin-1"))
+    s = ingest(d, warehouse, DAY, ml_features, IngestConfig(format="movielens"))
+    assert s["ingest.rows_ok"] == 3
+    t = warehouse.read("events", DAY).to_pylist()
+    cafe = next(r for r in t if r["item_id"] == 661)
+    assert cafe["item_genres"] == [3, 4, 12] and cafe["item_year"] == 96
+    assert cafe["user_gender"] == 1  # F
+
+
+def test_damaged_side_file_names_file_and_line(tmp_path, warehouse, ml_features):
+    src = write_ml100k(tmp_path / "ml", RATINGS)
+    with open(src / "u.user", "a") as f:
+        f.write("4|forty|M|writer|12345\n")
+    with pytest.raises(SourceError, match=r"u.user:4: field 'age'"):
+        ingest(src, warehouse, DAY, ml_features, IngestConfig(format="movielens"))
+    write_ml100k(src, RATINGS)  # repaired
+    (src / "u.item").unlink()
+    with pytest.raises(SourceError, match="MovieLens file missing"):
+        ingest(src, warehouse, DAY, ml_features, IngestConfig(format="movielens"))
+
+
+def test_real_movielens_100k_storage_and_dedup(movielens_dir, warehouse, ml_features):
+    """The real data set (RecBole's ml-100k files, fetched by `make movielens`)."""
+    s = ingest(movielens_dir, warehouse, DAY, ml_features, IngestConfig(format="movielens"))
+    assert s["ingest.rows_in"] == 100_000 and s["ingest.rows_quarantined"] == 0
+    t = warehouse.read("events", DAY)
+    assert len(t["user_id"].unique()) == 943 and len(t["item_id"].unique()) == 1682
+    ctr = np.mean(np.asarray(t["label"]))
+    assert 0.5 < ctr < 0.6  # ml-100k: 55% of ratings are 4 or 5
+    hist_len = pa.compute.list_value_length(t["user_history"]).to_numpy()
+    assert hist_len.max() == 128 and (hist_len == 0).sum() < t.num_rows
+
+    g = generate(warehouse, DAY, GenerateConfig(), layouts=("clustered", "shuffled"))
+    clustered = g["layouts"]["clustered"]
+    assert g["storage.ratio"] > 2.0
+    assert clustered["storage.bytes"] <= 1.15 * clustered["storage.lower_bound_bytes"]
+    assert clustered["dedup.factor.user_history"] > 20
