@@ -103,6 +103,6 @@ def markdown(r: dict) -> str:
     rows.append("")
     rows.append(
         f"Ingestion ({r['bench.preset']}): {r['bench.ingest_rows_per_s']:,.0f} rows/s, "
-        f"{r['bench.ingest_mb_per_s']:.1f} MB/s of gzipped JSON lines, on {r['bench.machine']}."
+        f"{r['bench.ingest_mb_per_s']:.1f} MB/s of gzipped input, on {r['bench.machine']}."
     )
     return "\n".join(rows) + "\n"
