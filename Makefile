@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-EXTRAS ?= dev,tracking
+EXTRAS ?= dev,tracking,torchrec
 # torch first and pinned: the CPU wheel is on disk; an unpinned torch pulls a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 DATA := data
@@ -20,6 +20,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH_PIN)
 	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	$(BIN)/pip install -q --no-deps torchrec==1.8.0
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -41,7 +41,23 @@ def _storage(wh: Warehouse, ds: str, cfg: GenerateConfig) -> dict:
     }
 
 
-def run_bench(preset: str, out: Path, movielens: Path | None = None) -> dict:
+def _train_figures(wh: Warehouse, ds: str, out: Path, repeats: int = 7) -> dict:
+    import torch
+
+    from recd_core.bench_train import bench_embeddings, bench_train, peak_memory
+    from recd_core.train import TrainConfig
+
+    table = wh.read("samples", ds, layout="clustered")
+    cfg = TrainConfig()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    figures = bench_train(table, cfg, repeats=repeats, device=device)
+    figures.update(peak_memory(table, cfg, str(out), device=device))
+    figures.update(bench_embeddings(table, cfg, repeats=repeats))
+    figures["train.model"] = cfg.model.model_dump()
+    return figures
+
+
+def run_bench(preset: str, out: Path, movielens: Path | None = None, train: bool = True) -> dict:
     out = Path(out)
     if (out / "warehouse").exists():
         shutil.rmtree(out / "warehouse")
@@ -68,6 +84,8 @@ def run_bench(preset: str, out: Path, movielens: Path | None = None) -> dict:
             "ingest_seconds": ing["ingest.seconds"],
         },
     }
+    if train:
+        result.update(_train_figures(wh, DS, out))
     if movielens is not None:
         ml_features = load_feature_set("movielens")
         ml_ing = ingest(
@@ -105,4 +123,28 @@ def markdown(r: dict) -> str:
         f"Ingestion ({r['bench.preset']}): {r['bench.ingest_rows_per_s']:,.0f} rows/s, "
         f"{r['bench.ingest_mb_per_s']:.1f} MB/s of gzipped input, on {r['bench.machine']}."
     )
+    if "bench.train_speedup" in r:
+        rows += [
+            "",
+            "| training (B=%d, %s) | dedup | baseline | ratio |"
+            % (r["train.batch_size"], r["train.device"]),
+            "|---|---|---|---|",
+        ]
+        rows.append(
+            f"| step time | {r['train.step_ms.dedup']:.0f} ms | {r['train.step_ms.baseline']:.0f} ms | "
+            f"**{r['bench.train_speedup']:.2f}x** (bound {r['bench.train_speedup_bound']:.2f}x, "
+            f"{r['bench.train_speedup_of_bound']:.0%} of it) |"
+        )
+        rows.append(
+            f"| samples/s | {r['train.samples_per_s.dedup']:,.0f} | {r['train.samples_per_s.baseline']:,.0f} | |"
+        )
+        if "train.peak_mem_bytes.dedup" in r:
+            rows.append(
+                f"| peak memory | {human_bytes(r['train.peak_mem_bytes.dedup'])} | "
+                f"{human_bytes(r['train.peak_mem_bytes.baseline'])} | |"
+            )
+    if "embedding.step_ms.ours_dedup" in r:
+        rows += ["", "| embedding bags only (fwd+bwd+sparse Adagrad) | step |", "|---|---|"]
+        for k in ("torchrec_kjt", "torchrec_vbe", "ours_all_rows", "ours_dedup"):
+            rows.append(f"| {k} | {r['embedding.step_ms.' + k]:.1f} ms |")
     return "\n".join(rows) + "\n"

@@ -181,6 +181,62 @@ def generate_cmd(
     _run("generate", summary, body)
 
 
+class Mode(StrEnum):
+    dedup = "dedup"
+    baseline = "baseline"
+
+
+class DeviceChoice(StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+@app.command("train")
+def train_cmd(
+    warehouse: WarehouseOpt,
+    ds: DsOpt,
+    mode: Mode = Mode.dedup,
+    device: DeviceChoice = DeviceChoice.auto,
+    nproc: Annotated[
+        int, typer.Option(min=1, help="data-parallel processes (gloo on CPU, nccl on GPU)")
+    ] = 1,
+    batch_size: Annotated[int | None, typer.Option(min=1)] = None,
+    epochs: Annotated[int | None, typer.Option(min=1)] = None,
+    max_steps: Annotated[int | None, typer.Option(min=1)] = None,
+    checkpoint_every: Annotated[int | None, typer.Option(min=1)] = None,
+    amp: Annotated[bool, typer.Option(help="bf16 autocast on CUDA")] = False,
+    train_config: Annotated[
+        Path | None, typer.Option(help="TrainConfig YAML (model, optimizer, dedup plan)")
+    ] = None,
+    summary: SummaryOpt = None,
+):
+    """Train the DLRM on samples/layout=clustered/ds=D, dedup (IKJT) or baseline (KJT);
+    resumes from the run's latest checkpoint."""
+    from recd_core.config import load_yaml, parse_config
+    from recd_core.train import CheckpointError, TrainConfig, train
+
+    def body():
+        base = (
+            parse_config(TrainConfig, load_yaml(train_config), str(train_config))
+            if train_config
+            else TrainConfig()
+        )
+        overrides = {
+            "mode": mode.value, "device": device.value, "amp": amp, "batch_size": batch_size,
+            "epochs": epochs, "max_steps": max_steps, "checkpoint_every": checkpoint_every,
+        }  # fmt: skip
+        cfg = TrainConfig(
+            **{**base.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
+        )
+        try:
+            return train(Warehouse(warehouse), ds, cfg, nproc=nproc)
+        except CheckpointError as e:
+            raise BadInput(str(e)) from None
+
+    _run("train", summary, body)
+
+
 @app.command("run")
 def run_cmd(
     warehouse: WarehouseOpt = "data/default/warehouse",

@@ -125,6 +125,11 @@ class SynthConfig(_Strict):
     mean_session_length: float = Field(default=12.0, ge=1.0)
     max_session_length: int = Field(default=64, ge=1)
     latent_dim: int = Field(default=8, gt=0)
+    topics: int = Field(default=16, gt=0)
+    targeted_share: float = Field(
+        default=0.4, ge=0.0, le=1.0
+    )  # impressions aimed at the user's topic
+    topic_effect: float = 2.0  # click logit added when user and item topics match
     item_zipf: float = Field(default=1.1, gt=1.0)
     base_ctr_logit: float = -2.0
     seed: int = 0

@@ -3,8 +3,13 @@
 Users open sessions; a session shows several items (heavy-tailed count, mean
 `mean_session_length`, capped). User-side features are snapshotted at session start, so
 every impression of a session repeats them; the user history is the user's recent clicks,
-so it changes between sessions of the same user. Clicks come from a latent user-item
-affinity plus item/user bias and noise, so a model can learn them.
+so it changes between sessions of the same user.
+
+Clicks are learnable from the features, as in real logs: users and items belong to one of
+`topics` topics; a user's id lists and an item's categoricals lean towards their topic's
+share of the id space, a fraction of impressions is targeted at the user's topic, and a
+topic match raises the click probability. On top come a latent user-item affinity (carried
+by the dense features), user and item biases, a position effect and Bernoulli noise.
 
 The generator is generic over a `FeatureSet` by (side, kind):
 
@@ -48,17 +53,37 @@ class Ragged:
         return self.values[self.offsets[i] : self.offsets[i + 1]]
 
 
+TOPIC_LEAN = 0.6  # share of a list's ids (or of categoricals) drawn from the owner's topic
+
+
 def _skewed_ids(rng: np.random.Generator, table_size: int, n: int) -> np.ndarray:
     """Ids in [0, table_size) with a heavy head (a few popular values), scattered over the table."""
     ranks = np.minimum((table_size * rng.random(n) ** 2).astype(np.int64), table_size - 1)
     return (ranks * 2_654_435_761 + 97) % table_size
 
 
-def _ragged(rng: np.random.Generator, spec: FeatureSpec, n: int) -> Ragged:
+def _topical_ids(
+    rng: np.random.Generator, table_size: int, topics: np.ndarray, n_topics: int
+) -> np.ndarray:
+    """One id per entry: from the entry's topic's slice of the table with probability
+    TOPIC_LEAN, else anywhere (skewed)."""
+    ids = _skewed_ids(rng, table_size, topics.size)
+    width = table_size // n_topics
+    if width >= 1:
+        lean = rng.random(topics.size) < TOPIC_LEAN
+        ids = np.where(lean, topics * width + rng.integers(0, width, size=topics.size), ids)
+    return ids
+
+
+def _ragged(
+    rng: np.random.Generator, spec: FeatureSpec, topics: np.ndarray, n_topics: int
+) -> Ragged:
     lo, hi = spec.synth_length or (1, min(spec.max_length or 8, 8))
-    lengths = rng.integers(lo, hi + 1, size=n)
+    lengths = rng.integers(lo, hi + 1, size=topics.size)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    return Ragged(offsets, _skewed_ids(rng, spec.table_size or 1, int(offsets[-1])))
+    return Ragged(
+        offsets, _topical_ids(rng, spec.table_size or 1, np.repeat(topics, lengths), n_topics)
+    )
 
 
 def _dense(rng: np.random.Generator, dim: int, latent: np.ndarray) -> np.ndarray:
@@ -96,40 +121,63 @@ class _World:
         self.item_latent = rng.normal(size=(cfg.items, d)).astype(np.float32)
         self.user_bias = rng.normal(0, 0.5, cfg.users)
         self.item_bias = rng.normal(0, 0.5, cfg.items)
+        self.user_topic = rng.integers(0, cfg.topics, size=cfg.users)
+        self.item_topic = rng.integers(0, cfg.topics, size=cfg.items)
         self.activity = rng.lognormal(0.0, 1.0, cfg.users)
         self.activity /= self.activity.sum()
         ranks = np.arange(1, cfg.items + 1, dtype=np.float64)
         pop = ranks**-cfg.item_zipf
         self.item_popularity = np.empty_like(pop)
         self.item_popularity[rng.permutation(cfg.items)] = pop / pop.sum()
+        # per topic: its items and their popularity, for targeted impressions
+        self.topic_items = [np.flatnonzero(self.item_topic == t) for t in range(cfg.topics)]
+        self.topic_popularity = [
+            self.item_popularity[ix] / self.item_popularity[ix].sum() for ix in self.topic_items
+        ]
         self.user_static: dict[str, np.ndarray | Ragged] = {}
         self.item_static: dict[str, np.ndarray | Ragged] = {}
         for spec in features.features:
             if spec.side == "user" and spec.name != features.user_key:
-                self.user_static[spec.name] = self._static(rng, spec, cfg.users, self.user_latent)
+                self.user_static[spec.name] = self._static(
+                    rng, spec, self.user_topic, self.user_latent
+                )
             elif spec.side == "item" and spec.name != features.item_key:
                 if spec.kind == "sequence":
                     raise ConfigError(
                         f"synth: item-side sequence feature {spec.name!r} is not supported"
                     )
-                self.item_static[spec.name] = self._static(rng, spec, cfg.items, self.item_latent)
+                self.item_static[spec.name] = self._static(
+                    rng, spec, self.item_topic, self.item_latent
+                )
         seq = [s for s in features.by_side("user") if s.kind == "sequence"]
         self.history_len = (seq[0].synth_length or (16, seq[0].max_length))[1] if seq else 0
-        # Day-zero histories: popular items, a per-user number of them.
+        # Day-zero histories: items shown to the user as in `sample_items`.
         self.history: list[list[int]] = []
         if seq:
             lo, hi = seq[0].synth_length or (16, seq[0].max_length)
             n = rng.integers(lo, hi + 1, size=cfg.users)
-            flat = rng.choice(cfg.items, size=int(n.sum()), p=self.item_popularity)
+            flat = self.sample_items(rng, np.repeat(np.arange(cfg.users), n))
             self.history = [a.tolist() for a in np.split(flat, np.cumsum(n)[:-1])]
 
-    @staticmethod
-    def _static(rng, spec: FeatureSpec, n: int, latent: np.ndarray) -> np.ndarray | Ragged:
+    def _static(
+        self, rng, spec: FeatureSpec, topics: np.ndarray, latent: np.ndarray
+    ) -> np.ndarray | Ragged:
         if spec.kind == "sparse":
-            return _skewed_ids(rng, spec.table_size or 1, n)
+            return _topical_ids(rng, spec.table_size or 1, topics, self.cfg.topics)
         if spec.kind == "dense":
             return _dense(rng, spec.dim, latent)
-        return _ragged(rng, spec, n)
+        return _ragged(rng, spec, topics, self.cfg.topics)
+
+    def sample_items(self, rng: np.random.Generator, users: np.ndarray) -> np.ndarray:
+        """One shown item per impression: popular items, a share targeted at the user's topic."""
+        items = rng.choice(self.cfg.items, size=users.size, p=self.item_popularity)
+        targeted = rng.random(users.size) < self.cfg.targeted_share
+        topics = self.user_topic[users]
+        for t, pool in enumerate(self.topic_items):
+            rows = np.flatnonzero(targeted & (topics == t))
+            if rows.size and pool.size:
+                items[rows] = rng.choice(pool, size=rows.size, p=self.topic_popularity[t])
+        return items
 
 
 def _json_value(spec: FeatureSpec, value) -> str:
@@ -169,14 +217,16 @@ def generate_day(
     position = np.arange(n) - row_start
     gaps = rng.exponential(20_000.0, size=n).astype(np.int64)
     ts = day_start_ms + starts[session_of_row] + _within_session_offsets(gaps, lengths)
-    items = rng.choice(cfg.items, size=n, p=world.item_popularity)
     user_of_row = users[session_of_row]
+    items = world.sample_items(rng, user_of_row)
+    topic_match = world.user_topic[user_of_row] == world.item_topic[items]
     affinity = (world.user_latent[user_of_row] * world.item_latent[items]).sum(1) / np.sqrt(
         cfg.latent_dim
     )
     logit = (
         cfg.base_ctr_logit
-        + 1.5 * affinity
+        + cfg.topic_effect * topic_match
+        + 1.0 * affinity
         + world.user_bias[user_of_row]
         + world.item_bias[items]
         - 0.02 * position

@@ -55,3 +55,26 @@ def movielens_dir() -> Path:
         f"RECD_MOVIELENS_DIR={path} has no ml-100k.inter: run `make movielens`"
     )
     return path
+
+
+@pytest.fixture(scope="session")
+def samples_warehouse(tmp_path_factory, small_logs, features) -> Path:
+    """A warehouse with both days of the small preset ingested and generated (read-only:
+    tests that write copy it with `fresh_warehouse`)."""
+    from recd_core.config import GenerateConfig, IngestConfig
+    from recd_core.datagen import generate
+    from recd_core.ingest import ingest
+
+    root = tmp_path_factory.mktemp("samples_wh")
+    wh = Warehouse(root)
+    for ds in ("2026-11-01", "2026-11-02"):
+        ingest(small_logs / f"ds={ds}", wh, ds, features, IngestConfig())
+        generate(wh, ds, GenerateConfig(), layouts=("clustered",))
+    return root
+
+
+@pytest.fixture
+def fresh_warehouse(samples_warehouse, tmp_path) -> Warehouse:
+    dst = tmp_path / "wh"
+    shutil.copytree(samples_warehouse, dst)
+    return Warehouse(dst)

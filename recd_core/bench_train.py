@@ -1,0 +1,268 @@
+"""Training throughput, dedup vs baseline, measured side by side (the training part of `recd bench`).
+
+train_speedup        median baseline step time / median dedup step time; both modes train
+                     their own copy of one initial model on the same batches, steps
+                     interleaved (dedup, baseline, dedup, ...) so drift hits both alike
+train_speedup_bound  Amdahl's bound 1 / ((1 - p) + p / f): p = the share of a baseline step
+                     spent in deduplicable work (the grouped features' embedding bags and
+                     history encoder, forward, backward and sparse update), profiled on
+                     the baseline step; f = samples per unique row of the group
+embedding workload   the same embedding-bag work (every id / id-list feature) as TorchRec's
+                     EmbeddingBagCollection on a KJT, on a variable-batch KJT with
+                     inverse_indices (VBE), and as our per-sample and unique+index_select
+                     paths (only with the `torchrec` extra installed)
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+
+import pyarrow as pa
+import torch
+
+from recd_core.batching import batch_slices, make_batch, plan_dedup
+from recd_core.model import DLRM, Batch
+from recd_core.schema import feature_set_of
+from recd_core.train import TrainConfig, _peak_mem, make_optimizers, train_step
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def _batches(table: pa.Table, cfg: TrainConfig, n: int, device: torch.device):
+    features = feature_set_of(table.schema)
+    plan = plan_dedup(table, features, cfg.dedup, cfg.batch_size)
+    slices = batch_slices(table.num_rows, cfg.batch_size)[:n]
+    rows = [table.slice(lo, hi - lo) for lo, hi in slices if hi - lo == cfg.batch_size]
+    dedup = [make_batch(r, features, plan).to(device) for r in rows]
+    base = [make_batch(r, features, None).to(device) for r in rows]
+    return features, plan, dedup, base
+
+
+def dedupable_share(
+    model: DLRM, batch: Batch, grouped: set[str], cfg: TrainConfig, device, repeats: int
+) -> tuple[float, float]:
+    """(p, baseline step seconds): the share of a baseline step in the grouped features' work."""
+    model = copy.deepcopy(model)
+    opt_dense, opt_sparse = make_optimizers(model, cfg)
+    group_params = [model.bags[n].weight for n in grouped if n in model.bags] + [
+        model.history[n].embedding.weight for n in grouped if n in model.history
+    ]
+    sparse_group = torch.optim.Adagrad(group_params, lr=cfg.lr_sparse) if group_params else None
+    jts = {n: jt for n, jt in batch.kjt.to_dict().items() if n in grouped}
+
+    def group_work():
+        for p in model.parameters():
+            p.grad = None
+        outs = [model._embed(n, jt) for n, jt in jts.items()]
+        torch.stack([o.sum() for o in outs]).sum().backward()
+        if sparse_group:
+            sparse_group.step()
+
+    def full_step():
+        train_step(model, batch, opt_dense, opt_sparse, False)
+
+    group_t, step_t = [], []
+    for _ in range(repeats):
+        group_t.append(_timed(group_work, device))
+        step_t.append(_timed(full_step, device))
+    step = statistics.median(step_t)
+    return min(statistics.median(group_t) / step, 1.0), step
+
+
+def bench_train(
+    table: pa.Table, cfg: TrainConfig, repeats: int = 5, n_batches: int = 4, device: str = "cpu"
+) -> dict:
+    dev = torch.device(device)
+    features, plan, dedup, base = _batches(table, cfg, n_batches, dev)
+    if not dedup:
+        raise ValueError(f"bench needs at least one full batch of {cfg.batch_size} rows")
+    init = DLRM(features, cfg.model)
+    models = {"dedup": copy.deepcopy(init).to(dev), "baseline": copy.deepcopy(init).to(dev)}
+    opts = {m: make_optimizers(models[m], cfg) for m in models}
+    times: dict[str, list[float]] = {"dedup": [], "baseline": []}
+    for m, batches in (("dedup", dedup), ("baseline", base)):  # warm-up
+        train_step(models[m], batches[0], *opts[m], False)
+    for r in range(repeats):
+        for m, batches in (("dedup", dedup), ("baseline", base)):
+            b = batches[r % len(batches)]
+            times[m].append(_timed(lambda m=m, b=b: train_step(models[m], b, *opts[m], False), dev))
+    med = {m: statistics.median(t) for m, t in times.items()}
+    group = next(iter(plan.groups.values()), [])
+    factor = (
+        statistics.mean(b.size / ik.num_unique for b in dedup for ik in b.groups.values())
+        if plan.groups
+        else 1.0
+    )
+    p, _ = dedupable_share(init.to(dev), base[0], set(group), cfg, dev, max(3, repeats // 2))
+    bound = 1.0 / ((1 - p) + p / factor)
+    speedup = med["baseline"] / med["dedup"]
+    return {
+        "bench.train_speedup": speedup,
+        "bench.train_speedup_bound": bound,
+        "bench.train_speedup_of_bound": speedup / bound,
+        "train.samples_per_s.dedup": cfg.batch_size / med["dedup"],
+        "train.samples_per_s.baseline": cfg.batch_size / med["baseline"],
+        "train.step_ms.dedup": 1000 * med["dedup"],
+        "train.step_ms.baseline": 1000 * med["baseline"],
+        "train.dedupable_share": p,
+        "train.group_dedup_factor": factor,
+        "train.batch_size": cfg.batch_size,
+        "train.repeats": repeats,
+        "train.device": str(dev),
+    }
+
+
+def _memory_probe(args) -> int:
+    """Peak memory of a few training steps in one mode (run in a fresh process)."""
+    table_path, cfg_json, mode, device = args
+    import pyarrow.parquet as pq
+
+    cfg = TrainConfig.model_validate_json(cfg_json)
+    table = pq.read_table(table_path)
+    dev = torch.device(device)
+    features, plan, dedup, base = _batches(table, cfg, 2, dev)
+    model = DLRM(features, cfg.model).to(dev)
+    opts = make_optimizers(model, cfg)
+    for b in dedup if mode == "dedup" else base:
+        train_step(model, b, *opts, False)
+    return _peak_mem(dev)
+
+
+def peak_memory(table: pa.Table, cfg: TrainConfig, tmp_dir: str, device: str = "cpu") -> dict:
+    import multiprocessing as mp
+
+    import pyarrow.parquet as pq
+
+    path = f"{tmp_dir}/bench_batches.parquet"
+    pq.write_table(table.slice(0, 2 * cfg.batch_size), path)
+    ctx = mp.get_context("spawn")
+    out = {}
+    for mode in ("dedup", "baseline"):
+        with ctx.Pool(1) as pool:
+            out[f"train.peak_mem_bytes.{mode}"] = pool.map(
+                _memory_probe, [(path, cfg.model_dump_json(), mode, device)]
+            )[0]
+    return out
+
+
+def bench_embeddings(table: pa.Table, cfg: TrainConfig, repeats: int = 5) -> dict:
+    """Embedding bags only (fwd + bwd + sparse Adagrad) on one batch: TorchRec vs ours."""
+    try:
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    except ImportError:
+        return {}
+    from recd_core.batching import _hashed
+    from recd_core.sparse import KeyedJaggedTensor, ikjt_from_arrow, to_torchrec
+
+    features = feature_set_of(table.schema)
+    plan = plan_dedup(table, features, cfg.dedup, cfg.batch_size)
+    names = [f.name for f in features.features if f.kind in ("sparse", "id_list")]
+    rows = table.slice(0, cfg.batch_size)
+    flat = make_batch(rows, features, None)
+    grouped = [n for n in names if n in plan.grouped]
+    per_sample = [n for n in names if n not in plan.grouped]
+    d = cfg.model.embedding_dim
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(
+                name=f"t_{n}",
+                embedding_dim=d,
+                num_embeddings=features[n].table_size,
+                feature_names=[n],
+            )
+            for n in names
+        ]
+    )
+    for bag in ebc.embedding_bags.values():
+        bag.sparse = True  # sparse gradients, as in our model
+    hashed = pa.table({n: _hashed(rows[n], features[n].table_size) for n in names})
+    ik_group = ikjt_from_arrow(hashed, grouped)
+    per_kjt = KeyedJaggedTensor(per_sample, *_kv(flat.kjt, per_sample))
+    vbe = _vbe(ik_group, per_kjt)
+    keys = grouped + per_sample
+    trec_kjt = to_torchrec(KeyedJaggedTensor(keys, *_kv(flat.kjt, keys)))
+    opt = torch.optim.Adagrad(ebc.parameters(), lr=cfg.lr_sparse)
+
+    def trec_step(kjt):
+        opt.zero_grad(set_to_none=True)
+        out = ebc(kjt)
+        out.values().sum().backward()
+        opt.step()
+
+    bags = {
+        n: torch.nn.EmbeddingBag(features[n].table_size, d, mode="sum", sparse=True) for n in names
+    }
+    opt2 = torch.optim.Adagrad([b.weight for b in bags.values()], lr=cfg.lr_sparse)
+
+    def ours(dedup: bool):
+        opt2.zero_grad(set_to_none=True)
+        outs = []
+        if dedup:
+            inv = ik_group.inverse_indices
+            for n in grouped:
+                jt = ik_group.unique[n]
+                outs.append(bags[n](jt.values, jt.offsets[:-1]).index_select(0, inv))
+            for n in per_sample:
+                jt = flat.kjt[n]
+                outs.append(bags[n](jt.values, jt.offsets[:-1]))
+        else:
+            for n in names:
+                jt = flat.kjt[n]
+                outs.append(bags[n](jt.values, jt.offsets[:-1]))
+        torch.stack([o.sum() for o in outs]).sum().backward()
+        opt2.step()
+
+    variants = {
+        "torchrec_kjt": lambda: trec_step(trec_kjt),
+        "torchrec_vbe": lambda: trec_step(vbe),
+        "ours_all_rows": lambda: ours(False),
+        "ours_dedup": lambda: ours(True),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for fn in variants.values():
+        fn()
+    for _ in range(repeats):
+        for k, fn in variants.items():
+            times[k].append(_timed(fn, torch.device("cpu")))
+    med = {k: 1000 * statistics.median(v) for k, v in times.items()}
+    return {
+        **{f"embedding.step_ms.{k}": v for k, v in med.items()},
+        "bench.embedding_speedup_vs_torchrec_kjt": med["torchrec_kjt"] / med["ours_dedup"],
+        "bench.embedding_speedup_vs_torchrec_vbe": med["torchrec_vbe"] / med["ours_dedup"],
+    }
+
+
+def _kv(kjt, keys):
+    return torch.cat([kjt[k].values for k in keys]), torch.cat([kjt[k].lengths for k in keys])
+
+
+def _vbe(ik_group, per_kjt):
+    """TorchRec variable-batch KJT: grouped keys with the group's unique rows and inverse,
+    per-sample keys with all rows and the identity inverse."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TrecKJT
+
+    b = ik_group.batch_size
+    keys = ik_group.keys + per_kjt.keys
+    inv = torch.stack(
+        [ik_group.inverse_indices] * len(ik_group.keys) + [torch.arange(b)] * len(per_kjt.keys)
+    )
+    strides = [[ik_group.num_unique]] * len(ik_group.keys) + [[b]] * len(per_kjt.keys)
+    return TrecKJT(
+        keys=keys,
+        values=torch.cat([ik_group.unique.values, per_kjt.values]),
+        lengths=torch.cat([ik_group.unique.lengths, per_kjt.lengths]),
+        stride_per_key_per_rank=strides,
+        inverse_indices=(keys, inv),
+    )

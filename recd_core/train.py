@@ -1,0 +1,372 @@
+"""`recd train`: the DLRM on a day's session-clustered samples, dedup (IKJT) or baseline (KJT).
+
+Both modes see the same batches in the same order (contiguous rows of the clustered layout,
+batch order seeded per epoch); they differ only in how the batch is represented, so their
+losses and weights agree to float tolerance. Embedding tables train with Adagrad on sparse
+gradients, everything else with Adam.
+
+Checkpoints (`<warehouse>/checkpoints/<run>/step-NNNNNNNN.pt`, written atomically) hold the
+model, both optimizers and the position in the data; a run resumes from its latest one, so
+a killed run and an uninterrupted one end with the same weights. The trained model is saved
+as a state dict (`<warehouse>/models/<run>/model.pt`, loadable with `weights_only=True`)
+plus `model.json` (feature set, configs, dedup plan, summary): never a pickled object.
+
+Multi-process: `nproc > 1` spawns that many workers (gloo on CPU, nccl on CUDA), or run
+under `torchrun`; each rank takes every `world`-th batch, DDP averages gradients, rank 0
+writes checkpoints and the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import resource
+import socket
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+from torch.nn.parallel import DistributedDataParallel
+
+from recd_core.batching import (
+    DedupConfig,
+    DedupPlan,
+    batch_slices,
+    epoch_order,
+    make_batch,
+    plan_dedup,
+)
+from recd_core.config import FeatureSet
+from recd_core.model import DLRM, ModelConfig
+from recd_core.schema import feature_set_of
+from recd_core.warehouse import Warehouse
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["dedup", "baseline"] = "dedup"
+    batch_size: int = Field(default=4096, gt=0)
+    epochs: int = Field(default=1, gt=0)
+    max_steps: int | None = Field(default=None, gt=0)
+    lr_dense: float = Field(default=1e-3, gt=0)
+    lr_sparse: float = Field(default=0.02, gt=0)
+    checkpoint_every: int = Field(default=50, gt=0)
+    keep_checkpoints: int = Field(default=2, gt=0)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    amp: bool = False  # bf16 autocast on CUDA
+    threads: int | None = None  # torch intra-op threads on CPU
+    dedup: DedupConfig = DedupConfig()
+    model: ModelConfig = ModelConfig()
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be read: named, with what to do about it."""
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def run_name(ds: str, cfg: TrainConfig) -> str:
+    digest = hashlib.sha1(cfg.model_dump_json(exclude={"device", "threads"}).encode()).hexdigest()[
+        :8
+    ]
+    return f"{ds}-{cfg.mode}-{digest}"
+
+
+# -- bytes on the warehouse filesystem -------------------------------------------------------
+def _write_bytes(wh: Warehouse, path: str, data: bytes) -> None:
+    """Write atomically: a temporary name, then a move (atomic on local filesystems)."""
+    wh.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with wh.fs.open_output_stream(tmp) as f:
+        f.write(data)
+    wh.fs.move(tmp, path)
+
+
+def _read_bytes(wh: Warehouse, path: str) -> bytes:
+    with wh.fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def _torch_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _torch_load(data: bytes, where: str):
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds on a damaged file
+        first_line = (str(e).strip().splitlines() or [""])[0][:160]
+        raise CheckpointError(
+            f"{where} is corrupt or not a recd checkpoint ({type(e).__name__}: {first_line}); "
+            "delete it to resume from the previous checkpoint"
+        ) from None
+
+
+@dataclass
+class Checkpoints:
+    wh: Warehouse
+    run: str
+    keep: int
+
+    @property
+    def dir(self) -> str:
+        return f"{self.wh.root}/checkpoints/{self.run}"
+
+    def list(self) -> list[str]:
+        import pyarrow.fs as pafs
+
+        if self.wh.fs.get_file_info(self.dir).type != pafs.FileType.Directory:
+            return []
+        infos = self.wh.fs.get_file_info(pafs.FileSelector(self.dir))
+        return sorted(
+            i.path for i in infos if i.base_name.startswith("step-") and i.base_name.endswith(".pt")
+        )
+
+    def save(self, state: dict) -> str:
+        path = f"{self.dir}/step-{state['step']:08d}.pt"
+        _write_bytes(self.wh, path, _torch_bytes(state))
+        for old in self.list()[: -self.keep]:
+            self.wh.fs.delete_file(old)
+        return path
+
+    def latest(self) -> dict | None:
+        paths = self.list()
+        if not paths:
+            return None
+        state = _torch_load(_read_bytes(self.wh, paths[-1]), paths[-1])
+        if (
+            not isinstance(state, dict)
+            or not {"model", "opt_dense", "opt_sparse", "step"} <= state.keys()
+        ):
+            raise CheckpointError(
+                f"{paths[-1]} is not a recd checkpoint (keys: {sorted(state)[:6]})"
+            )
+        return state
+
+
+def _peak_mem(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def make_optimizers(model: DLRM, cfg: TrainConfig):
+    sparse = torch.optim.Adagrad(model.sparse_parameters(), lr=cfg.lr_sparse)
+    dense = torch.optim.Adam(model.dense_parameters(), lr=cfg.lr_dense)
+    return dense, sparse
+
+
+def train_step(model, batch, opt_dense, opt_sparse, amp: bool) -> float:
+    opt_dense.zero_grad(set_to_none=True)
+    opt_sparse.zero_grad(set_to_none=True)
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if amp else contextlib.nullcontext()
+    with ctx:
+        logits = model(batch)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+    loss.backward()
+    opt_dense.step()
+    opt_sparse.step()
+    return float(loss.detach())
+
+
+def _train_worker(
+    rank: int, world: int, wh_uri: str, ds: str, cfg: TrainConfig, result_path: str | None
+) -> dict:
+    distributed = world > 1
+    device = resolve_device(cfg.device)
+    if distributed:
+        if device.type == "cuda":
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world
+        )
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    # Adagrad rebuilds sparse gradients internally; torch warns about invariant checks.
+    warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
+    wh = Warehouse(wh_uri)
+    table = wh.read("samples", ds, layout="clustered")
+    features = feature_set_of(table.schema)
+    plan = plan_dedup(table, features, cfg.dedup, cfg.batch_size)
+    model = DLRM(features, cfg.model)
+    model.init_output_bias(float(np.mean(np.asarray(table["label"], np.float64))))
+    model = model.to(device)
+    opt_dense, opt_sparse = make_optimizers(model, cfg)
+    name = run_name(ds, cfg)
+    ckpts = Checkpoints(wh, name, cfg.keep_checkpoints)
+    step = 0
+    state = ckpts.latest()
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt_dense.load_state_dict(state["opt_dense"])
+        opt_sparse.load_state_dict(state["opt_sparse"])
+        step = int(state["step"])
+    net = DistributedDataParallel(model) if distributed else model
+    batch_plan = plan if cfg.mode == "dedup" else None
+    n_batches = len(batch_slices(table.num_rows, cfg.batch_size))
+    per_epoch = len(range(rank, n_batches, world))
+    total = per_epoch * cfg.epochs
+    if cfg.max_steps:
+        total = min(total, cfg.max_steps)
+    resumed_at = step
+    losses: list[float] = []
+    samples = 0
+    t0 = time.perf_counter()
+    slices = batch_slices(table.num_rows, cfg.batch_size)
+    while step < total:
+        epoch, k = divmod(step, per_epoch)
+        b = int(epoch_order(n_batches, cfg.seed, epoch)[rank::world][k])
+        lo, hi = slices[b]
+        batch = make_batch(table.slice(lo, hi - lo), features, batch_plan).to(device)
+        losses.append(
+            train_step(net, batch, opt_dense, opt_sparse, cfg.amp and device.type == "cuda")
+        )
+        samples += batch.size
+        step += 1
+        if rank == 0 and (step % cfg.checkpoint_every == 0 or step == total):
+            ckpts.save(_checkpoint_state(model, opt_dense, opt_sparse, step, cfg))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    summary = {
+        "train.mode": cfg.mode,
+        "train.run": name,
+        "train.steps": step,
+        "train.resumed_from_step": resumed_at,
+        "train.samples": samples * world,
+        "train.samples_per_s": samples * world / seconds if seconds > 0 and samples else 0.0,
+        "train.loss": float(np.mean(losses[-10:])) if losses else float("nan"),
+        "train.seconds": seconds,
+        "train.peak_mem_bytes": _peak_mem(device),
+        "train.device": str(device),
+        "train.world_size": world,
+        "train.dedup_groups": {g: len(fs) for g, fs in plan.groups.items()}
+        if cfg.mode == "dedup"
+        else {},
+    }
+    if rank == 0:
+        summary["train.model_uri"] = save_model(wh, name, model, features, cfg, plan, summary)
+        if result_path:
+            with open(result_path, "w") as f:
+                json.dump(summary, f)
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
+
+
+def _checkpoint_state(model, opt_dense, opt_sparse, step: int, cfg: TrainConfig) -> dict:
+    return {
+        "model": model.state_dict(),
+        "opt_dense": opt_dense.state_dict(),
+        "opt_sparse": opt_sparse.state_dict(),
+        "step": step,
+        "config": cfg.model_dump_json(),
+    }
+
+
+def save_model(
+    wh: Warehouse,
+    run: str,
+    model: DLRM,
+    features: FeatureSet,
+    cfg: TrainConfig,
+    plan: DedupPlan,
+    summary: dict,
+) -> str:
+    base = f"{wh.root}/models/{run}"
+    _write_bytes(
+        wh, f"{base}/model.pt", _torch_bytes({k: v.cpu() for k, v in model.state_dict().items()})
+    )
+    meta = {
+        "features": features.model_dump(mode="json"),
+        "train": cfg.model_dump(mode="json"),
+        "dedup_plan": plan.model_dump(mode="json"),
+        "summary": {k: v for k, v in summary.items() if k != "train.model_uri"},
+    }
+    _write_bytes(wh, f"{base}/model.json", json.dumps(meta, indent=1).encode())
+    return f"{wh.uri.rstrip('/')}/models/{run}"
+
+
+def load_model(uri: str) -> tuple[DLRM, dict]:
+    """A saved model (state dict + model.json), for scoring."""
+    wh_uri, run = uri.rsplit("/models/", 1)
+    wh = Warehouse(wh_uri)
+    base = f"{wh.root}/models/{run}"
+    meta = json.loads(_read_bytes(wh, f"{base}/model.json"))
+    features = FeatureSet.model_validate(meta["features"])
+    model = DLRM(features, TrainConfig.model_validate(meta["train"]).model)
+    model.load_state_dict(_torch_load(_read_bytes(wh, f"{base}/model.pt"), f"{base}/model.pt"))
+    return model.eval(), meta
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_entry(
+    rank: int, world: int, wh_uri: str, ds: str, cfg_json: str, result_path: str
+) -> None:
+    _train_worker(rank, world, wh_uri, ds, TrainConfig.model_validate_json(cfg_json), result_path)
+
+
+def train(warehouse: Warehouse, ds: str, cfg: TrainConfig, nproc: int = 1) -> dict:
+    """Train (resuming from the run's latest checkpoint); returns rank 0's summary."""
+    warehouse.info("samples", ds, layout="clustered")  # fail early, naming the partition
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
+        return _train_worker(
+            int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), warehouse.uri, ds, cfg, None
+        )
+    if nproc <= 1:
+        return _train_worker(0, 1, warehouse.uri, ds, cfg, None)
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = f"{tmp}/rank0.json"
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(_free_port())
+        mp.start_processes(
+            _spawn_entry,
+            args=(nproc, warehouse.uri, ds, cfg.model_dump_json(), result),
+            nprocs=nproc,
+            start_method="spawn",
+        )
+        with open(result) as f:
+            return json.load(f)
+
+
+def predict(
+    model: DLRM, table: pa.Table, batch_size: int = 8192, device: str = "cpu"
+) -> np.ndarray:
+    """Click probabilities for a samples table (per-sample batches; no dedup needed)."""
+    out = []
+    model = model.to(device)
+    with torch.no_grad():
+        for lo, hi in batch_slices(table.num_rows, batch_size):
+            batch = make_batch(table.slice(lo, hi - lo), model.features, None).to(device)
+            out.append(torch.sigmoid(model(batch)).cpu().numpy())
+    return np.concatenate(out) if out else np.zeros(0, np.float32)
