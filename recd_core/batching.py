@@ -20,19 +20,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
-from recd_core.config import FeatureSet
+from recd_core.config import DedupConfig, FeatureSet
 from recd_core.dedup import dedup_profile
 from recd_core.model import Batch
 from recd_core.sparse import ikjt_from_arrow, kjt_from_arrow
-
-
-class DedupConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    min_factor: float = Field(default=2.0, ge=1.0)
-    groups: dict[str, list[str]] | None = None  # explicit groups: skip the measurement
 
 
 class DedupPlan(BaseModel):

@@ -45,7 +45,7 @@ def _train_figures(wh: Warehouse, ds: str, out: Path, repeats: int = 7) -> dict:
     import torch
 
     from recd_core.bench_train import bench_embeddings, bench_train, peak_memory
-    from recd_core.train import TrainConfig
+    from recd_core.config import TrainConfig
 
     table = wh.read("samples", ds, layout="clustered")
     cfg = TrainConfig()
@@ -126,14 +126,14 @@ def markdown(r: dict) -> str:
     if "bench.train_speedup" in r:
         rows += [
             "",
-            "| training (B=%d, %s) | dedup | baseline | ratio |"
-            % (r["train.batch_size"], r["train.device"]),
+            f"| training (B={r['train.batch_size']}, {r['train.device']}) | dedup | baseline | ratio |",
             "|---|---|---|---|",
         ]
         rows.append(
             f"| step time | {r['train.step_ms.dedup']:.0f} ms | {r['train.step_ms.baseline']:.0f} ms | "
             f"**{r['bench.train_speedup']:.2f}x** (bound {r['bench.train_speedup_bound']:.2f}x, "
-            f"{r['bench.train_speedup_of_bound']:.0%} of it) |"
+            f"{r['bench.train_speedup_of_bound']:.0%} of it; component bound "
+            f"{r['bench.train_speedup_component_bound']:.2f}x, {r['bench.train_speedup_of_component_bound']:.0%}) |"
         )
         rows.append(
             f"| samples/s | {r['train.samples_per_s.dedup']:,.0f} | {r['train.samples_per_s.baseline']:,.0f} | |"

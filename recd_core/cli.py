@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import sys
+import warnings
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -213,8 +214,8 @@ def train_cmd(
 ):
     """Train the DLRM on samples/layout=clustered/ds=D, dedup (IKJT) or baseline (KJT);
     resumes from the run's latest checkpoint."""
-    from recd_core.config import load_yaml, parse_config
-    from recd_core.train import CheckpointError, TrainConfig, train
+    from recd_core.config import TrainConfig, load_yaml, parse_config
+    from recd_core.train import CheckpointError, train
 
     def body():
         base = (
@@ -244,6 +245,7 @@ def run_cmd(
     logs: Annotated[
         Path, typer.Option(help="raw logs root; synthesized for the day if empty")
     ] = Path("data/default/logs"),
+    mode: Annotated[str, typer.Option(help="training arm(s): dedup, baseline or both")] = "dedup",
     config: ConfigOpt = None,
     summary: SummaryOpt = None,
 ):
@@ -251,9 +253,12 @@ def run_cmd(
     from recd_core.pipeline import run_day
 
     def body():
+        if mode not in ("dedup", "baseline", "both"):
+            raise BadInput(f"--mode must be dedup, baseline or both, got {mode!r}")
+        modes = ("dedup", "baseline") if mode == "both" else (mode,)
         day = ds or (dt.datetime.now(dt.UTC).date() - dt.timedelta(days=1)).isoformat()
-        with progress("run", 3) as advance:
-            return run_day(Warehouse(warehouse), day, logs, _pipeline(config), advance)
+        with progress("run", 3 + len(modes)) as advance:
+            return run_day(Warehouse(warehouse), day, logs, _pipeline(config), modes, advance)
 
     result = _run("run", summary, body)
     console.print(
@@ -283,6 +288,8 @@ def bench_cmd(
 
 
 def main() -> None:
+    # Adagrad rebuilds sparse gradients internally and torch warns about invariant checks.
+    warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
     try:
         app()
     except KeyboardInterrupt:

@@ -175,6 +175,45 @@ class GenerateConfig(_Strict):
     shuffle_seed: int = 0
 
 
+class ModelConfig(_Strict):
+    """The DLRM's shape (model.py)."""
+
+    embedding_dim: int = Field(default=32, gt=0)
+    bottom_mlp: list[int] = [64]
+    top_mlp: list[int] = [128, 64]
+    pooling: str = Field(default="sum", pattern="^(sum|mean)$")
+    history_heads: int = Field(default=2, gt=0)
+    history_layers: int = Field(default=1, ge=0)
+    history_ff: int = Field(default=64, gt=0)
+    seed: int = 0
+
+
+class DedupConfig(_Strict):
+    """Which features are deduplicated (batching.plan_dedup)."""
+
+    min_factor: float = Field(default=2.0, ge=1.0)
+    groups: dict[str, list[str]] | None = None  # explicit groups: skip the measurement
+
+
+class TrainConfig(_Strict):
+    """`recd train` (train.py)."""
+
+    mode: Literal["dedup", "baseline"] = "dedup"
+    batch_size: int = Field(default=4096, gt=0)
+    epochs: int = Field(default=1, gt=0)
+    max_steps: int | None = Field(default=None, gt=0)
+    lr_dense: float = Field(default=1e-3, gt=0)
+    lr_sparse: float = Field(default=0.02, gt=0)
+    checkpoint_every: int = Field(default=50, gt=0)
+    keep_checkpoints: int = Field(default=2, gt=0)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    amp: bool = False  # bf16 autocast on CUDA
+    threads: int | None = None  # torch intra-op threads on CPU
+    dedup: DedupConfig = DedupConfig()
+    model: ModelConfig = ModelConfig()
+
+
 class PipelineConfig(_Strict):
     """Everything one pipeline run needs; loadable from one YAML file."""
 
@@ -182,6 +221,8 @@ class PipelineConfig(_Strict):
     synth: SynthConfig = SynthConfig(**SYNTH_PRESETS["small"])
     ingest: IngestConfig = IngestConfig()
     generate: GenerateConfig = GenerateConfig()
+    # the embedded default trains on the small preset: smaller batches, a few epochs
+    train: TrainConfig = TrainConfig(batch_size=512, epochs=3)
 
 
 def _format_validation_error(err: ValidationError, where: str) -> str:

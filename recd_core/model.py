@@ -20,24 +20,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from recd_core.config import FeatureSet, FeatureSpec
+from recd_core.config import FeatureSet, FeatureSpec, ModelConfig
 from recd_core.sparse import InverseKeyedJaggedTensor, JaggedError, JaggedTensor, KeyedJaggedTensor
-
-
-class ModelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    embedding_dim: int = Field(default=32, gt=0)
-    bottom_mlp: list[int] = [64]
-    top_mlp: list[int] = [128, 64]
-    pooling: str = Field(default="sum", pattern="^(sum|mean)$")
-    history_heads: int = Field(default=2, gt=0)
-    history_layers: int = Field(default=1, ge=0)
-    history_ff: int = Field(default=64, gt=0)
-    seed: int = 0
 
 
 @dataclass

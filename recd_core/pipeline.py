@@ -1,8 +1,8 @@
 """One day of the pipeline, in-process: the stages in order, each through its public function.
 
-Stages talk only through the warehouse and their summaries (DESIGN.md section 1). Today
-the data plane runs: synthesize logs for the day if none exist, ingest, generate both
-layouts. Preprocessing, training and evaluation join as they land.
+Stages talk only through the warehouse and their summaries (DESIGN.md section 1): synthesize
+logs for the day if none exist, ingest, generate both layouts, train (dedup, baseline or
+both arms on the same batches). Preprocessing and evaluation join as they land.
 """
 
 from __future__ import annotations
@@ -33,7 +33,12 @@ def ensure_logs(logs: Path, ds: str, pipeline: PipelineConfig) -> dict:
 
 
 def run_day(
-    warehouse: Warehouse, ds: str, logs: Path, pipeline: PipelineConfig, progress=None
+    warehouse: Warehouse,
+    ds: str,
+    logs: Path,
+    pipeline: PipelineConfig,
+    modes: tuple[str, ...] = ("dedup",),
+    progress=None,
 ) -> dict:
     summary: dict = {"run.ds": ds, "run.warehouse": warehouse.uri}
     summary.update(ensure_logs(logs, ds, pipeline))
@@ -54,4 +59,22 @@ def run_day(
     summary.update(generate(warehouse, ds, pipeline.generate, layouts=("clustered", "shuffled")))
     if progress:
         progress("generate", 1)
+    from recd_core.train import train  # torch loads only when a run trains
+
+    for mode in modes:
+        result = train(warehouse, ds, pipeline.train.model_copy(update={"mode": mode}))
+        keys = (
+            "train.samples_per_s",
+            "train.loss",
+            "train.steps",
+            "train.peak_mem_bytes",
+            "train.model_uri",
+        )
+        summary.update({f"{k}.{mode}" if len(modes) > 1 else k: result[k] for k in keys})
+        if progress:
+            progress(f"train {mode}", 1)
+    if len(modes) > 1:
+        summary["train.speedup"] = (
+            summary["train.samples_per_s.dedup"] / summary["train.samples_per_s.baseline"]
+        )
     return summary

@@ -28,46 +28,24 @@ import socket
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import pyarrow as pa
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
 from torch.nn.parallel import DistributedDataParallel
 
 from recd_core.batching import (
-    DedupConfig,
     DedupPlan,
     batch_slices,
     epoch_order,
     make_batch,
     plan_dedup,
 )
-from recd_core.config import FeatureSet
-from recd_core.model import DLRM, ModelConfig
+from recd_core.config import FeatureSet, TrainConfig
+from recd_core.model import DLRM
 from recd_core.schema import feature_set_of
 from recd_core.warehouse import Warehouse
-
-
-class TrainConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    mode: Literal["dedup", "baseline"] = "dedup"
-    batch_size: int = Field(default=4096, gt=0)
-    epochs: int = Field(default=1, gt=0)
-    max_steps: int | None = Field(default=None, gt=0)
-    lr_dense: float = Field(default=1e-3, gt=0)
-    lr_sparse: float = Field(default=0.02, gt=0)
-    checkpoint_every: int = Field(default=50, gt=0)
-    keep_checkpoints: int = Field(default=2, gt=0)
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    amp: bool = False  # bf16 autocast on CUDA
-    threads: int | None = None  # torch intra-op threads on CPU
-    dedup: DedupConfig = DedupConfig()
-    model: ModelConfig = ModelConfig()
 
 
 class CheckpointError(Exception):
@@ -164,8 +142,15 @@ class Checkpoints:
 
 
 def _peak_mem(device: torch.device) -> int:
+    """Peak memory: CUDA's allocator peak, or this process's peak resident set. VmHWM belongs
+    to the address space, which exec replaces; ru_maxrss survives fork+exec and would report
+    a big parent's peak in a freshly spawned child."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 

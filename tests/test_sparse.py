@@ -19,7 +19,9 @@ from recd_core.sparse import (
 
 
 def test_kjt_layout_and_views():
-    kjt = KeyedJaggedTensor(["f1", "f2"], torch.tensor([1, 2, 3, 7, 7, 8, 9]), torch.tensor([2, 0, 1, 1, 1, 2]))
+    kjt = KeyedJaggedTensor(
+        ["f1", "f2"], torch.tensor([1, 2, 3, 7, 7, 8, 9]), torch.tensor([2, 0, 1, 1, 1, 2])
+    )
     assert kjt.offsets.tolist() == [0, 2, 2, 3, 4, 5, 7]
     assert kjt.batch_size == 3
     assert kjt["f1"].to_list() == [[1, 2], [], [3]]
@@ -46,7 +48,13 @@ def test_dedup_then_expand_is_exact(a, b, data):
     n = min(len(a), len(b))
     # make duplicates likely: draw rows from a small pool
     pick = data.draw(st.lists(st.integers(0, n - 1), min_size=n, max_size=n))
-    t = pa.table({"a": pa.array([a[i] for i in pick], pa.list_(pa.int64())), "b": pa.array([b[i] for i in pick], pa.list_(pa.int64())), "s": pa.array(pick, pa.int64())})
+    t = pa.table(
+        {
+            "a": pa.array([a[i] for i in pick], pa.list_(pa.int64())),
+            "b": pa.array([b[i] for i in pick], pa.list_(pa.int64())),
+            "s": pa.array(pick, pa.int64()),
+        }
+    )
     keys = ["a", "b", "s"]
     kjt = kjt_from_arrow(t, keys)
     ik = ikjt_from_arrow(t, keys)
@@ -55,11 +63,15 @@ def test_dedup_then_expand_is_exact(a, b, data):
     assert InverseKeyedJaggedTensor.from_kjt(kjt).to_kjt().equals(kjt)
     # unique rows are in order of first appearance
     firsts = ik.inverse_indices.tolist()
-    assert firsts[0] == 0 and all(x <= max(firsts[:i], default=-1) + 1 for i, x in enumerate(firsts))
+    assert firsts[0] == 0 and all(
+        x <= max(firsts[:i], default=-1) + 1 for i, x in enumerate(firsts)
+    )
 
 
 def test_hash_collisions_fall_back_to_exact_comparison(monkeypatch):
-    monkeypatch.setattr(sparse, "_row_hash", lambda v, ln: np.zeros(ln.size, np.uint64))  # every row collides
+    monkeypatch.setattr(
+        sparse, "_row_hash", lambda v, ln: np.zeros(ln.size, np.uint64)
+    )  # every row collides
     vals = [np.array([1, 2, 3, 1, 2], np.int64)]
     lens = [np.array([2, 1, 2, 0], np.int64)]
     first, inverse = unique_rows(vals, lens)
@@ -81,7 +93,10 @@ def test_inconsistent_kjt_is_a_clear_error(values, lengths, problem):
 
 def test_inverse_index_past_the_unique_rows_is_an_error():
     uniq = KeyedJaggedTensor(["a"], torch.tensor([1, 2]), torch.tensor([1, 1]))
-    with pytest.raises(JaggedError, match=r"inverse index out of range: values in \[0, 2\] but there are 2 unique rows"):
+    with pytest.raises(
+        JaggedError,
+        match=r"inverse index out of range: values in \[0, 2\] but there are 2 unique rows",
+    ):
         InverseKeyedJaggedTensor(uniq, torch.tensor([0, 1, 2]))
 
 
@@ -100,4 +115,6 @@ def test_torchrec_variable_batch_conversion():
     assert trec.keys() == ["a", "b"]
     assert trec.stride_per_key() == [2, 2]
     assert trec.inverse_indices()[1].tolist() == [[0, 0, 1], [0, 0, 1]]
-    assert torch.equal(sparse.to_torchrec(kjt_from_arrow(t, ["a"])).values(), torch.tensor([1, 2, 1, 2, 3]))
+    assert torch.equal(
+        sparse.to_torchrec(kjt_from_arrow(t, ["a"])).values(), torch.tensor([1, 2, 1, 2, 3])
+    )

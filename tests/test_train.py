@@ -4,18 +4,26 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 
-from recd_core.batching import DedupConfig, make_batch, plan_dedup
+from recd_core.batching import make_batch, plan_dedup
+from recd_core.config import DedupConfig, ModelConfig, TrainConfig
 from recd_core.metrics import auc
-from recd_core.model import DLRM, ModelConfig
+from recd_core.model import DLRM
 from recd_core.schema import feature_set_of
 from recd_core.sparse import JaggedError
-from recd_core.train import CheckpointError, Checkpoints, TrainConfig, load_model, predict, run_name, train
+from recd_core.train import (
+    CheckpointError,
+    Checkpoints,
+    load_model,
+    predict,
+    run_name,
+    train,
+)
 
 DAY, NEXT = "2026-11-01", "2026-11-02"
 SMALL_MODEL = ModelConfig(embedding_dim=16, bottom_mlp=[32], top_mlp=[32], history_ff=32)
@@ -25,7 +33,11 @@ def _grads(model, batch):
     model.zero_grad()
     logits = model(batch)
     torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels).backward()
-    grads = {n: (p.grad.to_dense() if p.grad.is_sparse else p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    grads = {
+        n: (p.grad.to_dense() if p.grad.is_sparse else p.grad)
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
     return logits.detach(), grads
 
 
@@ -51,7 +63,10 @@ def _state(uri):
 
 
 def test_n_steps_end_at_the_same_loss_and_weights(fresh_warehouse):
-    cfgs = [TrainConfig(mode=m, batch_size=256, max_steps=12, model=SMALL_MODEL) for m in ("dedup", "baseline")]
+    cfgs = [
+        TrainConfig(mode=m, batch_size=256, max_steps=12, model=SMALL_MODEL)
+        for m in ("dedup", "baseline")
+    ]
     d, b = (train(fresh_warehouse, DAY, c) for c in cfgs)
     assert d["train.steps"] == b["train.steps"] == 12
     assert d["train.loss"] == pytest.approx(b["train.loss"], rel=1e-4)
@@ -61,12 +76,16 @@ def test_n_steps_end_at_the_same_loss_and_weights(fresh_warehouse):
     assert d["train.dedup_groups"] == {"user": 12} and b["train.dedup_groups"] == {}
 
 
-def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(fresh_warehouse, samples_warehouse, tmp_path):
+def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(
+    fresh_warehouse, samples_warehouse, tmp_path
+):
     import shutil
 
     other = tmp_path / "other"
     shutil.copytree(samples_warehouse, other)
-    cfg = TrainConfig(batch_size=128, max_steps=20, checkpoint_every=4, model=SMALL_MODEL, threads=1)
+    cfg = TrainConfig(
+        batch_size=128, max_steps=20, checkpoint_every=4, model=SMALL_MODEL, threads=1
+    )
     script = textwrap.dedent(
         f"""
         import os, signal
@@ -104,7 +123,9 @@ def test_a_trained_model_ranks_the_next_day_well_above_chance(fresh_warehouse):
     p = predict(model, nxt)
     score = auc(np.asarray(nxt["label"]), p)
     assert score > 0.6, score
-    assert meta["dedup_plan"]["groups"]["user"] and meta["summary"]["train.steps"] == s["train.steps"]
+    assert (
+        meta["dedup_plan"]["groups"]["user"] and meta["summary"]["train.steps"] == s["train.steps"]
+    )
 
 
 def test_model_file_is_a_plain_state_dict(fresh_warehouse):
@@ -112,7 +133,7 @@ def test_model_file_is_a_plain_state_dict(fresh_warehouse):
     path = s["train.model_uri"] + "/model.pt"
     state = torch.load(path, weights_only=True)
     assert all(isinstance(v, torch.Tensor) for v in state.values())
-    meta = json.loads(open(s["train.model_uri"] + "/model.json").read())
+    meta = json.loads(Path(s["train.model_uri"], "model.json").read_text())
     assert meta["train"]["mode"] == "dedup" and meta["features"]["name"] == "synthetic"
 
 
