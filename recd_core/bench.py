@@ -84,6 +84,7 @@ def run_bench(preset: str, out: Path, movielens: Path | None = None, train: bool
             "ingest_seconds": ing["ingest.seconds"],
         },
     }
+    result.update(dpp_figures(wh, DS))
     if train:
         result.update(_train_figures(wh, DS, out))
     if movielens is not None:
@@ -123,6 +124,20 @@ def markdown(r: dict) -> str:
         f"Ingestion ({r['bench.preset']}): {r['bench.ingest_rows_per_s']:,.0f} rows/s, "
         f"{r['bench.ingest_mb_per_s']:.1f} MB/s of gzipped input, on {r['bench.machine']}."
     )
+    if "bench.dpp_speedup" in r:
+        rows += ["", "| DPP preprocessing | dedup | baseline | ratio |", "|---|---|---|---|"]
+        rows.append(
+            f"| samples/s (1 worker) | {r['dpp.samples_per_s.dedup']:,.0f} | {r['dpp.samples_per_s.baseline']:,.0f} | "
+            f"**{r['bench.dpp_speedup']:.2f}x** (worker time only: {r['bench.dpp_worker_speedup']:.2f}x) |"
+        )
+        rows.append(
+            f"| bytes out | {human_bytes(r['dpp.bytes_out.dedup'])} | {human_bytes(r['dpp.bytes_out.baseline'])} | "
+            f"{r['dpp.bytes_out.baseline'] / r['dpp.bytes_out.dedup']:.2f}x |"
+        )
+        rows.append(
+            f"| dedup, 2 workers | {r['dpp.samples_per_s.dedup_2_workers']:,.0f} samples/s | | "
+            f"{r['bench.dpp_scaling_2_workers']:.2f}x of 1 worker |"
+        )
     if "bench.train_speedup" in r:
         rows += [
             "",
@@ -148,3 +163,34 @@ def markdown(r: dict) -> str:
         for k in ("torchrec_kjt", "torchrec_vbe", "ours_all_rows", "ours_dedup"):
             rows.append(f"| {k} | {r['embedding.step_ms.' + k]:.1f} ms |")
     return "\n".join(rows) + "\n"
+
+
+def dpp_figures(wh: Warehouse, ds: str, repeats: int = 3) -> dict:
+    """DPP samples/s, dedup vs baseline on the same samples, interleaved repeats (medians);
+    and 1 vs 2 workers in dedup mode."""
+    import statistics
+
+    from recd_core.config import PreprocessConfig
+    from recd_core.dpp import preprocess
+
+    runs: dict[str, list[dict]] = {"dedup": [], "baseline": [], "dedup_2w": []}
+    for _ in range(repeats):
+        runs["dedup"].append(preprocess(wh, ds, PreprocessConfig(mode="dedup")))
+        runs["baseline"].append(preprocess(wh, ds, PreprocessConfig(mode="baseline")))
+        runs["dedup_2w"].append(preprocess(wh, ds, PreprocessConfig(mode="dedup", workers=2)))
+    med = {k: statistics.median(r["dpp.seconds"] for r in v) for k, v in runs.items()}
+    work = {
+        k: statistics.median(r["dpp.samples"] / r["dpp.worker_samples_per_s"] for r in v)
+        for k, v in runs.items()
+    }
+    samples = runs["dedup"][0]["dpp.samples"]
+    return {
+        "bench.dpp_speedup": med["baseline"] / med["dedup"],
+        "bench.dpp_worker_speedup": work["baseline"] / work["dedup"],
+        "bench.dpp_scaling_2_workers": med["dedup"] / med["dedup_2w"],
+        "dpp.samples_per_s.dedup": samples / med["dedup"],
+        "dpp.samples_per_s.baseline": samples / med["baseline"],
+        "dpp.samples_per_s.dedup_2_workers": samples / med["dedup_2w"],
+        "dpp.bytes_out.dedup": runs["dedup"][0]["dpp.bytes_out"],
+        "dpp.bytes_out.baseline": runs["baseline"][0]["dpp.bytes_out"],
+    }

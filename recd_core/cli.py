@@ -187,6 +187,51 @@ class Mode(StrEnum):
     baseline = "baseline"
 
 
+class Engine(StrEnum):
+    local = "local"
+    ray = "ray"
+
+
+@app.command("preprocess")
+def preprocess_cmd(
+    warehouse: WarehouseOpt,
+    ds: DsOpt,
+    mode: Mode = Mode.dedup,
+    batch_size: Annotated[int | None, typer.Option(min=1)] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, help="parallel workers (processes / Ray tasks)")
+    ] = None,
+    engine: Engine = Engine.local,
+    stats_from: Annotated[
+        str | None, typer.Option(help="use the standardization statistics of this preprocessed day")
+    ] = None,
+    config: ConfigOpt = None,
+    summary: SummaryOpt = None,
+):
+    """DPP: transform samples/layout=clustered/ds=D into batches/mode=<mode>/ds=D; in dedup
+    mode once per unique value (IKJT)."""
+    from recd_core.dpp import PreprocessError, preprocess
+
+    def body():
+        base = _pipeline(config).preprocess
+        overrides = {
+            "mode": mode.value,
+            "engine": engine.value,
+            "batch_size": batch_size,
+            "workers": workers,
+        }
+        cfg = base.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+        try:
+            with progress("preprocess", None) as advance:
+                return preprocess(
+                    Warehouse(warehouse), ds, cfg, stats_from=stats_from, progress=advance
+                )
+        except PreprocessError as e:
+            raise BadInput(str(e)) from None
+
+    _run("preprocess", summary, body)
+
+
 class DeviceChoice(StrEnum):
     auto = "auto"
     cpu = "cpu"

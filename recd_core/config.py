@@ -192,6 +192,10 @@ class DedupConfig(_Strict):
     """Which features are deduplicated (batching.plan_dedup)."""
 
     min_factor: float = Field(default=2.0, ge=1.0)
+    # how unique rows are found: `runs` (adjacent duplicates: session-clustered data; exact,
+    # cheapest) or `hash` (all duplicates, any order; hash then exact check)
+    method: Literal["runs", "hash"] = "runs"
+    profile_batches: int = Field(default=16, gt=0)  # batches the dedup profile is measured on
     groups: dict[str, list[str]] | None = None  # explicit groups: skip the measurement
 
 
@@ -214,6 +218,53 @@ class TrainConfig(_Strict):
     model: ModelConfig = ModelConfig()
 
 
+class TransformSpec(_Strict):
+    """How DPP turns one raw feature into a model input (applied in this order).
+
+    ids:    `hash` (stable 64-bit mix, then mod table size; False: plain mod), `truncate`
+            (id lists keep their first N ids, sequences their last N)
+    dense:  `default` for nulls, `log1p` (of max(x, 0)), `clip` to [low, high],
+            `standardize` with mean/std of the training partition (saved with the batches),
+            `buckets`: boundaries that turn the values into ids (the feature becomes an id
+            list of `dim` ids, one per dimension)
+    """
+
+    hash: bool = True
+    truncate: int | None = Field(default=None, gt=0)
+    default: float | None = None
+    log1p: bool = False
+    clip: tuple[float, float] | None = None
+    standardize: bool = False
+    buckets: list[float] | None = None
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TransformSpec:
+        if self.clip is not None and self.clip[0] > self.clip[1]:
+            raise ValueError("clip: low must not exceed high")
+        if self.buckets is not None and (not self.buckets or sorted(self.buckets) != self.buckets):
+            raise ValueError("buckets must be a non-empty increasing list")
+        return self
+
+
+class PreprocessConfig(_Strict):
+    """`recd preprocess` (dpp.py)."""
+
+    mode: Literal["dedup", "baseline"] = "dedup"
+    batch_size: int = Field(default=4096, gt=0)
+    batches_per_split: int = Field(default=8, gt=0)  # a split = the unit of parallel work
+    workers: int = Field(default=1, gt=0)
+    engine: Literal["local", "ray"] = "local"
+    compression: Literal["lz4", "zstd", "none"] = "lz4"
+    transforms: dict[str, TransformSpec] = {}
+    default_dense: TransformSpec = TransformSpec(standardize=True)
+    dedup: DedupConfig = DedupConfig()
+
+    def transform_for(self, name: str, kind: str) -> TransformSpec:
+        if name in self.transforms:
+            return self.transforms[name]
+        return self.default_dense if kind == "dense" else TransformSpec()
+
+
 class PipelineConfig(_Strict):
     """Everything one pipeline run needs; loadable from one YAML file."""
 
@@ -222,6 +273,7 @@ class PipelineConfig(_Strict):
     ingest: IngestConfig = IngestConfig()
     generate: GenerateConfig = GenerateConfig()
     # the embedded default trains on the small preset: smaller batches, a few epochs
+    preprocess: PreprocessConfig = PreprocessConfig(batch_size=512)
     train: TrainConfig = TrainConfig(batch_size=512, epochs=3)
 
 

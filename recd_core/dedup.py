@@ -16,6 +16,9 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from pydantic import BaseModel, ConfigDict
+
+from recd_core.config import DedupConfig, FeatureSet
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -94,3 +97,153 @@ def group_hashes(table: pa.Table, columns: list[str]) -> np.ndarray:
 
 def distinct_count(col: pa.Array | pa.ChunkedArray) -> int:
     return int(pc.count_distinct(pa.array(row_hashes(col))).as_py())
+
+
+# -- exact unique rows over flat arrays ------------------------------------------------------------
+def _row_hash(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    with np.errstate(over="ignore"):
+        pos = np.arange(values.size, dtype=np.uint64) - np.repeat(offsets[:-1], lengths).astype(
+            np.uint64
+        )
+        mixed = mix64(values.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + pos)
+        csum = np.concatenate([[np.uint64(0)], np.cumsum(mixed, dtype=np.uint64)])
+        h = csum[offsets[1:]] - csum[offsets[:-1]]
+        return mix64(h ^ mix64(lengths.astype(np.uint64)))
+
+
+def unique_rows(
+    flat_values: list[np.ndarray], lengths: list[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct rows of a group of jagged features, in order of first appearance.
+
+    Returns (first, inverse): `first[u]` is the first sample with unique row u, and
+    `inverse[i]` the unique row of sample i. Rows are bucketed by a 64-bit hash, then every
+    sample is compared exactly with its bucket's first sample; a hash collision (never seen
+    in practice) falls back to exact comparison of the rows as bytes.
+    """
+    n = lengths[0].size if lengths else 0
+    h = np.zeros(n, np.uint64)
+    with np.errstate(over="ignore"):
+        for k, (v, ln) in enumerate(zip(flat_values, lengths, strict=True)):
+            h = mix64(h ^ (_row_hash(v, ln) + np.uint64(k)))
+    _, first_idx, inv = np.unique(h, return_index=True, return_inverse=True)
+    # renumber unique rows by first appearance (keeps the clustered order)
+    order = np.argsort(first_idx, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    first, inverse = first_idx[order], rank[inv]
+    if not _rows_equal(flat_values, lengths, np.arange(n), first[inverse]):
+        return _unique_rows_exact(flat_values, lengths)
+    return first.astype(np.int64), inverse.astype(np.int64)
+
+
+def same_as_previous(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Per row: is it identical to the row before it? (one shifted comparison per value)"""
+    n = lengths.size
+    same = np.zeros(n, bool)
+    if n < 2:
+        return same
+    same[1:] = lengths[1:] == lengths[:-1]
+    if values.size == n and (lengths == 1).all():  # a scalar feature: one shifted compare
+        same[1:] &= values[1:] == values[:-1]
+        return same
+    if values.size:
+        row_of = np.repeat(np.arange(n), lengths)
+        cand = same[row_of]  # values of rows whose length matches the previous row's
+        j = np.flatnonzero(cand)
+        mismatch = values[j] != values[j - lengths[row_of[j]]]
+        same[np.unique(row_of[j[mismatch]])] = False
+    return same
+
+
+def unique_runs(
+    flat_values: list[np.ndarray], lengths: list[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Like `unique_rows`, for rows where duplicates are adjacent (a session-clustered
+    batch): a new unique row starts wherever a row differs from the one before it. Exact by
+    construction and cheaper than hashing; equal rows that are not adjacent stay separate
+    unique rows (which costs dedup, never correctness)."""
+    n = lengths[0].size if lengths else 0
+    same = np.ones(n, bool)
+    # scalars first: rows they already split need no list comparison
+    for v, ln in sorted(zip(flat_values, lengths, strict=True), key=lambda p: p[0].size):
+        if not same.any():
+            break
+        same &= same_as_previous(v, ln)
+    start = ~same
+    if n:
+        start[0] = True
+    return np.flatnonzero(start).astype(np.int64), (np.cumsum(start) - 1).astype(np.int64)
+
+
+def _rows_equal(flat_values, lengths, a: np.ndarray, b: np.ndarray) -> bool:
+    """Is row a[i] == row b[i] for every i, in every feature? (vectorized)"""
+    for v, ln in zip(flat_values, lengths, strict=True):
+        if not np.array_equal(ln[a], ln[b]):
+            return False
+        offsets = np.concatenate([[0], np.cumsum(ln)])
+        la = ln[a]
+        base = np.repeat(np.arange(la.size), la)
+        within = np.arange(int(la.sum())) - np.repeat(np.concatenate([[0], np.cumsum(la)])[:-1], la)
+        if not np.array_equal(v[offsets[a][base] + within], v[offsets[b][base] + within]):
+            return False
+    return True
+
+
+def _unique_rows_exact(flat_values, lengths) -> tuple[np.ndarray, np.ndarray]:
+    offsets = [np.concatenate([[0], np.cumsum(ln)]) for ln in lengths]
+    seen: dict[tuple, int] = {}
+    first, inverse = [], []
+    for i in range(lengths[0].size):
+        key = tuple(v[o[i] : o[i + 1]].tobytes() for v, o in zip(flat_values, offsets, strict=True))
+        u = seen.setdefault(key, len(seen))
+        if u == len(first):
+            first.append(i)
+        inverse.append(u)
+    return np.asarray(first, np.int64), np.asarray(inverse, np.int64)
+
+
+def list_parts(col: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """(values, lengths) of a list or scalar int column, without a Python loop over rows."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+        offsets = np.asarray(col.offsets, np.int64)
+        values = np.asarray(col.values.slice(offsets[0], offsets[-1] - offsets[0]), np.int64)
+        return values, np.diff(offsets)
+    return np.asarray(col, np.int64), np.ones(len(col), np.int64)
+
+
+class DedupPlan(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    groups: dict[str, list[str]]
+    profile: dict[str, float]
+
+    @property
+    def grouped(self) -> set[str]:
+        return {f for fs in self.groups.values() for f in fs}
+
+
+def id_features(features: FeatureSet) -> list[str]:
+    return [f.name for f in features.features if f.kind != "dense"]
+
+
+def plan_dedup(
+    table: pa.Table, features: FeatureSet, cfg: DedupConfig, batch_size: int
+) -> DedupPlan:
+    ids = id_features(features)
+    if cfg.groups is not None:
+        unknown = sorted({f for fs in cfg.groups.values() for f in fs} - set(ids))
+        if unknown:
+            raise ValueError(f"dedup groups name unknown id features: {unknown}")
+        return DedupPlan(groups=cfg.groups, profile={})
+    # measured on the first `profile_batches` batches: the profile is a decision, not a report
+    profile = dedup_profile(table.slice(0, cfg.profile_batches * batch_size), ids, batch_size)
+    user = [
+        f.name
+        for f in features.by_side("user")
+        if f.kind != "dense" and profile[f.name] >= cfg.min_factor
+    ]
+    return DedupPlan(groups={"user": user} if user else {}, profile=profile)

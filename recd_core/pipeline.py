@@ -2,7 +2,7 @@
 
 Stages talk only through the warehouse and their summaries (DESIGN.md section 1): synthesize
 logs for the day if none exist, ingest, generate both layouts, train (dedup, baseline or
-both arms on the same batches). Preprocessing and evaluation join as they land.
+both arms on the same batches). preprocess (DPP) and train each arm. Evaluation joins when it lands.
 """
 
 from __future__ import annotations
@@ -59,9 +59,17 @@ def run_day(
     summary.update(generate(warehouse, ds, pipeline.generate, layouts=("clustered", "shuffled")))
     if progress:
         progress("generate", 1)
-    from recd_core.train import train  # torch loads only when a run trains
+    from recd_core.dpp import preprocess  # torch loads only when a run trains
+    from recd_core.train import train
 
     for mode in modes:
+        prep = preprocess(warehouse, ds, pipeline.preprocess.model_copy(update={"mode": mode}))
+        summary.update(
+            {
+                f"{k}.{mode}" if len(modes) > 1 else k: prep[k]
+                for k in ("dpp.samples_per_s", "dpp.bytes_out")
+            }
+        )
         result = train(warehouse, ds, pipeline.train.model_copy(update={"mode": mode}))
         keys = (
             "train.samples_per_s",

@@ -33,7 +33,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from recd_core.dedup import mix64
+from recd_core.dedup import list_parts as _list_parts
+from recd_core.dedup import unique_rows
 
 
 class JaggedError(ValueError):
@@ -208,84 +209,7 @@ class InverseKeyedJaggedTensor:
         return f"InverseKeyedJaggedTensor(keys={self.keys}, batch_size={self.batch_size}, unique={self.num_unique})"
 
 
-# -- exact dedup over flat arrays ---------------------------------------------------------------
-def _row_hash(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    with np.errstate(over="ignore"):
-        pos = np.arange(values.size, dtype=np.uint64) - np.repeat(offsets[:-1], lengths).astype(
-            np.uint64
-        )
-        mixed = mix64(values.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + pos)
-        csum = np.concatenate([[np.uint64(0)], np.cumsum(mixed, dtype=np.uint64)])
-        h = csum[offsets[1:]] - csum[offsets[:-1]]
-        return mix64(h ^ mix64(lengths.astype(np.uint64)))
-
-
-def unique_rows(
-    flat_values: list[np.ndarray], lengths: list[np.ndarray]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct rows of a group of jagged features, in order of first appearance.
-
-    Returns (first, inverse): `first[u]` is the first sample with unique row u, and
-    `inverse[i]` the unique row of sample i. Rows are bucketed by a 64-bit hash, then every
-    sample is compared exactly with its bucket's first sample; a hash collision (never seen
-    in practice) falls back to exact comparison of the rows as bytes.
-    """
-    n = lengths[0].size if lengths else 0
-    h = np.zeros(n, np.uint64)
-    with np.errstate(over="ignore"):
-        for k, (v, ln) in enumerate(zip(flat_values, lengths, strict=True)):
-            h = mix64(h ^ (_row_hash(v, ln) + np.uint64(k)))
-    _, first_idx, inv = np.unique(h, return_index=True, return_inverse=True)
-    # renumber unique rows by first appearance (keeps the clustered order)
-    order = np.argsort(first_idx, kind="stable")
-    rank = np.empty_like(order)
-    rank[order] = np.arange(order.size)
-    first, inverse = first_idx[order], rank[inv]
-    if not _rows_equal(flat_values, lengths, np.arange(n), first[inverse]):
-        return _unique_rows_exact(flat_values, lengths)
-    return first.astype(np.int64), inverse.astype(np.int64)
-
-
-def _rows_equal(flat_values, lengths, a: np.ndarray, b: np.ndarray) -> bool:
-    """Is row a[i] == row b[i] for every i, in every feature? (vectorized)"""
-    for v, ln in zip(flat_values, lengths, strict=True):
-        if not np.array_equal(ln[a], ln[b]):
-            return False
-        offsets = np.concatenate([[0], np.cumsum(ln)])
-        la = ln[a]
-        base = np.repeat(np.arange(la.size), la)
-        within = np.arange(int(la.sum())) - np.repeat(np.concatenate([[0], np.cumsum(la)])[:-1], la)
-        if not np.array_equal(v[offsets[a][base] + within], v[offsets[b][base] + within]):
-            return False
-    return True
-
-
-def _unique_rows_exact(flat_values, lengths) -> tuple[np.ndarray, np.ndarray]:
-    offsets = [np.concatenate([[0], np.cumsum(ln)]) for ln in lengths]
-    seen: dict[tuple, int] = {}
-    first, inverse = [], []
-    for i in range(lengths[0].size):
-        key = tuple(v[o[i] : o[i + 1]].tobytes() for v, o in zip(flat_values, offsets, strict=True))
-        u = seen.setdefault(key, len(seen))
-        if u == len(first):
-            first.append(i)
-        inverse.append(u)
-    return np.asarray(first, np.int64), np.asarray(inverse, np.int64)
-
-
 # -- from Arrow ----------------------------------------------------------------------------------
-def _list_parts(col: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    """(values, lengths) of a list or scalar int column, without a Python loop over rows."""
-    if isinstance(col, pa.ChunkedArray):
-        col = col.combine_chunks()
-    if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
-        offsets = np.asarray(col.offsets, np.int64)
-        values = np.asarray(col.values.slice(offsets[0], offsets[-1] - offsets[0]), np.int64)
-        return values, np.diff(offsets)
-    return np.asarray(col, np.int64), np.ones(len(col), np.int64)
-
-
 def kjt_from_arrow(batch: pa.Table | pa.RecordBatch, keys: list[str]) -> KeyedJaggedTensor:
     """A KJT over `keys` (list or scalar id columns) of an Arrow batch."""
     parts = [_list_parts(batch.column(k)) for k in keys]

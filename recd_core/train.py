@@ -35,16 +35,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from recd_core.batching import (
-    DedupPlan,
-    batch_slices,
-    epoch_order,
-    make_batch,
-    plan_dedup,
-)
+from recd_core.batch_store import BatchStore, decode_batch
+from recd_core.batching import epoch_order
 from recd_core.config import FeatureSet, TrainConfig
+from recd_core.dpp import Prepared, batch_ranges, encode_batch
 from recd_core.model import DLRM
-from recd_core.schema import feature_set_of
 from recd_core.warehouse import Warehouse
 
 
@@ -190,11 +185,10 @@ def _train_worker(
     # Adagrad rebuilds sparse gradients internally; torch warns about invariant checks.
     warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
     wh = Warehouse(wh_uri)
-    table = wh.read("samples", ds, layout="clustered")
-    features = feature_set_of(table.schema)
-    plan = plan_dedup(table, features, cfg.dedup, cfg.batch_size)
+    store = BatchStore(wh, ds, cfg.mode)
+    features = store.model_features
     model = DLRM(features, cfg.model)
-    model.init_output_bias(float(np.mean(np.asarray(table["label"], np.float64))))
+    model.init_output_bias(store.click_rate())
     model = model.to(device)
     opt_dense, opt_sparse = make_optimizers(model, cfg)
     name = run_name(ds, cfg)
@@ -207,8 +201,7 @@ def _train_worker(
         opt_sparse.load_state_dict(state["opt_sparse"])
         step = int(state["step"])
     net = DistributedDataParallel(model) if distributed else model
-    batch_plan = plan if cfg.mode == "dedup" else None
-    n_batches = len(batch_slices(table.num_rows, cfg.batch_size))
+    n_batches = len(store)
     per_epoch = len(range(rank, n_batches, world))
     total = per_epoch * cfg.epochs
     if cfg.max_steps:
@@ -217,12 +210,10 @@ def _train_worker(
     losses: list[float] = []
     samples = 0
     t0 = time.perf_counter()
-    slices = batch_slices(table.num_rows, cfg.batch_size)
     while step < total:
         epoch, k = divmod(step, per_epoch)
         b = int(epoch_order(n_batches, cfg.seed, epoch)[rank::world][k])
-        lo, hi = slices[b]
-        batch = make_batch(table.slice(lo, hi - lo), features, batch_plan).to(device)
+        batch = store[b].to(device)
         losses.append(
             train_step(net, batch, opt_dense, opt_sparse, cfg.amp and device.type == "cuda")
         )
@@ -245,12 +236,13 @@ def _train_worker(
         "train.peak_mem_bytes": _peak_mem(device),
         "train.device": str(device),
         "train.world_size": world,
-        "train.dedup_groups": {g: len(fs) for g, fs in plan.groups.items()}
-        if cfg.mode == "dedup"
-        else {},
+        "train.dedup_groups": {g: len(fs) for g, fs in store.groups.items()},
+        "train.batch_size": store.manifest["batch_size"],
     }
     if rank == 0:
-        summary["train.model_uri"] = save_model(wh, name, model, features, cfg, plan, summary)
+        summary["train.model_uri"] = save_model(
+            wh, name, model, cfg, store.manifest["prepared"], summary
+        )
         if result_path:
             with open(result_path, "w") as f:
                 json.dump(summary, f)
@@ -271,22 +263,16 @@ def _checkpoint_state(model, opt_dense, opt_sparse, step: int, cfg: TrainConfig)
 
 
 def save_model(
-    wh: Warehouse,
-    run: str,
-    model: DLRM,
-    features: FeatureSet,
-    cfg: TrainConfig,
-    plan: DedupPlan,
-    summary: dict,
+    wh: Warehouse, run: str, model: DLRM, cfg: TrainConfig, prepared: dict, summary: dict
 ) -> str:
     base = f"{wh.root}/models/{run}"
     _write_bytes(
         wh, f"{base}/model.pt", _torch_bytes({k: v.cpu() for k, v in model.state_dict().items()})
     )
     meta = {
-        "features": features.model_dump(mode="json"),
+        "features": model.features.model_dump(mode="json"),
         "train": cfg.model_dump(mode="json"),
-        "dedup_plan": plan.model_dump(mode="json"),
+        "prepared": prepared,  # DPP's transforms, statistics and dedup groups: score with these
         "summary": {k: v for k, v in summary.items() if k != "train.model_uri"},
     }
     _write_bytes(wh, f"{base}/model.json", json.dumps(meta, indent=1).encode())
@@ -319,7 +305,7 @@ def _spawn_entry(
 
 def train(warehouse: Warehouse, ds: str, cfg: TrainConfig, nproc: int = 1) -> dict:
     """Train (resuming from the run's latest checkpoint); returns rank 0's summary."""
-    warehouse.info("samples", ds, layout="clustered")  # fail early, naming the partition
+    warehouse.info("batches", ds, mode=cfg.mode)  # fail early, naming the partition
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
         return _train_worker(
             int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), warehouse.uri, ds, cfg, None
@@ -345,13 +331,16 @@ def train(warehouse: Warehouse, ds: str, cfg: TrainConfig, nproc: int = 1) -> di
 
 
 def predict(
-    model: DLRM, table: pa.Table, batch_size: int = 8192, device: str = "cpu"
+    model: DLRM, meta: dict, table: pa.Table, batch_size: int = 4096, device: str = "cpu"
 ) -> np.ndarray:
-    """Click probabilities for a samples table (per-sample batches; no dedup needed)."""
+    """Click probabilities for a samples table, preprocessed exactly as in training (the
+    run's transforms and statistics), deduplicated like the training batches."""
+    prep = Prepared.from_json(json.dumps(meta["prepared"]))
     out = []
     model = model.to(device)
     with torch.no_grad():
-        for lo, hi in batch_slices(table.num_rows, batch_size):
-            batch = make_batch(table.slice(lo, hi - lo), model.features, None).to(device)
+        for lo, hi in batch_ranges(table.num_rows, batch_size):
+            rb = encode_batch(table.slice(lo, hi - lo), prep)
+            batch = decode_batch(rb, prep.model, prep.groups).to(device)
             out.append(torch.sigmoid(model(batch)).cpu().numpy())
     return np.concatenate(out) if out else np.zeros(0, np.float32)

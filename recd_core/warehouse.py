@@ -202,6 +202,33 @@ class Warehouse:
             raise PartitionNotFound(f"partition {self._rel(table, ds, keys)} holds no files")
         return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
 
+    def row_group_rows(self, table: str, ds: str, **keys: str) -> int | None:
+        """The row-group size of a Parquet partition (its first row group), None if empty."""
+        files = self.files(table, ds, **keys)
+        if not files:
+            return None
+        meta = pq.ParquetFile(self.fs.open_input_file(files[0])).metadata
+        return meta.row_group(0).num_rows if meta.num_row_groups else None
+
+    def read_range(
+        self, table: str, ds: str, lo: int, hi: int, columns: list[str] | None = None, **keys: str
+    ) -> pa.Table:
+        """Rows [lo, hi) of a partition, reading only the row groups that hold them."""
+        parts, start = [], 0
+        for path in self.files(table, ds, **keys):
+            pf = pq.ParquetFile(self.fs.open_input_file(path))
+            for rg in range(pf.metadata.num_row_groups):
+                n = pf.metadata.row_group(rg).num_rows
+                if start < hi and start + n > lo:
+                    t = pf.read_row_group(rg, columns=columns)
+                    parts.append(t.slice(max(lo - start, 0), min(hi, start + n) - max(lo, start)))
+                start += n
+        if not parts:
+            raise ValueError(
+                f"rows [{lo}, {hi}) are outside partition {self._rel(table, ds, keys)}"
+            )
+        return pa.concat_tables(parts)
+
     def partitions(self, table: str, **keys: str) -> list[str]:
         """The `ds` values present for a table (and key values), sorted."""
         base = "/".join([f"{self.root}/{table}", *(f"{k}={v}" for k, v in keys.items())])
@@ -220,6 +247,15 @@ class PartitionWriter:
         self._writer: pq.ParquetWriter | None = None
         self.info: PartitionInfo | None = None
         self._totals: tuple[list[str], int, int] | None = None
+        self.extra: dict = {}  # more manifest fields
+        self.rows: int | None = None  # the row count, for files written through add_file
+
+    def add_file(self, name: str) -> str:
+        """Register a file that someone else writes into the staging directory; its path."""
+        self._close_file()
+        self._files.append(name)
+        self._rows.append(0)
+        return f"{self.staging}/{name}"
 
     def write(
         self, table: pa.Table, *, max_rows_per_file: int = 1 << 40, **parquet_options
@@ -257,7 +293,8 @@ class PartitionWriter:
         if self._totals is not None:
             return self._totals
         sizes = [self.fs.get_file_info(f"{self.staging}/{n}").size for n in self._files]
-        return list(self._files), sum(self._rows), int(sum(s or 0 for s in sizes))
+        rows = self.rows if self.rows is not None else sum(self._rows)
+        return list(self._files), rows, int(sum(s or 0 for s in sizes))
 
     def close(self) -> None:
         self._close_file()
@@ -269,6 +306,7 @@ class PartitionWriter:
             "bytes": nbytes,
             "rows_per_file": self._rows,
             "written_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            **self.extra,
         }
         with self.fs.open_output_stream(f"{self.staging}/{MANIFEST}") as f:
             f.write(json.dumps(manifest, indent=1).encode())

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import recd_core.dedup as dedup
 import recd_core.sparse as sparse
 from recd_core.sparse import (
     InverseKeyedJaggedTensor,
@@ -70,7 +71,7 @@ def test_dedup_then_expand_is_exact(a, b, data):
 
 def test_hash_collisions_fall_back_to_exact_comparison(monkeypatch):
     monkeypatch.setattr(
-        sparse, "_row_hash", lambda v, ln: np.zeros(ln.size, np.uint64)
+        dedup, "_row_hash", lambda v, ln: np.zeros(ln.size, np.uint64)
     )  # every row collides
     vals = [np.array([1, 2, 3, 1, 2], np.int64)]
     lens = [np.array([2, 1, 2, 0], np.int64)]

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from recd_core.batching import make_batch, plan_dedup
-from recd_core.config import DedupConfig, ModelConfig, TrainConfig
+from recd_core.config import DedupConfig, ModelConfig, PreprocessConfig, TrainConfig
+from recd_core.dpp import preprocess
 from recd_core.metrics import auc
 from recd_core.model import DLRM
 from recd_core.schema import feature_set_of
@@ -26,6 +27,14 @@ from recd_core.train import (
 )
 
 DAY, NEXT = "2026-11-01", "2026-11-02"
+
+
+def fit(wh, cfg: TrainConfig, nproc: int = 1) -> dict:
+    """DPP for the arm (batches of cfg.batch_size), then training on those batches."""
+    preprocess(wh, DAY, PreprocessConfig(mode=cfg.mode, batch_size=cfg.batch_size))
+    return train(wh, DAY, cfg, nproc=nproc)
+
+
 SMALL_MODEL = ModelConfig(embedding_dim=16, bottom_mlp=[32], top_mlp=[32], history_ff=32)
 
 
@@ -67,12 +76,25 @@ def test_n_steps_end_at_the_same_loss_and_weights(fresh_warehouse):
         TrainConfig(mode=m, batch_size=256, max_steps=12, model=SMALL_MODEL)
         for m in ("dedup", "baseline")
     ]
-    d, b = (train(fresh_warehouse, DAY, c) for c in cfgs)
+    d, b = (fit(fresh_warehouse, c) for c in cfgs)
     assert d["train.steps"] == b["train.steps"] == 12
     assert d["train.loss"] == pytest.approx(b["train.loss"], rel=1e-4)
     sd, sb = _state(d["train.model_uri"])[0], _state(b["train.model_uri"])[0]
+    # Float summation order differs between the arms (duplicate gradients are summed by
+    # index_select's backward vs by Adagrad's coalesce). Dense parameters agree tightly.
+    # Adagrad's first update of a table row is ~lr * sign(g), so a row whose gradient is
+    # ~1e-12 in both arms can round to different updates: allow a handful of such elements,
+    # never more than one Adagrad step (lr_sparse) apart.
+    lr = cfgs[0].lr_sparse
     for name in sd:
-        torch.testing.assert_close(sd[name], sb[name], rtol=1e-3, atol=1e-5, msg=name)
+        if "embedding" in name or name.startswith("bags."):
+            diff = (sd[name] - sb[name]).abs()
+            assert float(diff.max()) <= lr, name
+            assert float((diff > 1e-5).float().mean()) < 1e-4, name
+        else:
+            torch.testing.assert_close(
+                sd[name], sb[name], rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+            )
     assert d["train.dedup_groups"] == {"user": 12} and b["train.dedup_groups"] == {}
 
 
@@ -98,9 +120,10 @@ def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(
                 os.kill(os.getpid(), signal.SIGKILL)
             return path
         Checkpoints.save = save_then_die
-        train(Warehouse({str(fresh_warehouse.uri)!r}), {DAY!r}, TrainConfig.model_validate_json({cfg.model_dump_json()!r}))
+        train(Warehouse({str(fresh_warehouse.uri)!r}), {DAY!r}, TrainConfig.model_validate_json({cfg.model_dump_json()!r}))  # batches made above
         """
     )
+    preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=cfg.batch_size))
     r = subprocess.run([sys.executable, "-c", script])
     assert r.returncode == -9, "the training process was killed"
     ckpts = Checkpoints(fresh_warehouse, run_name(DAY, cfg), 2).list()
@@ -109,7 +132,7 @@ def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(
     assert resumed["train.resumed_from_step"] == 12 and resumed["train.steps"] == 20
     from recd_core.warehouse import Warehouse
 
-    straight = train(Warehouse(other), DAY, cfg)
+    straight = fit(Warehouse(other), cfg)
     a, b = _state(resumed["train.model_uri"])[0], _state(straight["train.model_uri"])[0]
     for name in a:
         assert torch.equal(a[name], b[name]), name
@@ -117,19 +140,17 @@ def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(
 
 @pytest.mark.slow
 def test_a_trained_model_ranks_the_next_day_well_above_chance(fresh_warehouse):
-    s = train(fresh_warehouse, DAY, TrainConfig(batch_size=128, epochs=3))
+    s = fit(fresh_warehouse, TrainConfig(batch_size=128, epochs=3))
     model, meta = load_model(s["train.model_uri"])
     nxt = fresh_warehouse.read("samples", NEXT, layout="clustered")
-    p = predict(model, nxt)
+    p = predict(model, meta, nxt)
     score = auc(np.asarray(nxt["label"]), p)
     assert score > 0.6, score
-    assert (
-        meta["dedup_plan"]["groups"]["user"] and meta["summary"]["train.steps"] == s["train.steps"]
-    )
+    assert meta["prepared"]["groups"]["user"] and meta["summary"]["train.steps"] == s["train.steps"]
 
 
 def test_model_file_is_a_plain_state_dict(fresh_warehouse):
-    s = train(fresh_warehouse, DAY, TrainConfig(batch_size=512, max_steps=2, model=SMALL_MODEL))
+    s = fit(fresh_warehouse, TrainConfig(batch_size=512, max_steps=2, model=SMALL_MODEL))
     path = s["train.model_uri"] + "/model.pt"
     state = torch.load(path, weights_only=True)
     assert all(isinstance(v, torch.Tensor) for v in state.values())
@@ -139,7 +160,7 @@ def test_model_file_is_a_plain_state_dict(fresh_warehouse):
 
 def test_corrupt_checkpoint_is_a_clear_error(fresh_warehouse, tmp_path):
     cfg = TrainConfig(batch_size=512, max_steps=2, checkpoint_every=1, model=SMALL_MODEL)
-    train(fresh_warehouse, DAY, cfg)
+    fit(fresh_warehouse, cfg)
     latest = Checkpoints(fresh_warehouse, run_name(DAY, cfg), 2).list()[-1]
     with open(latest, "r+b") as f:
         f.seek(100)
@@ -180,14 +201,14 @@ def test_out_of_range_ids_and_bad_batches_are_clear_errors(fresh_warehouse):
 def test_training_needs_its_partition(tmp_path):
     from recd_core.warehouse import PartitionNotFound, Warehouse
 
-    with pytest.raises(PartitionNotFound, match="samples/layout=clustered/ds=2026-11-01"):
+    with pytest.raises(PartitionNotFound, match="batches/mode=dedup/ds=2026-11-01"):
         train(Warehouse(tmp_path), DAY, TrainConfig())
 
 
 @pytest.mark.slow
 def test_two_processes_data_parallel_on_gloo(fresh_warehouse):
     cfg = TrainConfig(batch_size=256, epochs=1, model=SMALL_MODEL, threads=1)
-    s = train(fresh_warehouse, DAY, cfg, nproc=2)
+    s = fit(fresh_warehouse, cfg, nproc=2)
     n = fresh_warehouse.info("samples", DAY, layout="clustered").rows
     assert s["train.world_size"] == 2
     assert s["train.steps"] == int(np.ceil(np.ceil(n / 256) / 2))  # each rank: every other batch

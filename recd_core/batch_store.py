@@ -1,0 +1,94 @@
+"""Preprocessed batches (DPP's Arrow IPC format, see dpp.py) -> training tensors.
+
+Kept apart from dpp.py so DPP workers never import torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import torch
+
+from recd_core.config import FeatureSet
+from recd_core.model import Batch
+from recd_core.sparse import InverseKeyedJaggedTensor, KeyedJaggedTensor
+from recd_core.warehouse import Warehouse
+
+
+def _tensor(rb: pa.RecordBatch, name: str, dtype=None) -> torch.Tensor:
+    arr = np.asarray(rb.column(name).values)
+    t = torch.from_numpy(arr.copy() if not arr.flags.writeable else arr)
+    return t.to(dtype) if dtype is not None else t
+
+
+def decode_batch(rb: pa.RecordBatch, model: FeatureSet, groups: dict[str, list[str]]) -> Batch:
+    """A batch record -> tensors (KJT for per-sample ids, an IKJT per group)."""
+    labels = _tensor(rb, "labels")
+    n = labels.numel()
+    dense = _tensor(rb, "dense").view(n, -1)
+    grouped = {k for ks in groups.values() for k in ks}
+    keys = [f.name for f in model.features if f.kind != "dense" and f.name not in grouped]
+    kjt = None
+    if keys:
+        kjt = KeyedJaggedTensor(
+            keys,
+            torch.cat([_tensor(rb, f"ids.{k}.values") for k in keys]),
+            torch.cat([_tensor(rb, f"ids.{k}.lengths", torch.int64) for k in keys]),
+        )
+    iks = {}
+    for g, gkeys in groups.items():
+        uniq = KeyedJaggedTensor(
+            gkeys,
+            torch.cat([_tensor(rb, f"group.{g}.{k}.values") for k in gkeys]),
+            torch.cat([_tensor(rb, f"group.{g}.{k}.lengths", torch.int64) for k in gkeys]),
+        )
+        iks[g] = InverseKeyedJaggedTensor(uniq, _tensor(rb, f"group.{g}.inverse", torch.int64))
+    return Batch(dense, kjt, labels, iks)
+
+
+def expand(batch: Batch) -> Batch:
+    """A dedup batch as the baseline batch it stands for (every id feature per sample)."""
+    if not batch.groups:
+        return batch
+    parts = [batch.kjt] if batch.kjt is not None else []
+    parts += [ik.to_kjt() for ik in batch.groups.values()]
+    keys = [k for p in parts for k in p.keys]
+    values = torch.cat([p[k].values for p in parts for k in p.keys])
+    lengths = torch.cat([p[k].lengths for p in parts for k in p.keys])
+    return Batch(batch.dense, KeyedJaggedTensor(keys, values, lengths), batch.labels, {})
+
+
+def read_manifest(wh: Warehouse, ds: str, mode: str) -> dict:
+    return wh.manifest("batches", ds, mode=mode)
+
+
+class BatchStore:
+    """A preprocessed day: its batches in order, decoded to tensors on demand."""
+
+    def __init__(self, wh: Warehouse, ds: str, mode: str):
+        self.manifest = read_manifest(wh, ds, mode)
+        prepared = self.manifest["prepared"]
+        self.model_features = FeatureSet.model_validate(prepared["model"])
+        self.groups: dict[str, list[str]] = prepared["groups"]
+        self.records: list[pa.RecordBatch] = []
+        for path in wh.files("batches", ds, mode=mode):
+            with wh.fs.open_input_file(path) as f:
+                reader = ipc.open_file(f)
+                self.records += [reader.get_batch(i) for i in range(reader.num_record_batches)]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> Batch:
+        return decode_batch(self.records[i], self.model_features, self.groups)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return (self[i] for i in range(len(self)))
+
+    def click_rate(self) -> float:
+        total = sum(len(r.column("labels").values) for r in self.records)
+        clicks = sum(float(np.sum(np.asarray(r.column("labels").values))) for r in self.records)
+        return clicks / total if total else 0.0

@@ -1,0 +1,358 @@
+"""`recd preprocess`: DPP. Samples -> transformed training batches, once per unique value.
+
+Reads `samples/layout=clustered/ds=D`, cuts it into batches of `batch_size` contiguous rows,
+transforms the features (transforms.py) and writes the batches to
+`batches/mode=<dedup|baseline>/ds=D`. In dedup mode the user group's rows are deduplicated
+exactly first and only the unique rows are transformed; the batch keeps them as an IKJT.
+Expanding a dedup batch gives the baseline batch, tensor for tensor (tested).
+
+Batch format (Arrow IPC, never pickle): a shard file `shard-NNNNN.arrow` per split; each
+training batch is one record batch of ONE row whose columns are flat tensors:
+
+    labels                    list<float32>   [B]
+    dense                     list<float32>   [B * dense_dim], row-major
+    ids.<key>.values          list<int64>     per-sample id features (a KJT)
+    ids.<key>.lengths         list<int32>     [B]
+    group.<g>.inverse         list<int32>     [B]   sample -> unique row
+    group.<g>.<key>.values    list<int64>     the group's unique rows (an IKJT)
+    group.<g>.<key>.lengths   list<int32>     [U]
+
+The manifest (`_manifest.json`) adds: the model's feature set (after transforms), the dedup
+plan, the standardization statistics, batch size, counts and the click rate.
+
+Parallelism: a split is `batches_per_split` consecutive batches, fixed by the data and the
+config, never by the number of workers, so the output is the same whatever `--workers`:
+`local` runs splits on a process pool, `ray` on Ray Data; shards are listed in split order.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+
+from recd_core.config import DedupConfig, FeatureSet, PreprocessConfig
+from recd_core.dedup import list_parts as _list_parts
+from recd_core.dedup import unique_rows, unique_runs
+from recd_core.schema import events_schema, feature_set_of
+from recd_core.transforms import (
+    dense_stats,
+    model_spec,
+    pre_standardize,
+    transform_dense,
+    transform_ids,
+)
+from recd_core.warehouse import Warehouse
+
+_F32 = pa.list_(pa.float32())
+_I64 = pa.list_(pa.int64())
+_I32 = pa.list_(pa.int32())
+
+
+class PreprocessError(ValueError):
+    """A samples partition or config DPP cannot work with (names the file and column)."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What every batch of a run needs: raw and model feature sets, plan, statistics."""
+
+    raw: FeatureSet
+    model: FeatureSet
+    groups: dict[str, list[str]]
+    stats: dict[str, dict]
+    cfg: PreprocessConfig
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "raw": self.raw.model_dump(mode="json"),
+                "model": self.model.model_dump(mode="json"),
+                "groups": self.groups,
+                "stats": self.stats,
+                "cfg": self.cfg.model_dump(mode="json"),
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Prepared:
+        d = json.loads(text)
+        return cls(
+            FeatureSet.model_validate(d["raw"]),
+            FeatureSet.model_validate(d["model"]),
+            d["groups"],
+            d["stats"],
+            PreprocessConfig.model_validate(d["cfg"]),
+        )
+
+
+def check_samples_schema(warehouse: Warehouse, files: list[str]) -> FeatureSet:
+    """Every file of the partition readable, with every column of its feature set, typed
+    as recd writes it; returns the feature set. Errors name the file and the column."""
+    raw = None
+    for path in files:
+        try:
+            schema = pq.read_schema(warehouse.fs.open_input_file(path))
+        except (pa.ArrowException, OSError) as e:
+            raise PreprocessError(f"{path}: not a readable Parquet file ({e})") from None
+        if raw is None:
+            try:
+                raw = feature_set_of(schema)
+            except ValueError as e:
+                raise PreprocessError(f"{path}: {e}") from None
+        for field in events_schema(raw):
+            if field.name not in schema.names:
+                raise PreprocessError(f"{path}: column {field.name!r} is missing")
+            actual = schema.field(field.name).type
+            if actual != field.type:
+                raise PreprocessError(
+                    f"{path}: column {field.name!r} is {actual}, expected {field.type}"
+                )
+    if raw is None:
+        raise PreprocessError("the samples partition holds no files")
+    return raw
+
+
+def prepare(
+    table: pa.Table,
+    raw: FeatureSet,
+    cfg: PreprocessConfig,
+    stats: dict | None = None,
+    dense: pa.Table | None = None,
+) -> Prepared:
+    """Check the config against the data; measure the dedup plan (on `table`, the first
+    batches) and, unless given, the standardization statistics (on `dense`, the whole
+    partition's dense columns; default `table`)."""
+    from recd_core.dedup import plan_dedup
+
+    for name in cfg.transforms:
+        if name not in {f.name for f in raw.features}:
+            raise PreprocessError(
+                f"config: transforms name feature {name!r}, which the samples do not have"
+            )
+    missing = [f.name for f in raw.features if f.name not in table.column_names] + [
+        c for c in ("label",) if c not in table.column_names
+    ]
+    if missing:
+        raise PreprocessError(f"samples lack column(s) {missing}")
+    if stats is None:
+        stats = {}
+        for f in raw.features:
+            t = cfg.transform_for(f.name, f.kind)
+            if f.kind == "dense" and t.standardize:
+                col = (dense if dense is not None else table)[f.name]
+                stats[f.name] = dense_stats(pre_standardize(_dense(col, f.dim), t))
+    model = FeatureSet(
+        name=raw.name,
+        user_key=raw.user_key,
+        item_key=raw.item_key,
+        features=[model_spec(f, cfg.transform_for(f.name, f.kind)) for f in raw.features],
+    )
+    groups = {}
+    if cfg.mode == "dedup":
+        plan = plan_dedup(table, raw, cfg.dedup, cfg.batch_size)
+        groups = {g: fs for g, fs in plan.groups.items() if fs}
+    return Prepared(raw, model, groups, stats, cfg)
+
+
+def _dense(col: pa.ChunkedArray | pa.Array, dim: int) -> np.ndarray:
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    arr = col.flatten() if pa.types.is_list(col.type) else col
+    return np.asarray(arr.fill_null(np.nan) if arr.null_count else arr, np.float32).reshape(
+        len(col), dim
+    )
+
+
+# -- one batch ----------------------------------------------------------------------------------
+def encode_batch(rows: pa.Table, prep: Prepared) -> pa.RecordBatch:
+    """Transform one batch of samples into the one-row batch record (format: module doc)."""
+    cols: dict[str, pa.Array] = {}
+    n = rows.num_rows
+    cols["labels"] = _one(np.asarray(rows["label"], np.float32), _F32)
+    dense_parts, extra_ids = [], {}
+    for f in prep.raw.features:
+        if f.kind != "dense":
+            continue
+        t = prep.cfg.transform_for(f.name, f.kind)
+        out = transform_dense(_dense(rows[f.name], f.dim), t, prep.stats.get(f.name))
+        if isinstance(out, tuple):
+            extra_ids[f.name] = out
+        else:
+            dense_parts.append(out)
+    dense = np.concatenate(dense_parts, axis=1) if dense_parts else np.zeros((n, 0), np.float32)
+    cols["dense"] = _one(dense.reshape(-1), _F32)
+    grouped = {k for ks in prep.groups.values() for k in ks}
+    for f in prep.model.features:
+        if f.kind == "dense" or f.name in grouped:
+            continue
+        values, lengths = extra_ids.get(f.name) or _ids(rows[f.name], prep, f.name)
+        cols[f"ids.{f.name}.values"] = _one(values, _I64)
+        cols[f"ids.{f.name}.lengths"] = _one(lengths.astype(np.int32), _I32)
+    for g, keys in prep.groups.items():
+        raw_parts = [_list_parts(rows[k]) for k in keys]
+        find = unique_runs if prep.cfg.dedup.method == "runs" else unique_rows
+        first, inverse = find([p[0] for p in raw_parts], [p[1] for p in raw_parts])
+        uniq = rows.select(keys).take(pa.array(first))
+        cols[f"group.{g}.inverse"] = _one(inverse.astype(np.int32), _I32)
+        for k in keys:
+            values, lengths = _ids(uniq[k], prep, k)
+            cols[f"group.{g}.{k}.values"] = _one(values, _I64)
+            cols[f"group.{g}.{k}.lengths"] = _one(lengths.astype(np.int32), _I32)
+    return pa.RecordBatch.from_pydict(cols)
+
+
+def _one(arr: np.ndarray, typ: pa.DataType) -> pa.Array:
+    return pa.ListArray.from_arrays(
+        pa.array([0, len(arr)], pa.int32()), pa.array(arr, typ.value_type)
+    )
+
+
+def _ids(col, prep: Prepared, name: str) -> tuple[np.ndarray, np.ndarray]:
+    spec = prep.raw[name]
+    values, lengths = _list_parts(col)
+    return transform_ids(values, lengths, spec, prep.cfg.transform_for(name, spec.kind))
+
+
+# -- a partition ----------------------------------------------------------------------------------
+def batch_ranges(num_rows: int, batch_size: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + batch_size, num_rows)) for lo in range(0, num_rows, batch_size)]
+
+
+def split_ranges(
+    num_rows: int, cfg: PreprocessConfig, row_group_rows: int | None = None
+) -> list[tuple[int, int]]:
+    """Splits of whole batches: fixed by the data and the config, not by the workers. With
+    `row_group_rows` (the partition's row-group size) a split covers whole row groups when
+    the batch size divides it, so no row group is decoded twice."""
+    step = cfg.batch_size * cfg.batches_per_split
+    if row_group_rows and row_group_rows % cfg.batch_size == 0:
+        step = row_group_rows * max(1, round(step / row_group_rows))
+    return [(lo, min(lo + step, num_rows)) for lo in range(0, num_rows, step)]
+
+
+def process_split(wh_uri: str, ds: str, lo: int, hi: int, prep_json: str, out_path: str) -> dict:
+    """Transform rows [lo, hi) into one shard file (runs in a worker: local pool or Ray)."""
+    t0 = time.perf_counter()
+    prep = Prepared.from_json(prep_json)
+    wh = Warehouse(wh_uri)
+    rows = wh.read_range("samples", ds, lo, hi, layout="clustered")
+    opts = ipc.IpcWriteOptions(
+        compression=None if prep.cfg.compression == "none" else prep.cfg.compression
+    )
+    n_batches = 0
+    sink = wh.fs.open_output_stream(out_path)
+    writer = None
+    for a, b in batch_ranges(hi - lo, prep.cfg.batch_size):
+        rb = encode_batch(rows.slice(a, b - a), prep)
+        if writer is None:
+            writer = ipc.new_file(sink, rb.schema, options=opts)
+        writer.write_batch(rb)
+        n_batches += 1
+    if writer is not None:
+        writer.close()
+    sink.close()
+    return {"batches": n_batches, "samples": hi - lo, "seconds": time.perf_counter() - t0}
+
+
+def preprocess(
+    warehouse: Warehouse,
+    ds: str,
+    cfg: PreprocessConfig,
+    stats_from: str | None = None,
+    progress=None,
+) -> dict:
+    """Run DPP for one day; returns the summary (`dpp.*`)."""
+    t0 = time.perf_counter()
+    info = warehouse.info("samples", ds, layout="clustered")
+    files = warehouse.files("samples", ds, layout="clustered")
+    raw = check_samples_schema(warehouse, files)
+    try:
+        dense_cols = [f.name for f in raw.features if f.kind == "dense"]
+        # statistics need the dense columns only; the dedup profile the first batches
+        dense = (
+            warehouse.read("samples", ds, columns=dense_cols, layout="clustered")
+            if dense_cols
+            else None
+        )
+        profile_rows = min(info.rows, cfg.dedup.profile_batches * cfg.batch_size)
+        head = warehouse.read_range("samples", ds, 0, profile_rows, layout="clustered")
+    except (pa.ArrowException, OSError) as e:
+        raise PreprocessError(f"cannot read samples/layout=clustered/ds={ds}: {e}") from None
+    stats = (
+        warehouse.manifest("batches", stats_from, mode=cfg.mode)["prepared"]["stats"]
+        if stats_from
+        else None
+    )
+    prep = prepare(head, raw, cfg, stats, dense)
+    splits = split_ranges(
+        info.rows, cfg, warehouse.row_group_rows("samples", ds, layout="clustered")
+    )
+    with warehouse.writing("batches", ds, mode=cfg.mode) as w:
+        paths = [w.add_file(f"shard-{i:05d}.arrow") for i in range(len(splits))]
+        args = [
+            (warehouse.uri, ds, lo, hi, prep.to_json(), p)
+            for (lo, hi), p in zip(splits, paths, strict=True)
+        ]
+        results = run_splits(args, cfg, progress)
+        samples = sum(r["samples"] for r in results)
+        w.rows = samples
+        w.extra = {
+            "format": "recd.batches/1 (see recd_core/dpp.py)",
+            "mode": cfg.mode,
+            "batch_size": cfg.batch_size,
+            "batches": sum(r["batches"] for r in results),
+            "samples": samples,
+            "batches_per_shard": [r["batches"] for r in results],
+            "prepared": json.loads(prep.to_json()),
+        }
+    seconds = time.perf_counter() - t0
+    work = sum(r["seconds"] for r in results)
+    return {
+        "dpp.mode": cfg.mode,
+        "dpp.samples": samples,
+        "dpp.batches": w.extra["batches"],
+        "dpp.samples_per_s": samples / seconds if seconds > 0 else 0.0,
+        "dpp.worker_samples_per_s": samples / work if work > 0 else 0.0,
+        "dpp.bytes_out": w.info.bytes,
+        "dpp.seconds": seconds,
+        "dpp.workers": cfg.workers,
+        "dpp.engine": cfg.engine,
+        "dpp.dedup_groups": {g: len(k) for g, k in prep.groups.items()},
+    }
+
+
+def run_splits(args: list[tuple], cfg: PreprocessConfig, progress=None) -> list[dict]:
+    if cfg.engine == "ray":
+        from recd_core.dpp_ray import run_on_ray
+
+        return run_on_ray(args, cfg.workers)
+    if cfg.workers == 1:
+        out = []
+        for a in args:
+            out.append(process_split(*a))
+            if progress:
+                progress("split", 1)
+        return out
+    import multiprocessing as mp
+
+    with ProcessPoolExecutor(cfg.workers, mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(process_split, *a) for a in args]
+        out = []
+        for f in futures:  # in split order
+            out.append(f.result())
+            if progress:
+                progress("split", 1)
+        return out
+
+
+def default_config(
+    mode: str, batch_size: int, dedup: DedupConfig | None = None
+) -> PreprocessConfig:
+    return PreprocessConfig(mode=mode, batch_size=batch_size, dedup=dedup or DedupConfig())
