@@ -119,11 +119,12 @@ def markdown(r: dict) -> str:
             f"{human_bytes(s['clustered_bytes'])} | **{s['storage_ratio']:.2f}x** | {human_bytes(s['lower_bound_bytes'])} | "
             f"{s['clustered_over_lower_bound']:.3f} | {s['dedup_factor_mean_clustered']:.1f} / {s['dedup_factor_mean_shuffled']:.2f} |"
         )
-    rows.append("")
-    rows.append(
-        f"Ingestion ({r['bench.preset']}): {r['bench.ingest_rows_per_s']:,.0f} rows/s, "
-        f"{r['bench.ingest_mb_per_s']:.1f} MB/s of gzipped input, on {r['bench.machine']}."
-    )
+    if "bench.ingest_rows_per_s" in r:
+        rows.append("")
+        rows.append(
+            f"Ingestion ({r['bench.preset']}): {r['bench.ingest_rows_per_s']:,.0f} rows/s, "
+            f"{r['bench.ingest_mb_per_s']:.1f} MB/s of gzipped input, on {r['bench.machine']}."
+        )
     if "bench.dpp_speedup" in r:
         rows += ["", "| DPP preprocessing | dedup | baseline | ratio |", "|---|---|---|---|"]
         rows.append(

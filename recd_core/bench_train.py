@@ -144,6 +144,9 @@ def bench_train(
 def _memory_probe(args) -> int:
     """Peak memory of a few training steps in one mode (run in a fresh process)."""
     table_path, cfg_json, mode, device = args
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
     import pyarrow.parquet as pq
 
     cfg = TrainConfig.model_validate_json(cfg_json)
@@ -180,8 +183,8 @@ def bench_embeddings(table: pa.Table, cfg: TrainConfig, repeats: int = 5) -> dic
         from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     except ImportError:
         return {}
-    from recd_core.batching import _hashed
-    from recd_core.sparse import KeyedJaggedTensor, ikjt_from_arrow, to_torchrec
+    from recd_core.dedup import DedupPlan
+    from recd_core.sparse import KeyedJaggedTensor, to_torchrec
 
     features = feature_set_of(table.schema)
     plan = plan_dedup(table, features, cfg.dedup, cfg.batch_size)
@@ -205,8 +208,10 @@ def bench_embeddings(table: pa.Table, cfg: TrainConfig, repeats: int = 5) -> dic
     )
     for bag in ebc.embedding_bags.values():
         bag.sparse = True  # sparse gradients, as in our model
-    hashed = pa.table({n: _hashed(rows[n], features[n].table_size) for n in names})
-    ik_group = ikjt_from_arrow(hashed, grouped)
+    # the grouped features' IKJT, transformed exactly as the DPP does
+    ik_group = make_batch(rows, features, DedupPlan(groups={"user": grouped}, profile={})).groups[
+        "user"
+    ]
     per_kjt = KeyedJaggedTensor(per_sample, *_kv(flat.kjt, per_sample))
     vbe = _vbe(ik_group, per_kjt)
     keys = grouped + per_sample
