@@ -37,7 +37,7 @@ def make_batch(rows: pa.Table, features: FeatureSet, plan: DedupPlan | None) -> 
         default_dense=TransformSpec(),
         dedup=DedupConfig(method="hash"),
     )
-    prep = Prepared(features, features, groups, {}, cfg)
+    prep = Prepared(features, features, groups, {}, cfg, dedup_method="hash")
     return decode_batch(encode_batch(rows, prep), features, groups)
 
 

@@ -157,6 +157,9 @@ class IngestConfig(_Strict):
     # MovieLens: a new session starts after this many seconds without a rating.
     session_gap_s: int = Field(default=30 * 60, gt=0)
     label_min_rating: float = 4.0
+    # user-side values must be the same for every event of a session (RecD's premise);
+    # an event that differs from its session's first event is quarantined
+    check_sessions: bool = True
 
 
 class GenerateConfig(_Strict):
@@ -192,9 +195,11 @@ class DedupConfig(_Strict):
     """Which features are deduplicated (batching.plan_dedup)."""
 
     min_factor: float = Field(default=2.0, ge=1.0)
-    # how unique rows are found: `runs` (adjacent duplicates: session-clustered data; exact,
-    # cheapest) or `hash` (all duplicates, any order; hash then exact check)
-    method: Literal["runs", "hash"] = "runs"
+    # how unique rows are found: `session` (one unique row per session run: exact for data
+    # whose ingest checked user-side values constant within sessions; O(rows)), `runs`
+    # (adjacent identical rows, compared value by value), `hash` (all duplicates in any
+    # order: hash, then an exact check); `auto` = session where the data is checked, else runs
+    method: Literal["auto", "session", "runs", "hash"] = "auto"
     profile_batches: int = Field(default=16, gt=0)  # batches the dedup profile is measured on
     groups: dict[str, list[str]] | None = None  # explicit groups: skip the measurement
 

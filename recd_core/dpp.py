@@ -39,8 +39,8 @@ import pyarrow.parquet as pq
 
 from recd_core.config import DedupConfig, FeatureSet, PreprocessConfig
 from recd_core.dedup import list_parts as _list_parts
-from recd_core.dedup import unique_rows, unique_runs
-from recd_core.schema import events_schema, feature_set_of
+from recd_core.dedup import unique_rows, unique_runs, unique_sessions
+from recd_core.schema import events_schema, feature_set_of, sessions_checked
 from recd_core.transforms import (
     dense_stats,
     model_spec,
@@ -68,10 +68,12 @@ class Prepared:
     groups: dict[str, list[str]]
     stats: dict[str, dict]
     cfg: PreprocessConfig
+    dedup_method: str = "runs"  # resolved: session | runs | hash
 
     def to_json(self) -> str:
         return json.dumps(
             {
+                "dedup_method": self.dedup_method,
                 "raw": self.raw.model_dump(mode="json"),
                 "model": self.model.model_dump(mode="json"),
                 "groups": self.groups,
@@ -89,6 +91,7 @@ class Prepared:
             d["groups"],
             d["stats"],
             PreprocessConfig.model_validate(d["cfg"]),
+            d.get("dedup_method", "runs"),
         )
 
 
@@ -158,7 +161,26 @@ def prepare(
     if cfg.mode == "dedup":
         plan = plan_dedup(table, raw, cfg.dedup, cfg.batch_size)
         groups = {g: fs for g, fs in plan.groups.items() if fs}
-    return Prepared(raw, model, groups, stats, cfg)
+    return Prepared(
+        raw, model, groups, stats, cfg, resolve_method(cfg.dedup.method, table.schema, raw, groups)
+    )
+
+
+def resolve_method(
+    method: str, schema: pa.Schema, raw: FeatureSet, groups: dict[str, list[str]]
+) -> str:
+    """`session` only where it is exact: ingest checked the sessions and every grouped
+    feature is user-side (the checked ones)."""
+    user = {f.name for f in raw.by_side("user")}
+    session_ok = sessions_checked(schema) and all(set(fs) <= user for fs in groups.values())
+    if method == "auto":
+        return "session" if session_ok else "runs"
+    if method == "session" and not session_ok:
+        raise PreprocessError(
+            "dedup method 'session' needs samples whose ingest checked sessions (check_sessions) "
+            "and user-side groups only; use 'auto', 'runs' or 'hash'"
+        )
+    return method
 
 
 def _dense(col: pa.ChunkedArray | pa.Array, dim: int) -> np.ndarray:
@@ -197,8 +219,11 @@ def encode_batch(rows: pa.Table, prep: Prepared) -> pa.RecordBatch:
         cols[f"ids.{f.name}.lengths"] = _one(lengths.astype(np.int32), _I32)
     for g, keys in prep.groups.items():
         raw_parts = [_list_parts(rows[k]) for k in keys]
-        find = unique_runs if prep.cfg.dedup.method == "runs" else unique_rows
-        first, inverse = find([p[0] for p in raw_parts], [p[1] for p in raw_parts])
+        if prep.dedup_method == "session":
+            first, inverse = unique_sessions(np.asarray(rows["session_id"]))
+        else:
+            find = unique_runs if prep.dedup_method == "runs" else unique_rows
+            first, inverse = find([p[0] for p in raw_parts], [p[1] for p in raw_parts])
         uniq = rows.select(keys).take(pa.array(first))
         cols[f"group.{g}.inverse"] = _one(inverse.astype(np.int32), _I32)
         for k in keys:
@@ -325,6 +350,7 @@ def preprocess(
         "dpp.workers": cfg.workers,
         "dpp.engine": cfg.engine,
         "dpp.dedup_groups": {g: len(k) for g, k in prep.groups.items()},
+        "dpp.dedup_method": prep.dedup_method if prep.groups else None,
     }
 
 

@@ -28,7 +28,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from recd_core.config import ENVELOPE_COLUMNS, FeatureSet, GenerateConfig, IngestConfig
-from recd_core.schema import events_schema
+from recd_core.dedup import rows_equal_to
+from recd_core.schema import events_schema, mark_sessions_checked
 from recd_core.sources import (
     Parsed,
     Rejects,
@@ -219,6 +220,55 @@ def drop_duplicate_events(parts: list[Parsed]) -> tuple[list[Parsed], Rejects]:
     return out, rejects
 
 
+def _flat(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """(values, lengths) of a scalar or list column, values in their own dtype."""
+    col = col.combine_chunks()
+    if pa.types.is_list(col.type):
+        offsets = np.asarray(col.offsets, np.int64)
+        return np.asarray(col.values.slice(offsets[0], offsets[-1] - offsets[0])), np.diff(offsets)
+    return np.asarray(col), np.ones(len(col), np.int64)
+
+
+def check_sessions(parts: list[Parsed], features: FeatureSet) -> tuple[list[Parsed], Rejects]:
+    """Quarantine events whose user-side values differ from their session's first event
+    (by time, then event_id): user features are a snapshot taken at session start, which is
+    what lets every later stage deduplicate by session."""
+    rejects = Rejects()
+    if not parts:
+        return parts, rejects
+    table = pa.concat_tables([p.table for p in parts])
+    n = table.num_rows
+    sid, ts, eid = (np.asarray(table[c]) for c in ("session_id", "ts", "event_id"))
+    order = np.lexsort((eid, ts, sid))
+    first = np.concatenate([[True], sid[order][1:] != sid[order][:-1]])
+    ref = np.empty(n, np.int64)
+    ref[order] = order[np.maximum.accumulate(np.where(first, np.arange(n), 0))]
+    bad = np.zeros(n, bool)
+    blame = np.empty(n, object)
+    for spec in features.by_side("user"):
+        values, lengths = _flat(table[spec.name])
+        differs = ~rows_equal_to(values, lengths, ref) & ~bad
+        blame[differs] = spec.name
+        bad |= differs
+    if not bad.any():
+        return parts, rejects
+    out, start = [], 0
+    for p in parts:
+        rows = p.table.num_rows
+        where = np.flatnonzero(bad[start : start + rows])
+        if where.size:
+            g = start + where
+            reasons = [  # a loop over the rejected rows only
+                f"field {blame[i]!r}: differs from the first event of session {sid[i]} (event_id {eid[ref[i]]})"
+                for i in g
+            ]
+            rejects.add(p.source, p.lines[where], list(blame[g]), reasons, p.raw_rows(where))
+            p = p.subset(np.flatnonzero(~bad[start : start + rows]))
+        out.append(p)
+        start += rows
+    return out, rejects
+
+
 def list_source_files(source: Path, suffixes: tuple[str, ...]) -> list[Path]:
     if not source.exists():
         raise SourceError(f"source not found: {source}")
@@ -286,8 +336,12 @@ def ingest(
         parts, rejects, bytes_in = read_events(files, features, progress)
     parts, dupes = drop_duplicate_events(parts)
     rejects.extend(dupes)
-
     schema = events_schema(features)
+    if cfg.check_sessions:
+        parts, inconsistent = check_sessions(parts, features)
+        rejects.extend(inconsistent)
+        schema = mark_sessions_checked(schema)
+
     events = (
         pa.concat_tables([p.table for p in parts]).cast(schema) if parts else schema.empty_table()
     )

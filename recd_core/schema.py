@@ -46,3 +46,15 @@ def feature_set_of(schema: pa.Schema) -> FeatureSet:
     if raw is None:
         raise ValueError("table has no recd.features metadata: not written by recd")
     return FeatureSet.model_validate_json(raw)
+
+
+SESSIONS_CHECKED_KEY = b"recd.sessions_checked"
+
+
+def sessions_checked(schema: pa.Schema) -> bool:
+    """Did ingest verify that user-side values are constant within every session?"""
+    return (schema.metadata or {}).get(SESSIONS_CHECKED_KEY) == b"true"
+
+
+def mark_sessions_checked(schema: pa.Schema) -> pa.Schema:
+    return schema.with_metadata({**(schema.metadata or {}), SESSIONS_CHECKED_KEY: b"true"})

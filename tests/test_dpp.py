@@ -198,3 +198,32 @@ def test_ray_engine_on_a_local_instance_matches_the_local_engine(fresh_warehouse
     s = preprocess(fresh_warehouse, DAY, cfg.model_copy(update={"engine": "ray", "workers": 2}))
     assert s["dpp.engine"] == "ray" and len(local) > 2
     assert _shard_bytes(fresh_warehouse) == local
+
+
+def test_session_dedup_is_used_only_on_checked_data_and_matches_value_comparison(fresh_warehouse):
+    from recd_core.config import DedupConfig
+
+    s = preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=512))
+    assert s["dpp.dedup_method"] == "session", "ingest checked the sessions of this data"
+    by_session = [expand(b) for b in BatchStore(fresh_warehouse, DAY, "dedup")]
+    runs = preprocess(
+        fresh_warehouse, DAY, PreprocessConfig(batch_size=512, dedup=DedupConfig(method="runs"))
+    )
+    assert runs["dpp.dedup_method"] == "runs"
+    by_value = [expand(b) for b in BatchStore(fresh_warehouse, DAY, "dedup")]
+    for a, b in zip(by_session, by_value, strict=True):
+        assert _tensors(a) == _tensors(b) and torch.equal(a.dense, b.dense)
+    # unchecked samples: `auto` compares values, `session` is refused
+    t = fresh_warehouse.read("samples", DAY, layout="clustered")
+    meta = {k: v for k, v in t.schema.metadata.items() if k != b"recd.sessions_checked"}
+    _rewrite_samples(fresh_warehouse, t.replace_schema_metadata(meta))
+    assert (
+        preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=512))["dpp.dedup_method"]
+        == "runs"
+    )
+    with pytest.raises(PreprocessError, match="needs samples whose ingest checked sessions"):
+        preprocess(
+            fresh_warehouse,
+            DAY,
+            PreprocessConfig(batch_size=512, dedup=DedupConfig(method="session")),
+        )

@@ -199,3 +199,28 @@ def test_validation_is_order_preserving_and_exact(day_logs, warehouse, features)
             assert abs(row[k] - v) < 1e-6
         else:
             assert row[k] == v, k
+
+
+def test_an_event_whose_user_features_differ_within_its_session_is_quarantined(
+    day_logs, warehouse, features
+):
+    lines = _clean_lines(day_logs, 60)
+    rows = [json.loads(x) for x in lines]
+    sid = rows[0]["session_id"]
+    same = [i for i, r in enumerate(rows) if r["session_id"] == sid]
+    assert len(same) >= 2, "the first session has several events"
+    victim = same[-1]
+    lines[victim] = _mutate(lines[victim], user_age=rows[victim]["user_age"] + 1)
+    src = day_logs.parent / "drift.jsonl"
+    src.write_bytes(b"\n".join(lines))
+    s = ingest(src, warehouse, DAY, features, IngestConfig(max_quarantine_fraction=1.0))
+    q = warehouse.read("quarantine", DAY).to_pylist()
+    assert [r["line"] for r in q] == [victim + 1] and q[0]["field"] == "user_age"
+    assert f"differs from the first event of session {sid}" in q[0]["reason"]
+    assert s["ingest.rows_ok"] == len(lines) - 1
+    from recd_core.schema import sessions_checked
+
+    assert sessions_checked(warehouse.read("events", DAY).schema)
+    ingest(src, warehouse, DAY, features, IngestConfig(check_sessions=False))
+    assert warehouse.read("events", DAY).num_rows == len(lines)
+    assert not sessions_checked(warehouse.read("events", DAY).schema)
