@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict
 
 from recd_core.config import DedupConfig, FeatureSet
+from recd_core.schema import sessions_checked
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -255,6 +256,17 @@ def id_features(features: FeatureSet) -> list[str]:
     return [f.name for f in features.features if f.kind != "dense"]
 
 
+def session_factors(session_ids: np.ndarray, batch_size: int) -> np.ndarray:
+    """Per batch: samples / session runs (a lower bound of every user feature's factor)."""
+    n = session_ids.size
+    if n == 0:
+        return np.zeros(0)
+    batch = np.arange(n) // batch_size
+    start = np.ones(n, bool)
+    start[1:] = (session_ids[1:] != session_ids[:-1]) | (batch[1:] != batch[:-1])
+    return np.bincount(batch) / np.bincount(batch[start])
+
+
 def plan_dedup(
     table: pa.Table, features: FeatureSet, cfg: DedupConfig, batch_size: int
 ) -> DedupPlan:
@@ -264,8 +276,16 @@ def plan_dedup(
         if unknown:
             raise ValueError(f"dedup groups name unknown id features: {unknown}")
         return DedupPlan(groups=cfg.groups, profile={})
+    head = table.slice(0, cfg.profile_batches * batch_size)
+    user_ids = [f.name for f in features.by_side("user") if f.kind != "dense"]
+    if user_ids and sessions_checked(table.schema) and "session_id" in table.column_names:
+        # User-side values are constant within a session (checked at ingest), so every user
+        # feature's factor is at least samples per session run: decided in O(rows).
+        floor = float(session_factors(np.asarray(head["session_id"]), batch_size).mean())
+        if floor >= cfg.min_factor:
+            return DedupPlan(groups={"user": user_ids}, profile={f: floor for f in user_ids})
     # measured on the first `profile_batches` batches: the profile is a decision, not a report
-    profile = dedup_profile(table.slice(0, cfg.profile_batches * batch_size), ids, batch_size)
+    profile = dedup_profile(head, ids, batch_size)
     user = [
         f.name
         for f in features.by_side("user")

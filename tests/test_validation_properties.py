@@ -38,17 +38,31 @@ F32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
 
 @st.composite
 def events(draw, min_size=1, max_size=30):
+    """Valid events: a few sessions, each with its user-side snapshot (shared by all its
+    events, as ingest requires), and per-event item/context values."""
     n = draw(st.integers(min_size, max_size))
     ids = draw(st.lists(I64, min_size=n, max_size=n, unique=True))
+    sessions = draw(
+        st.lists(
+            st.fixed_dictionaries(
+                {
+                    "session_id": I64,
+                    "user_id": I64,
+                    "user_tags": st.lists(I64, max_size=5),
+                    "user_emb": st.lists(F32, min_size=2, max_size=2),
+                }
+            ),
+            min_size=1,
+            max_size=4,
+            unique_by=lambda s: s["session_id"],
+        )
+    )
     return [
         {
             "event_id": eid,
             "ts": draw(st.integers(0, 2**62)),
-            "session_id": draw(I64),
+            **draw(st.sampled_from(sessions)),
             "label": draw(st.sampled_from([0, 1])),
-            "user_id": draw(I64),
-            "user_tags": draw(st.lists(I64, max_size=5)),
-            "user_emb": draw(st.lists(F32, min_size=2, max_size=2)),
             "item_id": draw(I64),
             "item_score": draw(F32),
         }
