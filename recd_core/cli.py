@@ -255,18 +255,19 @@ def train_cmd(
     train_config: Annotated[
         Path | None, typer.Option(help="TrainConfig YAML (model, optimizer, dedup plan)")
     ] = None,
+    config: ConfigOpt = None,
     summary: SummaryOpt = None,
 ):
-    """Train the DLRM on samples/layout=clustered/ds=D, dedup (IKJT) or baseline (KJT);
-    resumes from the run's latest checkpoint."""
+    """Train the DLRM on the preprocessed batches/mode=<mode>/ds=D (dedup: IKJT, baseline:
+    KJT); resumes from the run's latest checkpoint. --batch-size must match preprocessing."""
     from recd_core.config import TrainConfig, load_yaml, parse_config
-    from recd_core.train import CheckpointError, train
+    from recd_core.train import BatchMismatch, CheckpointError, train
 
     def body():
         base = (
             parse_config(TrainConfig, load_yaml(train_config), str(train_config))
             if train_config
-            else TrainConfig()
+            else _pipeline(config).train
         )
         overrides = {
             "mode": mode.value, "device": device.value, "amp": amp, "batch_size": batch_size,
@@ -277,7 +278,7 @@ def train_cmd(
         )
         try:
             return train(Warehouse(warehouse), ds, cfg, nproc=nproc)
-        except CheckpointError as e:
+        except (CheckpointError, BatchMismatch) as e:
             raise BadInput(str(e)) from None
 
     _run("train", summary, body)

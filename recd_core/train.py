@@ -43,6 +43,10 @@ from recd_core.model import DLRM
 from recd_core.warehouse import Warehouse
 
 
+class BatchMismatch(ValueError):
+    """The preprocessed batches are not what the training config asks for."""
+
+
 class CheckpointError(Exception):
     """A checkpoint that cannot be read: named, with what to do about it."""
 
@@ -186,6 +190,12 @@ def _train_worker(
     warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
     wh = Warehouse(wh_uri)
     store = BatchStore(wh, ds, cfg.mode)
+    if store.manifest["batch_size"] != cfg.batch_size:
+        raise BatchMismatch(
+            f"batches/mode={cfg.mode}/ds={ds} were preprocessed with batch size "
+            f"{store.manifest['batch_size']}, the training config asks for {cfg.batch_size}: "
+            f"re-run `recd preprocess --batch-size {cfg.batch_size}` or train with that size"
+        )
     features = store.model_features
     model = DLRM(features, cfg.model)
     model.init_output_bias(store.click_rate())

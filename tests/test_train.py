@@ -215,3 +215,13 @@ def test_two_processes_data_parallel_on_gloo(fresh_warehouse):
     assert s["train.samples"] >= n - 256 and np.isfinite(s["train.loss"])
     model, _ = load_model(s["train.model_uri"])
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_training_refuses_batches_of_another_size(fresh_warehouse):
+    from recd_core.train import BatchMismatch
+
+    preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=512))
+    with pytest.raises(
+        BatchMismatch, match=r"preprocessed with batch size 512, the training config asks for 256"
+    ):
+        train(fresh_warehouse, DAY, TrainConfig(batch_size=256, model=SMALL_MODEL))
