@@ -284,6 +284,28 @@ def train_cmd(
     _run("train", summary, body)
 
 
+@app.command("evaluate")
+def evaluate_cmd(
+    warehouse: WarehouseOpt,
+    model: Annotated[str, typer.Option(help="the model URI (train's train.model_uri)")],
+    ds: DsOpt,
+    batch_size: Annotated[int, typer.Option(min=1)] = 4096,
+    summary: SummaryOpt = None,
+):
+    """Score samples/layout=clustered/ds=D with a trained model: NE, AUC, log loss, calibration."""
+    from recd_core.evaluate import evaluate
+
+    def body():
+        try:
+            return evaluate(Warehouse(warehouse), model, ds, batch_size)
+        except PartitionNotFound:
+            raise
+        except FileNotFoundError as e:
+            raise BadInput(f"model not found: {model} ({e.strerror or e})") from None
+
+    _run("evaluate", summary, body)
+
+
 @app.command("run")
 def run_cmd(
     warehouse: WarehouseOpt = "data/default/warehouse",
