@@ -11,7 +11,9 @@ DATA := data
 MOVIELENS := $(DATA)/movielens/ml-100k
 RECBOLE_WHEEL := recbole==1.2.1
 
-.PHONY: run test lint venv movielens bench clean distclean
+MLFLOW_DB := $(CURDIR)/$(DATA)/mlflow.db
+
+.PHONY: run test lint venv movielens bench ui clean distclean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +30,14 @@ venv: $(STAMP)
 # The main job: one day of the daily pipeline on the embedded default
 # (generated logs, local warehouse under data/).
 run: $(STAMP)
-	$(BIN)/recd run --warehouse $(DATA)/default/warehouse --logs $(DATA)/default/logs --summary $(DATA)/default/summary.json
+	@mkdir -p $(DATA)
+	$(BIN)/recd --tracking-uri sqlite:///$(MLFLOW_DB) run --warehouse $(DATA)/default/warehouse \
+	  --logs $(DATA)/default/logs --summary $(DATA)/default/summary.json
+	@echo "MLflow runs: make ui  (then open http://127.0.0.1:5000)"
+
+# The MLflow UI over the embedded store that `make run` writes.
+ui: $(STAMP)
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(MLFLOW_DB) --host 127.0.0.1 --port 5000
 
 lint: $(STAMP)
 	$(BIN)/ruff check recd_core tests

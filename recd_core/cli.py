@@ -1,12 +1,15 @@
 """`recd`: one command per stage (DESIGN.md section 4). I/O and argument parsing live here;
 the work is done by the stage modules. Every command prints a readable summary, writes
-`--summary PATH` JSON with the contract keys, and exits non-zero with a one-line reason on
-bad input (2) or a failed quality gate (3).
+`--summary PATH` JSON with the contract keys, records an MLflow run when a tracking URI is
+set (`recd --tracking-uri URI <command>` or MLFLOW_TRACKING_URI), and exits non-zero with a
+one-line reason on bad input (2), a failed quality gate (3) or an unusable tracking server (4).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import os
 import sys
 import warnings
 from enum import StrEnum
@@ -65,22 +68,64 @@ def _fail(command: str, message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
-def _run(command: str, summary_path: Path | None, fn) -> dict:
-    """Run a command body; map expected failures to a one-line reason and an exit code."""
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    tracking_uri: Annotated[
+        str | None,
+        typer.Option(
+            envvar="MLFLOW_TRACKING_URI",
+            help="MLflow tracking URI (http://…, sqlite:///…); off if unset",
+        ),
+    ] = None,
+    experiment: Annotated[str, typer.Option(help="MLflow experiment name")] = "recd",
+):
+    """Options for every command: where the run record goes."""
+    if tracking_uri:
+        from recd_core.tracking import Tracker
+
+        # bounded MLflow HTTP behaviour: no retry storms against a dead server
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        ctx.obj = Tracker(tracking_uri, experiment)
+
+
+def _run(ctx: typer.Context, command: str, summary_path: Path | None, fn) -> dict:
+    """Run a command body; map expected failures to a one-line reason and an exit code;
+    record the run in MLflow when a tracking URI is set."""
     from recd_core.ingest import QuarantineExceeded
+    from recd_core.tracking import TrackingError
+
+    tracker = ctx.find_root().obj
+    params = {k: v for k, v in ctx.params.items() if k != "summary"}
+    if tracker is not None:
+        try:
+            tracker.check()
+        except TrackingError as e:
+            _fail(command, str(e), 4)
+
+    def failed(summary: dict, message: str, code: int) -> None:
+        write_summary(summary_path, summary)
+        if tracker is not None:
+            with contextlib.suppress(TrackingError):
+                tracker.log(command, params, summary)
+        _fail(command, message, code)
 
     try:
         summary = fn()
     except (ConfigError, SourceError, PartitionNotFound, BadInput) as e:
-        write_summary(summary_path, {"status": "failed", "error": str(e)})
-        _fail(command, str(e).strip(), 2)
+        failed({"status": "failed", "error": str(e)}, str(e).strip(), 2)
     except QuarantineExceeded as e:
-        write_summary(summary_path, {**e.summary, "status": "failed", "error": str(e)})
-        _fail(command, str(e), 3)
+        failed({**e.summary, "status": "failed", "error": str(e)}, str(e), 3)
     except ValueError as e:  # e.g. a malformed --ds
-        write_summary(summary_path, {"status": "failed", "error": str(e)})
-        _fail(command, str(e), 2)
+        failed({"status": "failed", "error": str(e)}, str(e), 2)
     summary = {"status": "ok", **summary}
+    if tracker is not None:
+        try:
+            summary["mlflow.run_id"] = tracker.log(command, params, summary)
+        except TrackingError as e:
+            write_summary(summary_path, summary)
+            _fail(command, f"the stage succeeded but {e}", 4)
     write_summary(summary_path, summary)
     print_summary(f"recd {command}", summary)
     return summary
@@ -92,6 +137,7 @@ def _pipeline(config: Path | None, dataset: str = "synthetic") -> PipelineConfig
 
 @app.command()
 def synth(
+    ctx: typer.Context,
     out: Annotated[Path, typer.Option(help="directory for OUT/ds=YYYY-MM-DD/*.jsonl.gz")],
     start_date: Annotated[str, typer.Option(help="first day, YYYY-MM-DD")] = "2026-11-01",
     days: Annotated[int, typer.Option(min=1)] = 1,
@@ -126,11 +172,12 @@ def synth(
                 "synth.out": str(out),
             }
 
-    _run("synth", summary, body)
+    _run(ctx, "synth", summary, body)
 
 
 @app.command("ingest")
 def ingest_cmd(
+    ctx: typer.Context,
     source: Annotated[Path, typer.Option(help="a log file or a directory of them")],
     warehouse: WarehouseOpt,
     ds: DsOpt,
@@ -153,11 +200,12 @@ def ingest_cmd(
         with progress("ingest", None) as advance:
             return ingest(source, wh, ds, pipe.features, cfg, pipe.generate, advance)
 
-    _run("ingest", summary, body)
+    _run(ctx, "ingest", summary, body)
 
 
 @app.command("generate")
 def generate_cmd(
+    ctx: typer.Context,
     warehouse: WarehouseOpt,
     ds: DsOpt,
     layout: LayoutChoice = LayoutChoice.clustered,
@@ -179,7 +227,7 @@ def generate_cmd(
         with progress("generate", len(layouts)) as advance:
             return generate(Warehouse(warehouse), ds, cfg, layouts, advance)
 
-    _run("generate", summary, body)
+    _run(ctx, "generate", summary, body)
 
 
 class Mode(StrEnum):
@@ -194,6 +242,7 @@ class Engine(StrEnum):
 
 @app.command("preprocess")
 def preprocess_cmd(
+    ctx: typer.Context,
     warehouse: WarehouseOpt,
     ds: DsOpt,
     mode: Mode = Mode.dedup,
@@ -229,7 +278,7 @@ def preprocess_cmd(
         except PreprocessError as e:
             raise BadInput(str(e)) from None
 
-    _run("preprocess", summary, body)
+    _run(ctx, "preprocess", summary, body)
 
 
 class DeviceChoice(StrEnum):
@@ -240,6 +289,7 @@ class DeviceChoice(StrEnum):
 
 @app.command("train")
 def train_cmd(
+    ctx: typer.Context,
     warehouse: WarehouseOpt,
     ds: DsOpt,
     mode: Mode = Mode.dedup,
@@ -281,11 +331,12 @@ def train_cmd(
         except (CheckpointError, BatchMismatch) as e:
             raise BadInput(str(e)) from None
 
-    _run("train", summary, body)
+    _run(ctx, "train", summary, body)
 
 
 @app.command("evaluate")
 def evaluate_cmd(
+    ctx: typer.Context,
     warehouse: WarehouseOpt,
     model: Annotated[str, typer.Option(help="the model URI (train's train.model_uri)")],
     ds: DsOpt,
@@ -303,11 +354,12 @@ def evaluate_cmd(
         except FileNotFoundError as e:
             raise BadInput(f"model not found: {model} ({e.strerror or e})") from None
 
-    _run("evaluate", summary, body)
+    _run(ctx, "evaluate", summary, body)
 
 
 @app.command("run")
 def run_cmd(
+    ctx: typer.Context,
     warehouse: WarehouseOpt = "data/default/warehouse",
     ds: Annotated[str | None, typer.Option(help="the day to run (default: yesterday, UTC)")] = None,
     logs: Annotated[
@@ -328,7 +380,7 @@ def run_cmd(
         with progress("run", 3 + len(modes)) as advance:
             return run_day(Warehouse(warehouse), day, logs, _pipeline(config), modes, advance)
 
-    result = _run("run", summary, body)
+    result = _run(ctx, "run", summary, body)
     console.print(
         f"samples written to {result['run.warehouse']}/samples/layout=*/ds={result['run.ds']}; "
         f"clustered layout is {result.get('storage.ratio', float('nan')):.2f}x smaller than shuffled."
@@ -337,6 +389,7 @@ def run_cmd(
 
 @app.command("bench")
 def bench_cmd(
+    ctx: typer.Context,
     preset: Preset = Preset.standard,
     out: Annotated[Path, typer.Option(help="where the bench writes its data and report")] = Path(
         "build/bench"
@@ -352,7 +405,7 @@ def bench_cmd(
     def body():
         return run_bench(preset.value, out, movielens)
 
-    _run("bench", summary or out / "bench.json", body)
+    _run(ctx, "bench", summary or out / "bench.json", body)
 
 
 def main() -> None:

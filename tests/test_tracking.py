@@ -1,0 +1,126 @@
+"""MLflow run records from the commands: a SQLite store and a real `mlflow server` on loopback."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+DAY = "2026-11-01"
+RECD = Path(sys.executable).parent / "recd"
+
+
+def recd(*args, check=True, env=None):
+    r = subprocess.run([str(RECD), *map(str, args)], capture_output=True, text=True, env=env)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def _runs(uri, stage):
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("recd")
+    return client, client.search_runs(
+        [exp.experiment_id], filter_string=f"tags.`recd.stage` = '{stage}'"
+    )
+
+
+def test_each_command_records_a_run_in_a_sqlite_store(tmp_path, day_logs):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    wh = tmp_path / "wh"
+    recd(
+        "--tracking-uri",
+        uri,
+        "ingest",
+        "--source",
+        day_logs,
+        "--warehouse",
+        wh,
+        "--ds",
+        DAY,
+        "--summary",
+        tmp_path / "i.json",
+    )
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri}  # the environment works too
+    recd("generate", "--warehouse", wh, "--ds", DAY, "--layout", "both", env=env)
+    client, runs = _runs(uri, "ingest")
+    assert len(runs) == 1
+    run = runs[0]
+    summary = json.loads((tmp_path / "i.json").read_text())
+    assert summary["mlflow.run_id"] == run.info.run_id
+    assert run.data.metrics["ingest.rows_ok"] == summary["ingest.rows_ok"]
+    assert run.data.params["ds"] == DAY and run.data.tags["ds"] == DAY
+    assert run.info.status == "FINISHED"
+    assert "summary.json" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    _, gen = _runs(uri, "generate")
+    assert gen[0].data.metrics["storage.ratio"] > 1 and "dedup.factor.mean" in gen[0].data.metrics
+
+
+def test_a_failed_stage_is_recorded_as_failed(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    r = recd(
+        "--tracking-uri", uri, "generate", "--warehouse", tmp_path / "wh", "--ds", DAY, check=False
+    )
+    assert r.returncode == 2
+    _, runs = _runs(uri, "generate")
+    assert runs[0].info.status == "FAILED" and runs[0].data.tags["recd.status"] == "failed"
+
+
+def test_an_unreachable_server_fails_fast_with_one_line(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    t0 = time.monotonic()
+    r = recd(
+        "--tracking-uri",
+        f"http://127.0.0.1:{port}",
+        "synth",
+        "--out",
+        tmp_path / "logs",
+        check=False,
+    )
+    assert r.returncode == 4 and time.monotonic() - t0 < 10
+    assert "unreachable" in r.stderr and r.stderr.strip().count("\n") == 0
+    assert not (tmp_path / "logs").exists(), "nothing was done"
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real MLflow tracking server on loopback, started and stopped by the test."""
+    exe = shutil.which("mlflow", path=str(Path(sys.executable).parent))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [exe, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--default-artifact-root", str(tmp_path / "artifacts")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2):
+                break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("mlflow server did not come up within 90 s")
+    yield uri
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_commands_log_to_a_real_mlflow_server(mlflow_server, tmp_path):
+    recd("--tracking-uri", mlflow_server, "synth", "--out", tmp_path / "logs", "--preset", "small")
+    _, runs = _runs(mlflow_server, "synth")
+    assert len(runs) == 1 and runs[0].data.metrics["synth.rows"] > 1000
