@@ -381,9 +381,10 @@ def run_cmd(
             return run_day(Warehouse(warehouse), day, logs, _pipeline(config), modes, advance)
 
     result = _run(ctx, "run", summary, body)
+    models = [v for k, v in result.items() if k.startswith("train.model_uri")]
     console.print(
-        f"samples written to {result['run.warehouse']}/samples/layout=*/ds={result['run.ds']}; "
-        f"clustered layout is {result.get('storage.ratio', float('nan')):.2f}x smaller than shuffled."
+        f"day {result['run.ds']}: clustered samples {result.get('storage.ratio', float('nan')):.2f}x "
+        f"smaller than shuffled; model(s): {', '.join(models) or '-'}"
     )
 
 
