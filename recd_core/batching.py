@@ -1,20 +1,16 @@
-"""Samples (Arrow) -> training batches (KJT / IKJT), and the dedup plan that decides which
-features are deduplicated.
+"""Training batches in memory, and the order batches are trained in.
 
-This is the in-process batcher `recd train` uses until DPP preprocessing writes batches to
-the warehouse; DPP will apply the same plan and the same transforms.
+`make_batch` turns a slice of samples into a training batch through DPP's own encode and
+decode (the same code path as `recd preprocess`; ids hashed into their tables, dense values
+as they are): tests and benchmarks build batches with it without writing them to the
+warehouse. Training itself streams the preprocessed batches (batch_store.py).
 
-The plan: a feature is deduplicated when its measured dedup factor (samples per distinct
-value in a batch, on the training partition at the training batch size) reaches
-`min_factor`, the point where computing once per unique row and expanding beats computing
-per sample. User-side features that qualify form one group, deduplicated together (one
-`inverse_indices`); item and context features vary per sample and stay in the KJT. Both are
-overridable: `groups` names the groups explicitly.
+Which features are deduplicated is decided by the dedup plan (`dedup.plan_dedup`,
+re-exported here): a feature is grouped when its measured dedup factor reaches
+`min_factor`; user-side features that qualify form one group with one `inverse_indices`.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -25,8 +21,8 @@ from recd_core.model import Batch
 
 
 def make_batch(rows: pa.Table, features: FeatureSet, plan: DedupPlan | None) -> Batch:
-    """One batch in memory, through DPP's own encode/decode (ids hashed into their tables;
-    dense values as they are). `plan=None` is the baseline: every feature per sample."""
+    """One batch; `plan=None` is the baseline (every feature per sample). Unique rows are
+    found by hashing (exact, any row order)."""
     from recd_core.batch_store import decode_batch
     from recd_core.config import PreprocessConfig, TransformSpec
     from recd_core.dpp import Prepared, encode_batch
@@ -41,23 +37,6 @@ def make_batch(rows: pa.Table, features: FeatureSet, plan: DedupPlan | None) -> 
     return decode_batch(encode_batch(rows, prep), features, groups)
 
 
-def batch_slices(num_rows: int, batch_size: int) -> list[tuple[int, int]]:
-    return [(lo, min(lo + batch_size, num_rows)) for lo in range(0, num_rows, batch_size)]
-
-
 def epoch_order(num_batches: int, seed: int, epoch: int) -> np.ndarray:
     """The batches of an epoch in a seeded order (contiguous rows stay together)."""
     return np.random.default_rng([seed, epoch]).permutation(num_batches)
-
-
-def iterate_batches(
-    table: pa.Table,
-    features: FeatureSet,
-    plan: DedupPlan | None,
-    batch_size: int,
-    order: np.ndarray,
-) -> Iterator[Batch]:
-    slices = batch_slices(table.num_rows, batch_size)
-    for b in order:
-        lo, hi = slices[int(b)]
-        yield make_batch(table.slice(lo, hi - lo), features, plan)

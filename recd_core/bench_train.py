@@ -23,8 +23,9 @@ from collections.abc import Callable
 import pyarrow as pa
 import torch
 
-from recd_core.batching import batch_slices, make_batch, plan_dedup
+from recd_core.batching import make_batch, plan_dedup
 from recd_core.config import TrainConfig
+from recd_core.dpp import batch_ranges
 from recd_core.model import DLRM, Batch
 from recd_core.schema import feature_set_of
 from recd_core.train import _peak_mem, make_optimizers, train_step
@@ -43,7 +44,7 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
 def _batches(table: pa.Table, cfg: TrainConfig, n: int, device: torch.device):
     features = feature_set_of(table.schema)
     plan = plan_dedup(table, features, cfg.dedup, cfg.batch_size)
-    slices = batch_slices(table.num_rows, cfg.batch_size)[:n]
+    slices = batch_ranges(table.num_rows, cfg.batch_size)[:n]
     rows = [table.slice(lo, hi - lo) for lo, hi in slices if hi - lo == cfg.batch_size]
     dedup = [make_batch(r, features, plan).to(device) for r in rows]
     base = [make_batch(r, features, None).to(device) for r in rows]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict
 
 from recd_core.config import DedupConfig, FeatureSet
@@ -94,10 +93,6 @@ def group_hashes(table: pa.Table, columns: list[str]) -> np.ndarray:
         for i, c in enumerate(columns):
             h = mix64(h ^ (row_hashes(table[c]) + np.uint64(i)))
     return h
-
-
-def distinct_count(col: pa.Array | pa.ChunkedArray) -> int:
-    return int(pc.count_distinct(pa.array(row_hashes(col))).as_py())
 
 
 # -- exact unique rows over flat arrays ------------------------------------------------------------

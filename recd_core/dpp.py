@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from recd_core.config import DedupConfig, FeatureSet, PreprocessConfig
+from recd_core.config import FeatureSet, PreprocessConfig
 from recd_core.dedup import list_parts as _list_parts
 from recd_core.dedup import unique_rows, unique_runs, unique_sessions
 from recd_core.schema import events_schema, feature_set_of, sessions_checked
@@ -376,9 +376,3 @@ def run_splits(args: list[tuple], cfg: PreprocessConfig, progress=None) -> list[
             if progress:
                 progress("split", 1)
         return out
-
-
-def default_config(
-    mode: str, batch_size: int, dedup: DedupConfig | None = None
-) -> PreprocessConfig:
-    return PreprocessConfig(mode=mode, batch_size=batch_size, dedup=dedup or DedupConfig())

@@ -28,6 +28,7 @@ The same (config, seed) always yields the same bytes.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import gzip
 import json
 from collections.abc import Callable
@@ -198,6 +199,16 @@ def _static_fragment(spec: FeatureSpec, table: np.ndarray | Ragged, i: int) -> s
     return f'"{spec.name}":{_json_value(spec, v)}'
 
 
+def _fragments(key: str, tables: dict, specs: list[FeatureSpec]) -> Callable[[int], str]:
+    """The JSON fragment of one entity's static features, built once per entity."""
+
+    @functools.cache
+    def fragment(i: int) -> str:
+        return ",".join([f'"{key}":{i}', *(_static_fragment(s, tables[s.name], i) for s in specs)])
+
+    return fragment
+
+
 def generate_day(
     world: _World, day_index: int, day: dt.date, first_event_id: int, first_session_id: int
 ):
@@ -249,24 +260,8 @@ def generate_day(
         else:
             raise ConfigError(f"synth: context feature {s.name!r} must be sparse")
 
-    user_cache: dict[int, str] = {}
-    item_cache: dict[int, str] = {}
-
-    def user_fragment(u: int) -> str:
-        if u not in user_cache:
-            parts = [f'"{fs.user_key}":{u}'] + [
-                _static_fragment(s, world.user_static[s.name], u) for s in static_user
-            ]
-            user_cache[u] = ",".join(parts)
-        return user_cache[u]
-
-    def item_fragment(i: int) -> str:
-        if i not in item_cache:
-            parts = [f'"{fs.item_key}":{i}'] + [
-                _static_fragment(s, world.item_static[s.name], i) for s in item_specs
-            ]
-            item_cache[i] = ",".join(parts)
-        return item_cache[i]
+    user_fragment = _fragments(fs.user_key, world.user_static, static_user)
+    item_fragment = _fragments(fs.item_key, world.item_static, item_specs)
 
     lines: list[str] = []
     ends = np.cumsum(lengths)
