@@ -251,6 +251,9 @@ def preprocess_cmd(
         int | None, typer.Option(min=1, help="parallel workers (processes / Ray tasks)")
     ] = None,
     engine: Engine = Engine.local,
+    threads: Annotated[
+        bool, typer.Option(help="local workers as threads instead of processes")
+    ] = False,
     stats_from: Annotated[
         str | None, typer.Option(help="use the standardization statistics of this preprocessed day")
     ] = None,
@@ -268,6 +271,7 @@ def preprocess_cmd(
             "engine": engine.value,
             "batch_size": batch_size,
             "workers": workers,
+            "executor": "thread" if threads else None,
         }
         cfg = base.model_copy(update={k: v for k, v in overrides.items() if v is not None})
         try:

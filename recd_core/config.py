@@ -259,6 +259,9 @@ class PreprocessConfig(_Strict):
     batches_per_split: int = Field(default=8, gt=0)  # a split = the unit of parallel work
     workers: int = Field(default=1, gt=0)
     engine: Literal["local", "ray"] = "local"
+    # local workers as processes (isolation; ~1 s start-up each) or threads (Arrow decoding
+    # and numpy release the GIL; no start-up: better on small machines and short jobs)
+    executor: Literal["process", "thread"] = "process"
     compression: Literal["lz4", "zstd", "none"] = "lz4"
     transforms: dict[str, TransformSpec] = {}
     default_dense: TransformSpec = TransformSpec(standardize=True)

@@ -367,8 +367,14 @@ def run_splits(args: list[tuple], cfg: PreprocessConfig, progress=None) -> list[
                 progress("split", 1)
         return out
     import multiprocessing as mp
+    from concurrent.futures import ThreadPoolExecutor
 
-    with ProcessPoolExecutor(cfg.workers, mp_context=mp.get_context("spawn")) as pool:
+    pool = (
+        ThreadPoolExecutor(cfg.workers)
+        if cfg.executor == "thread"
+        else ProcessPoolExecutor(cfg.workers, mp_context=mp.get_context("spawn"))
+    )
+    with pool:
         futures = [pool.submit(process_split, *a) for a in args]
         out = []
         for f in futures:  # in split order

@@ -102,6 +102,8 @@ def test_output_is_the_same_for_one_and_two_workers(fresh_warehouse):
     s = preprocess(fresh_warehouse, DAY, cfg.model_copy(update={"workers": 2}))
     assert s["dpp.workers"] == 2 and len(one) > 2
     assert _shard_bytes(fresh_warehouse) == one, "identical shards, in the same order"
+    preprocess(fresh_warehouse, DAY, cfg.model_copy(update={"workers": 2, "executor": "thread"}))
+    assert _shard_bytes(fresh_warehouse) == one, "threads too"
 
 
 def test_batch_files_are_arrow_ipc_as_documented(fresh_warehouse):
