@@ -73,9 +73,13 @@ def parquet_bytes(table: pa.Table, cfg: GenerateConfig) -> int:
     return sink.getvalue().size
 
 
-def storage_lower_bound(samples: pa.Table, features: FeatureSet, cfg: GenerateConfig) -> int:
-    """Bytes with each session's user-side features stored once (same order and options)."""
-    order = session_clustered_order(samples, features.user_key)
+def storage_lower_bound(
+    samples: pa.Table, features: FeatureSet, cfg: GenerateConfig, order: np.ndarray | None = None
+) -> int:
+    """Bytes with each session's user-side features stored once (same order and options);
+    `order`: the session-clustered order, if already computed."""
+    if order is None:
+        order = session_clustered_order(samples, features.user_key)
     clustered = samples.take(pa.array(order))
     sid = np.asarray(clustered["session_id"])
     first = np.flatnonzero(np.concatenate([[True], sid[1:] != sid[:-1]]))
@@ -100,8 +104,11 @@ def generate(
     user_cols = [f.name for f in features.by_side("user")]
     summary: dict = {"generate.layouts": list(layouts)}
     per_layout: dict[str, dict] = {}
+    clustered_order = None
     for layout in layouts:
         order = layout_order(events, features, layout, cfg.shuffle_seed)
+        if layout == "clustered":
+            clustered_order = order
         samples = events.take(pa.array(order))
         opts = parquet_options(cfg, samples.schema, layout)
         with warehouse.writing("samples", ds, layout=layout) as w:
@@ -125,7 +132,7 @@ def generate(
         per_layout[layout] = stats
         if progress:
             progress(layout, 1)
-    bound = storage_lower_bound(events, features, cfg)
+    bound = storage_lower_bound(events, features, cfg, clustered_order)
     for stats in per_layout.values():
         stats["storage.lower_bound_bytes"] = bound
         stats["storage.bytes_over_lower_bound"] = stats["storage.bytes"] / bound if bound else 0.0
