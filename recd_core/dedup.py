@@ -50,16 +50,8 @@ def row_hashes(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
         col = col.combine_chunks()
     with np.errstate(over="ignore"):
         if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
-            flat = col.flatten()
             offsets = np.asarray(col.offsets)
-            offsets = offsets - offsets[0]
-            pos = np.arange(len(flat), dtype=np.uint64) - np.repeat(
-                offsets[:-1], np.diff(offsets)
-            ).astype(np.uint64)
-            mixed = mix64(_as_words(flat) * _GOLD + pos)
-            csum = np.concatenate([[np.uint64(0)], np.cumsum(mixed, dtype=np.uint64)])
-            h = csum[offsets[1:]] - csum[offsets[:-1]]
-            h = mix64(h ^ mix64(np.diff(offsets).astype(np.uint64)))
+            h = _row_hash(_as_words(col.flatten()), np.diff(offsets))
         else:
             h = mix64(_as_words(col))
         if col.null_count:

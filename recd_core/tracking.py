@@ -83,8 +83,6 @@ class Tracker:
             client.log_dict(run_id, summary, "summary.json")
             client.set_terminated(run_id, "FINISHED" if tags["recd.status"] == "ok" else "FAILED")
             return run_id
-        except TrackingError:
-            raise
         except Exception as e:  # noqa: BLE001 - MLflow raises many kinds; name the server
             raise TrackingError(
                 f"tracking to {self.uri} failed: {type(e).__name__}: {str(e)[:200]}"
