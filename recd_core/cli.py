@@ -60,7 +60,11 @@ class BadInput(Exception):
 
 
 class GateFailed(Exception):
-    pass
+    """A quality gate failed (exit 3); `summary` holds the figures that failed it."""
+
+    def __init__(self, message: str, summary: dict | None = None):
+        super().__init__(message)
+        self.summary = summary or {}
 
 
 def _fail(command: str, message: str, code: int) -> None:
@@ -90,39 +94,51 @@ def _root(
         ctx.obj = Tracker(tracking_uri, experiment)
 
 
-def _run(ctx: typer.Context, command: str, summary_path: Path | None, fn) -> dict:
+def _run(
+    ctx: typer.Context, command: str, summary_path: Path | None, fn, tracked: bool = False
+) -> dict:
     """Run a command body; map expected failures to a one-line reason and an exit code;
-    record the run in MLflow when a tracking URI is set."""
+    record the run in MLflow when a tracking URI is set: opened before the work (so a
+    pipeline's stages nest under it: `tracked=True` hands the body a `RunHandle`), closed
+    FINISHED or FAILED with the summary's figures and its `artifacts` files."""
     from recd_core.ingest import QuarantineExceeded
-    from recd_core.tracking import TrackingError
+    from recd_core.tracking import RunHandle, TrackingError
 
     tracker = ctx.find_root().obj
     params = {k: v for k, v in ctx.params.items() if k != "summary"}
+    run_id = None
     if tracker is not None:
         try:
             tracker.check()
+            run_id = tracker.start(command, params)
         except TrackingError as e:
             _fail(command, str(e), 4)
 
     def failed(summary: dict, message: str, code: int) -> None:
         write_summary(summary_path, summary)
-        if tracker is not None:
+        if run_id is not None:
             with contextlib.suppress(TrackingError):
-                tracker.log(command, params, summary)
+                tracker.finish(
+                    run_id, summary, tuple(Path(p) for p in summary.get("artifacts", ()))
+                )
         _fail(command, message, code)
 
+    handle = RunHandle(tracker, run_id) if run_id is not None else None
     try:
-        summary = fn()
+        summary = fn(handle) if tracked else fn()
     except (ConfigError, SourceError, PartitionNotFound, BadInput) as e:
         failed({"status": "failed", "error": str(e)}, str(e).strip(), 2)
-    except QuarantineExceeded as e:
-        failed({**e.summary, "status": "failed", "error": str(e)}, str(e), 3)
+    except (QuarantineExceeded, GateFailed) as e:
+        failed({**getattr(e, "summary", {}), "status": "failed", "error": str(e)}, str(e), 3)
+    except TrackingError as e:
+        failed({"status": "failed", "error": str(e)}, str(e), 4)
     except ValueError as e:  # e.g. a malformed --ds
         failed({"status": "failed", "error": str(e)}, str(e), 2)
     summary = {"status": "ok", **summary}
-    if tracker is not None:
+    if run_id is not None:
+        summary["mlflow.run_id"] = run_id
         try:
-            summary["mlflow.run_id"] = tracker.log(command, params, summary)
+            tracker.finish(run_id, summary, tuple(Path(p) for p in summary.get("artifacts", ())))
         except TrackingError as e:
             write_summary(summary_path, summary)
             _fail(command, f"the stage succeeded but {e}", 4)
@@ -361,35 +377,113 @@ def evaluate_cmd(
     _run(ctx, "evaluate", summary, body)
 
 
+def _day_or_yesterday(ds: str | None) -> str:
+    return ds or (dt.datetime.now(dt.UTC).date() - dt.timedelta(days=1)).isoformat()
+
+
+RunDsOpt = Annotated[str | None, typer.Option(help="the training day (default: yesterday, UTC)")]
+EvalDsOpt = Annotated[
+    str | None, typer.Option(help="the evaluation day (default: the day after --ds)")
+]
+LogsOpt = Annotated[Path, typer.Option(help="raw logs root; days without logs are synthesized")]
+
+
+def _run_pipeline(
+    warehouse, ds, eval_ds, logs, modes, config, handle, out: Path | None, register: bool = True
+):
+    from recd_core.pipeline import run_day
+
+    with progress("run", 3 + len(modes)) as advance:
+        result = run_day(
+            Warehouse(warehouse),
+            _day_or_yesterday(ds),
+            logs,
+            _pipeline(config),
+            modes,
+            advance,
+            handle,
+            eval_ds,
+            register,
+        )
+    if len(modes) > 1:
+        from recd_core.compare import chart
+
+        png = chart(result, (out or Path("build/compare")) / f"compare-{result['run.ds']}.png")
+        result["artifacts"] = [str(png)]
+        result["compare.chart"] = str(png)
+    return result
+
+
+def _print_decision(result: dict) -> None:
+    if "registry.decision" not in result:
+        console.print("model registry: off (no tracking URI)")
+        return
+    champ = result["registry.champion_ne"]
+    console.print(
+        f"{result['registry.model']} v{result['registry.version']}: {result['registry.decision']}"
+        f" (challenger NE {result['registry.challenger_ne']:.4f}"
+        + (f" vs champion NE {champ:.4f}" if champ is not None else ", no champion yet")
+        + f" on {result['run.eval_ds']})"
+    )
+
+
 @app.command("run")
 def run_cmd(
     ctx: typer.Context,
     warehouse: WarehouseOpt = "data/default/warehouse",
-    ds: Annotated[str | None, typer.Option(help="the day to run (default: yesterday, UTC)")] = None,
-    logs: Annotated[
-        Path, typer.Option(help="raw logs root; synthesized for the day if empty")
-    ] = Path("data/default/logs"),
+    ds: RunDsOpt = None,
+    eval_ds: EvalDsOpt = None,
+    logs: LogsOpt = Path("data/default/logs"),
     mode: Annotated[str, typer.Option(help="training arm(s): dedup, baseline or both")] = "dedup",
     config: ConfigOpt = None,
+    out: Annotated[Path | None, typer.Option(help="where plots go")] = None,
     summary: SummaryOpt = None,
 ):
-    """All stages for one day, in-process (the embedded default of `make run`)."""
-    from recd_core.pipeline import run_day
+    """All stages for one day in-process: ingest, generate, DPP, train, evaluate on the next
+    day; with a tracking URI also register the model and decide the champion by NE."""
 
-    def body():
+    def body(handle):
         if mode not in ("dedup", "baseline", "both"):
             raise BadInput(f"--mode must be dedup, baseline or both, got {mode!r}")
         modes = ("dedup", "baseline") if mode == "both" else (mode,)
-        day = ds or (dt.datetime.now(dt.UTC).date() - dt.timedelta(days=1)).isoformat()
-        with progress("run", 3 + len(modes)) as advance:
-            return run_day(Warehouse(warehouse), day, logs, _pipeline(config), modes, advance)
+        return _run_pipeline(warehouse, ds, eval_ds, logs, modes, config, handle, out)
 
-    result = _run(ctx, "run", summary, body)
-    models = [v for k, v in result.items() if k.startswith("train.model_uri")]
-    console.print(
-        f"day {result['run.ds']}: clustered samples {result.get('storage.ratio', float('nan')):.2f}x "
-        f"smaller than shuffled; model(s): {', '.join(models) or '-'}"
-    )
+    result = _run(ctx, "run", summary, body, tracked=True)
+    if mode == "both":
+        from recd_core.compare import print_table
+
+        print_table(result, console)
+    _print_decision(result)
+
+
+@app.command("compare")
+def compare_cmd(
+    ctx: typer.Context,
+    warehouse: WarehouseOpt = "data/compare/warehouse",
+    ds: RunDsOpt = None,
+    eval_ds: EvalDsOpt = None,
+    logs: LogsOpt = Path("data/compare/logs"),
+    config: ConfigOpt = None,
+    out: Annotated[Path, typer.Option(help="where the chart goes")] = Path("build/compare"),
+    summary: SummaryOpt = None,
+):
+    """Both arms on the same data: a table, a PNG chart (logged to MLflow), and exit 3 when
+    the arms' next-day NE or AUC differ beyond the configured tolerance."""
+    from recd_core.compare import print_table, quality_gap
+
+    def body(handle):
+        result = _run_pipeline(
+            warehouse, ds, eval_ds, logs, ("dedup", "baseline"), config, handle, out, register=False
+        )
+        reg = _pipeline(config).registry
+        gap = quality_gap(result, reg.compare_ne_tolerance, reg.compare_auc_tolerance)
+        result["compare.quality_ok"] = gap is None
+        if gap:
+            print_table(result, console)
+            raise GateFailed(gap, result)
+        return result
+
+    print_table(_run(ctx, "compare", summary, body, tracked=True), console)
 
 
 @app.command("bench")

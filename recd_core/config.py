@@ -121,7 +121,7 @@ class SynthConfig(_Strict):
 
     users: int = Field(gt=0)
     items: int = Field(gt=1)
-    samples_per_day: int = Field(gt=0)
+    samples_per_day: int = Field(gt=0, le=10**8)  # a day's ids span 10**8 (synth.IDS_PER_DAY)
     mean_session_length: float = Field(default=12.0, ge=1.0)
     max_session_length: int = Field(default=64, ge=1)
     latent_dim: int = Field(default=8, gt=0)
@@ -273,6 +273,19 @@ class PreprocessConfig(_Strict):
         return self.default_dense if kind == "dense" else TransformSpec()
 
 
+class RegistryConfig(_Strict):
+    """How trained models are registered and judged (registry.py, compare.py)."""
+
+    model_name: str = Field(default="recd-dlrm", min_length=1)
+    # a challenger is promoted when its NE on the evaluation day is at most the champion's
+    # NE on that same day plus this
+    ne_tolerance: float = Field(default=0.0, ge=0)
+    # `recd compare` fails when the arms' NE or AUC differ by more than these
+    compare_ne_tolerance: float = Field(default=0.01, ge=0)
+    compare_auc_tolerance: float = Field(default=0.01, ge=0)
+    eval_batch_size: int = Field(default=4096, gt=0)
+
+
 class PipelineConfig(_Strict):
     """Everything one pipeline run needs; loadable from one YAML file."""
 
@@ -283,6 +296,7 @@ class PipelineConfig(_Strict):
     # the embedded default trains on the small preset: smaller batches, a few epochs
     preprocess: PreprocessConfig = PreprocessConfig(batch_size=512)
     train: TrainConfig = TrainConfig(batch_size=512, epochs=3)
+    registry: RegistryConfig = RegistryConfig()
 
 
 def _format_validation_error(err: ValidationError, where: str) -> str:

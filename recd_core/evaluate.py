@@ -56,14 +56,23 @@ class StreamingMetrics:
 
 
 def evaluate(warehouse: Warehouse, model_uri: str, ds: str, batch_size: int = 4096) -> dict:
-    import torch
-
-    from recd_core.batch_store import decode_batch
-    from recd_core.dpp import Prepared, batch_ranges, encode_batch
+    """Score `samples/layout=clustered/ds=D` with the model saved at `model_uri`."""
     from recd_core.train import load_model
 
     t0 = time.perf_counter()
     model, meta = load_model(model_uri)
+    out = score_day(warehouse, model, meta, ds, batch_size)
+    return {**out, "eval.model_uri": model_uri, "eval.seconds": time.perf_counter() - t0}
+
+
+def score_day(warehouse: Warehouse, model, meta: dict, ds: str, batch_size: int = 4096) -> dict:
+    """NE, AUC, log loss and calibration of a loaded model on a day's samples."""
+    import torch
+
+    from recd_core.batch_store import decode_batch
+    from recd_core.dpp import Prepared, batch_ranges, encode_batch
+
+    t0 = time.perf_counter()
     prep = Prepared.from_json(json.dumps(meta["prepared"]))
     table = warehouse.read("samples", ds, layout="clustered")
     acc = StreamingMetrics()
@@ -72,11 +81,9 @@ def evaluate(warehouse: Warehouse, model_uri: str, ds: str, batch_size: int = 40
             rows = table.slice(lo, hi - lo)
             batch = decode_batch(encode_batch(rows, prep), prep.model, prep.groups)
             acc.update(batch.labels.numpy(), torch.sigmoid(model(batch)).numpy())
-    seconds = time.perf_counter() - t0
     return {
         **acc.result(),
         "eval.ds": ds,
-        "eval.model_uri": model_uri,
         "eval.trained_on": meta["summary"].get("train.run"),
-        "eval.seconds": seconds,
+        "eval.seconds": time.perf_counter() - t0,
     }

@@ -1,8 +1,20 @@
 """One day of the pipeline, in-process: the stages in order, each through its public function.
 
-Stages talk only through the warehouse and their summaries (DESIGN.md section 1): synthesize
-logs for the day if none exist, ingest, generate both layouts, train (dedup, baseline or
-both arms on the same batches). preprocess (DPP) and train each arm. Evaluation joins when it lands.
+Stages talk only through the warehouse and their summaries (DESIGN.md section 1):
+
+    logs(D), logs(D+1)   synthesized when absent (the embedded default)
+    ingest D, D+1        events + quarantine
+    generate D           clustered and shuffled samples (storage figures of both arms)
+    generate D+1         clustered samples: the evaluation day
+    per arm (dedup, baseline or both, on the same samples):
+        preprocess D  ->  train D  ->  evaluate on D+1
+    register             the first arm's model: MLflow pyfunc, alias `challenger`
+    promote              `champion` := challenger if its NE on D+1 is no worse than the
+                         champion's NE on D+1 (registry.py)
+
+With a tracking run (`RunHandle`) each arm becomes a child run holding the contract keys of
+its side (`storage.bytes` of its layout, `dpp.samples_per_s`, `train.samples_per_s`,
+`eval.ne`, `eval.auc`, ...), nested under the command's run, which holds the whole summary.
 """
 
 from __future__ import annotations
@@ -16,20 +28,92 @@ from recd_core.ingest import ingest
 from recd_core.synth import synthesize
 from recd_core.warehouse import Warehouse
 
+ARM_LAYOUT = {"dedup": "clustered", "baseline": "shuffled"}
+ARM_KEYS = (
+    "dpp.samples",
+    "dpp.samples_per_s",
+    "dpp.bytes_out",
+    "train.samples_per_s",
+    "train.loss",
+    "train.steps",
+    "train.peak_mem_bytes",
+    "train.model_uri",
+    "eval.ne",
+    "eval.auc",
+    "eval.logloss",
+    "eval.calibration",
+)
+
 
 def logs_for_day(logs: Path, ds: str) -> Path:
     return logs / f"ds={ds}"
 
 
-def ensure_logs(logs: Path, ds: str, pipeline: PipelineConfig) -> dict:
-    """Generate the day's synthetic logs unless some already exist."""
-    day = logs_for_day(logs, ds)
-    if day.is_dir() and any(day.iterdir()):
-        return {"synth.skipped": True}
-    cfg = SynthConfig(
-        **{**pipeline.synth.model_dump(), "start_date": dt.date.fromisoformat(ds), "days": 1}
+def next_day(ds: str) -> str:
+    return (dt.date.fromisoformat(ds) + dt.timedelta(days=1)).isoformat()
+
+
+def ensure_logs(logs: Path, days: list[str], pipeline: PipelineConfig) -> dict:
+    """Synthesize the days that have no logs yet; consecutive missing days in one run, so
+    the users' click histories carry over from one day to the next."""
+    missing = sorted(
+        d
+        for d in set(days)
+        if not (logs_for_day(logs, d).is_dir() and any(logs_for_day(logs, d).iterdir()))
     )
-    return synthesize(pipeline.features, cfg, logs)
+    runs: list[list[dt.date]] = []
+    for d in map(dt.date.fromisoformat, missing):
+        if runs and (d - runs[-1][-1]).days == 1:
+            runs[-1].append(d)
+        else:
+            runs.append([d])
+    rows = 0
+    for run in runs:
+        cfg = SynthConfig(**{**pipeline.synth.model_dump(), "start_date": run[0], "days": len(run)})
+        rows += synthesize(pipeline.features, cfg, logs)["synth.rows"]
+    return {"synth.days": len(missing), "synth.rows": rows}
+
+
+def prepare_data(
+    warehouse: Warehouse, ds: str, eval_ds: str, logs: Path, pipeline: PipelineConfig, progress=None
+) -> dict:
+    """Logs -> events -> samples for the training day (both layouts) and the evaluation day."""
+    summary = ensure_logs(logs, [ds, eval_ds], pipeline)
+    step = progress or (lambda *_: None)
+    step("synth", 1)
+    for day in (ds, eval_ds):
+        out = ingest(
+            logs_for_day(logs, day),
+            warehouse,
+            day,
+            pipeline.features,
+            pipeline.ingest,
+            pipeline.generate,
+        )
+        if day == ds:
+            summary.update(out)
+    step("ingest", 1)
+    summary.update(generate(warehouse, ds, pipeline.generate, layouts=("clustered", "shuffled")))
+    generate(warehouse, eval_ds, pipeline.generate, layouts=("clustered",))
+    step("generate", 1)
+    return summary
+
+
+def run_arm(
+    warehouse: Warehouse, ds: str, eval_ds: str, mode: str, pipeline: PipelineConfig
+) -> dict:
+    """DPP, training and next-day evaluation of one arm; the arm's contract figures."""
+    from recd_core.dpp import preprocess  # torch loads only when a run trains
+    from recd_core.evaluate import evaluate
+    from recd_core.train import train
+
+    out = {"mode": mode}
+    out.update(preprocess(warehouse, ds, pipeline.preprocess.model_copy(update={"mode": mode})))
+    out.update(train(warehouse, ds, pipeline.train.model_copy(update={"mode": mode})))
+    out.update(
+        evaluate(warehouse, out["train.model_uri"], eval_ds, pipeline.registry.eval_batch_size)
+    )
+    return out
 
 
 def run_day(
@@ -39,50 +123,75 @@ def run_day(
     pipeline: PipelineConfig,
     modes: tuple[str, ...] = ("dedup",),
     progress=None,
+    run=None,
+    eval_ds: str | None = None,
+    register: bool = True,
 ) -> dict:
-    summary: dict = {"run.ds": ds, "run.warehouse": warehouse.uri}
-    summary.update(ensure_logs(logs, ds, pipeline))
-    if progress:
-        progress("synth", 1)
-    summary.update(
-        ingest(
-            logs_for_day(logs, ds),
-            warehouse,
-            ds,
-            pipeline.features,
-            pipeline.ingest,
-            pipeline.generate,
-        )
-    )
-    if progress:
-        progress("ingest", 1)
-    summary.update(generate(warehouse, ds, pipeline.generate, layouts=("clustered", "shuffled")))
-    if progress:
-        progress("generate", 1)
-    from recd_core.dpp import preprocess  # torch loads only when a run trains
-    from recd_core.train import train
-
+    """All stages for day `ds`, evaluated on `eval_ds` (default: the day after). Returns the
+    summary: the first arm's figures under the contract keys, every arm's under
+    `<key>.<mode>`, and with a tracking run, the registry decision."""
+    eval_ds = eval_ds or next_day(ds)
+    step = progress or (lambda *_: None)
+    summary: dict = {"run.ds": ds, "run.eval_ds": eval_ds, "run.warehouse": warehouse.uri}
+    summary.update(prepare_data(warehouse, ds, eval_ds, logs, pipeline, step))
+    layouts = summary.pop("layouts")
+    arms = {}
     for mode in modes:
-        prep = preprocess(warehouse, ds, pipeline.preprocess.model_copy(update={"mode": mode}))
-        summary.update(
-            {
-                f"{k}.{mode}" if len(modes) > 1 else k: prep[k]
-                for k in ("dpp.samples_per_s", "dpp.bytes_out")
-            }
-        )
-        result = train(warehouse, ds, pipeline.train.model_copy(update={"mode": mode}))
-        keys = (
-            "train.samples_per_s",
-            "train.loss",
-            "train.steps",
-            "train.peak_mem_bytes",
-            "train.model_uri",
-        )
-        summary.update({f"{k}.{mode}" if len(modes) > 1 else k: result[k] for k in keys})
-        if progress:
-            progress(f"train {mode}", 1)
-    if len(modes) > 1:
-        summary["train.speedup"] = (
-            summary["train.samples_per_s.dedup"] / summary["train.samples_per_s.baseline"]
-        )
+        arm = run_arm(warehouse, ds, eval_ds, mode, pipeline)
+        layout = layouts[ARM_LAYOUT[mode]]
+        arms[mode] = {
+            "storage.bytes": layout["storage.bytes"],
+            "storage.rows": layout["storage.rows"],
+            "storage.bytes_per_sample": layout["storage.bytes_per_sample"],
+            **{k: arm[k] for k in ARM_KEYS},
+        }
+        if run is not None:
+            arms[mode]["mlflow.run_id"] = run.child(
+                "arm", {"mode": mode, "ds": ds, "eval_ds": eval_ds}, {"status": "ok", **arms[mode]}
+            )
+        step(f"train {mode}", 1)
+    for mode, arm in arms.items():
+        summary.update({f"{k}.{mode}": v for k, v in arm.items()})
+    summary.update({k: arms[modes[0]][k] for k in ARM_KEYS})
+    if {"dedup", "baseline"} <= arms.keys():
+        dedup, base = arms["dedup"], arms["baseline"]
+        summary["storage.ratio"] = base["storage.bytes"] / dedup["storage.bytes"]
+        summary["dpp.speedup"] = dedup["dpp.samples_per_s"] / base["dpp.samples_per_s"]
+        summary["train.speedup"] = dedup["train.samples_per_s"] / base["train.samples_per_s"]
+        summary["eval.ne_gap"] = arms["dedup"]["eval.ne"] - arms["baseline"]["eval.ne"]
+        summary["eval.auc_gap"] = arms["dedup"]["eval.auc"] - arms["baseline"]["eval.auc"]
+    if run is not None and register:
+        summary.update(register_and_promote(run, warehouse, arms[modes[0]], eval_ds, pipeline))
     return summary
+
+
+def register_and_promote(
+    run, warehouse: Warehouse, arm: dict, eval_ds: str, pipeline: PipelineConfig
+) -> dict:
+    """Register the arm's model as `challenger`; promote it to `champion` by NE on `eval_ds`."""
+    from recd_core import registry
+    from recd_core.train import model_dir
+
+    reg = pipeline.registry
+    samples = warehouse.read("samples", eval_ds, layout="clustered").slice(0, registry.EXAMPLE_ROWS)
+    with model_dir(arm["train.model_uri"]) as local:
+        new = registry.log_and_register(
+            run.tracker, arm["mlflow.run_id"], local, samples, reg.model_name
+        )
+    current = registry.champion(run.tracker, reg.model_name)
+    champion_ne = None
+    if current is not None:
+        champion_ne = registry.score_version(
+            run.tracker, current, warehouse, eval_ds, reg.eval_batch_size
+        )["eval.ne"]
+    promoted = registry.decide(arm["eval.ne"], champion_ne, reg.ne_tolerance)
+    registry.record_decision(run.tracker, new, promoted, eval_ds, arm["eval.ne"], champion_ne)
+    return {
+        "registry.model": reg.model_name,
+        "registry.version": int(new.version),
+        "registry.promoted": promoted,
+        "registry.decision": "promoted" if promoted else "kept champion",
+        "registry.challenger_ne": arm["eval.ne"],
+        "registry.champion_ne": champion_ne,
+        "registry.previous_champion": None if current is None else int(current.version),
+    }

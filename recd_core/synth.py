@@ -209,12 +209,17 @@ def _fragments(key: str, tables: dict, specs: list[FeatureSpec]) -> Callable[[in
     return fragment
 
 
-def generate_day(
-    world: _World, day_index: int, day: dt.date, first_event_id: int, first_session_id: int
-):
-    """One day's impression lines (as str), plus the counters for the next day."""
+IDS_PER_DAY = 10**8  # event and session ids of a day start at ordinal * this
+
+
+def generate_day(world: _World, day: dt.date):
+    """One day's impression lines (as str) and its session count.
+
+    The day's randomness and ids derive from its date, not from its place in a run, so a day
+    synthesized alone (the daily pipeline) equals the same day synthesized in a range."""
     cfg, fs = world.cfg, world.features
-    rng = np.random.default_rng([cfg.seed, 1, day_index])
+    rng = np.random.default_rng([cfg.seed, 1, day.toordinal()])
+    first_event_id = first_session_id = day.toordinal() * IDS_PER_DAY
     sample_lengths = _session_length_sampler(cfg.mean_session_length, cfg.max_session_length)
     lengths = sample_lengths(rng, int(cfg.samples_per_day / cfg.mean_session_length * 1.5) + 16)
     n_sessions = int(np.searchsorted(np.cumsum(lengths), cfg.samples_per_day)) + 1
@@ -282,7 +287,7 @@ def generate_day(
             clicked = items[lo:hi][labels[lo:hi] == 1]
             if clicked.size:
                 world.history[u] = (world.history[u] + clicked.tolist())[-world.history_len :]
-    return lines, first_event_id + n, first_session_id + n_sessions
+    return lines, n_sessions
 
 
 def _within_session_offsets(gaps: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -302,13 +307,11 @@ def synthesize(
     """Write `cfg.days` days of logs under `out_dir/ds=YYYY-MM-DD/`; return the figures."""
     out = Path(out_dir)
     world = _World(features, cfg)
-    event_id = session_id = 0
-    total_rows = total_bytes = 0
+    total_rows = total_bytes = total_sessions = 0
     for k in range(cfg.days):
         day = cfg.start_date + dt.timedelta(days=k)
-        lines, event_id, next_session = generate_day(world, k, day, event_id, session_id)
-        sessions = next_session - session_id
-        session_id = next_session
+        lines, sessions = generate_day(world, day)
+        total_sessions += sessions
         part = out / f"ds={day.isoformat()}"
         part.mkdir(parents=True, exist_ok=True)
         for old in part.glob("events-*.jsonl.gz"):
@@ -325,7 +328,7 @@ def synthesize(
     return {
         "synth.rows": total_rows,
         "synth.days": cfg.days,
-        "synth.sessions": session_id,
+        "synth.sessions": total_sessions,
         "synth.bytes_gz": total_bytes,
-        "synth.mean_session_length": total_rows / max(session_id, 1),
+        "synth.mean_session_length": total_rows / max(total_sessions, 1),
     }

@@ -10,12 +10,15 @@ so an unreachable server fails the command at once instead of after the work.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 MAX_PARAM = 500
 
@@ -44,28 +47,41 @@ class Tracker:
             reason = getattr(e, "reason", e)
             raise TrackingError(f"tracking server {self.uri} is unreachable ({reason})") from None
 
-    def log(self, stage: str, params: dict, summary: dict) -> str:
-        """Record one command run; returns the MLflow run id."""
-        from mlflow.entities import Metric, Param, RunTag
+    def client(self):
         from mlflow.tracking import MlflowClient
 
-        client = MlflowClient(tracking_uri=self.uri)
-        try:
-            exp = client.get_experiment_by_name(self.experiment)
-            exp_id = exp.experiment_id if exp else client.create_experiment(self.experiment)
-            tags = {
+        return MlflowClient(tracking_uri=self.uri)
+
+    def experiment_id(self, client) -> str:
+        """The experiment's id, created on first use. With a SQLite store the artifacts live
+        beside the database (`mlartifacts/`), not in the working directory."""
+        exp = client.get_experiment_by_name(self.experiment)
+        if exp:
+            return exp.experiment_id
+        location = None
+        if self.uri.startswith("sqlite:///"):
+            db = Path(self.uri.removeprefix("sqlite:///"))
+            location = (db.parent.resolve() / "mlartifacts").as_uri()
+        return client.create_experiment(self.experiment, artifact_location=location)
+
+    def start(self, stage: str, params: dict, parent_id: str | None = None, **tags) -> str:
+        """Open a run (status RUNNING) for a stage; returns its id. Children of a pipeline
+        run carry `mlflow.parentRunId`, so the UI nests them under it."""
+        from mlflow.entities import Param, RunTag
+
+        with self._errors():
+            client = self.client()
+            run_tags = {
                 "recd.stage": stage,
-                "mode": str(
-                    params.get("mode", summary.get("train.mode", summary.get("dpp.mode", "")))
-                ),
-                "ds": str(params.get("ds", summary.get("run.ds", ""))),
-                "recd.status": str(summary.get("status", "ok")),
+                "mode": str(params.get("mode", "")),
+                "ds": str(params.get("ds") or ""),
+                "recd.version": "0.1.0",
+                **{k: str(v) for k, v in tags.items()},
             }
-            run = client.create_run(
-                exp_id, run_name=f"{stage} {tags['ds']} {tags['mode']}".strip(), tags=tags
-            )
-            run_id = run.info.run_id
-            metrics = [Metric(k, float(v), 0, 0) for k, v in numeric(summary).items()]
+            if parent_id:
+                run_tags["mlflow.parentRunId"] = parent_id
+            name = " ".join(x for x in (stage, run_tags["ds"], run_tags["mode"]) if x)
+            run = client.create_run(self.experiment_id(client), run_name=name, tags=run_tags)
             facts = {
                 "sys.python": platform.python_version(),
                 "sys.machine": platform.machine(),
@@ -75,18 +91,67 @@ class Tracker:
             plist = [
                 Param(k, str(v)[:MAX_PARAM])
                 for k, v in {**params, **facts}.items()
-                if v is not None
+                if v is not None and k not in run_tags
             ]
-            client.log_batch(
-                run_id, metrics=metrics, params=plist, tags=[RunTag("recd.version", "0.1.0")]
-            )
+            client.log_batch(run.info.run_id, params=plist, tags=[RunTag("recd.status", "running")])
+            return run.info.run_id
+
+    def finish(self, run_id: str, summary: dict, artifacts: tuple[Path, ...] = ()) -> None:
+        """Record the stage's figures (metrics), its summary, tags known only at the end
+        (mode, ds, status) and artifact files (plots, tables), then close the run."""
+        from mlflow.entities import Metric, RunTag
+
+        with self._errors():
+            client = self.client()
+            status = str(summary.get("status", "ok"))
+            tags = [RunTag("recd.status", status)]
+            known = client.get_run(run_id).data.tags
+            late = {
+                "mode": summary.get("train.mode", summary.get("dpp.mode")),
+                "ds": summary.get("run.ds"),
+            }
+            tags += [RunTag(k, str(v)) for k, v in late.items() if v and not known.get(k)]
+            now = int(time.time() * 1000)
+            metrics = [Metric(k, v, now, 0) for k, v in numeric(summary).items()]
+            for lo in range(0, max(len(metrics), 1), 900):  # MLflow caps a batch at 1000
+                client.log_batch(
+                    run_id, metrics=metrics[lo : lo + 900], tags=tags if lo == 0 else []
+                )
             client.log_dict(run_id, summary, "summary.json")
-            client.set_terminated(run_id, "FINISHED" if tags["recd.status"] == "ok" else "FAILED")
-            return run_id
+            for path in artifacts:
+                if Path(path).exists():
+                    client.log_artifact(run_id, str(path))
+            client.set_terminated(run_id, "FINISHED" if status == "ok" else "FAILED")
+
+    def log(self, stage: str, params: dict, summary: dict, **kw) -> str:
+        """Record one finished command run; returns the MLflow run id."""
+        run_id = self.start(stage, params, **kw)
+        self.finish(run_id, summary)
+        return run_id
+
+    @contextlib.contextmanager
+    def _errors(self):
+        try:
+            yield
+        except TrackingError:
+            raise
         except Exception as e:  # noqa: BLE001 - MLflow raises many kinds; name the server
             raise TrackingError(
                 f"tracking to {self.uri} failed: {type(e).__name__}: {str(e)[:200]}"
             ) from None
+
+
+@dataclass(frozen=True)
+class RunHandle:
+    """An open MLflow run a command's body may nest child runs under."""
+
+    tracker: Tracker
+    run_id: str
+
+    def child(self, stage: str, params: dict, summary: dict, artifacts=()) -> str:
+        run_id = self.tracker.start(stage, params, parent_id=self.run_id)
+        self.tracker.finish(run_id, summary, tuple(artifacts))
+        return run_id
 
 
 def numeric(summary: dict, prefix: str = "") -> dict[str, float]:

@@ -19,15 +19,18 @@ writes checkpoints and the model.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
 import os
 import resource
 import socket
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -59,11 +62,12 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def run_name(ds: str, cfg: TrainConfig) -> str:
-    digest = hashlib.sha1(cfg.model_dump_json(exclude={"device", "threads"}).encode()).hexdigest()[
-        :8
-    ]
-    return f"{ds}-{cfg.mode}-{digest}"
+def run_name(ds: str, cfg: TrainConfig, batches_id: str = "") -> str:
+    """The training run's key: day, mode, config and the batches partition's write id. A
+    retry on the same batches resumes the run's checkpoints; re-preprocessed batches (a new
+    write id) start a new run instead of resuming onto other data."""
+    key = cfg.model_dump_json(exclude={"device", "threads"}) + batches_id
+    return f"{ds}-{cfg.mode}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
 
 
 # -- bytes on the warehouse filesystem -------------------------------------------------------
@@ -201,7 +205,7 @@ def _train_worker(
     model.init_output_bias(store.click_rate())
     model = model.to(device)
     opt_dense, opt_sparse = make_optimizers(model, cfg)
-    name = run_name(ds, cfg)
+    name = run_name(ds, cfg, batches_id(wh, ds, cfg.mode))
     ckpts = Checkpoints(wh, name, cfg.keep_checkpoints)
     step = 0
     state = ckpts.latest()
@@ -262,6 +266,10 @@ def _train_worker(
     return summary
 
 
+def batches_id(wh: Warehouse, ds: str, mode: str) -> str:
+    return str(wh.manifest("batches", ds, mode=mode).get("write_id", ""))
+
+
 def _checkpoint_state(model, opt_dense, opt_sparse, step: int, cfg: TrainConfig) -> dict:
     return {
         "model": model.state_dict(),
@@ -290,15 +298,41 @@ def save_model(
 
 
 def load_model(uri: str) -> tuple[DLRM, dict]:
-    """A saved model (state dict + model.json), for scoring."""
+    """A saved model (state dict + model.json) at `<warehouse>/models/<run>`, for scoring."""
     wh_uri, run = uri.rsplit("/models/", 1)
     wh = Warehouse(wh_uri)
     base = f"{wh.root}/models/{run}"
     meta = json.loads(_read_bytes(wh, f"{base}/model.json"))
+    return model_from(meta, _read_bytes(wh, f"{base}/model.pt"), f"{base}/model.pt"), meta
+
+
+def load_model_dir(path: str | Path) -> tuple[DLRM, dict]:
+    """The same two files from a local directory (a copy, e.g. MLflow's model artifacts)."""
+    path = Path(path)
+    meta = json.loads((path / "model.json").read_text())
+    return model_from(meta, (path / "model.pt").read_bytes(), str(path / "model.pt")), meta
+
+
+@contextlib.contextmanager
+def model_dir(uri: str):
+    """A local directory holding the saved model's two files (copied from an object store)."""
+    wh_uri, run = uri.rsplit("/models/", 1)
+    wh = Warehouse(wh_uri)
+    base = f"{wh.root}/models/{run}"
+    if wh.fs.type_name == "local":
+        yield Path(base)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("model.pt", "model.json"):
+            (Path(tmp) / name).write_bytes(_read_bytes(wh, f"{base}/{name}"))
+        yield Path(tmp)
+
+
+def model_from(meta: dict, weights: bytes, where: str) -> DLRM:
     features = FeatureSet.model_validate(meta["features"])
     model = DLRM(features, TrainConfig.model_validate(meta["train"]).model)
-    model.load_state_dict(_torch_load(_read_bytes(wh, f"{base}/model.pt"), f"{base}/model.pt"))
-    return model.eval(), meta
+    model.load_state_dict(_torch_load(weights, where))
+    return model.eval()
 
 
 def _free_port() -> int:
@@ -341,11 +375,20 @@ def train(warehouse: Warehouse, ds: str, cfg: TrainConfig, nproc: int = 1) -> di
 
 
 def predict(
-    model: DLRM, meta: dict, table: pa.Table, batch_size: int = 4096, device: str = "cpu"
+    model: DLRM,
+    meta: dict,
+    table: pa.Table,
+    batch_size: int = 4096,
+    device: str = "cpu",
+    trust_sessions: bool = True,
 ) -> np.ndarray:
     """Click probabilities for a samples table, preprocessed exactly as in training (the
-    run's transforms and statistics), deduplicated like the training batches."""
+    run's transforms and statistics), deduplicated like the training batches. Rows that did
+    not pass ingest's session check (`trust_sessions=False`, e.g. served requests) are
+    deduplicated by comparing values instead of by session id."""
     prep = Prepared.from_json(json.dumps(meta["prepared"]))
+    if not trust_sessions and prep.dedup_method == "session":
+        prep = dataclasses.replace(prep, dedup_method="runs")
     out = []
     model = model.to(device)
     with torch.no_grad():

@@ -124,3 +124,11 @@ def test_commands_log_to_a_real_mlflow_server(mlflow_server, tmp_path):
     recd("--tracking-uri", mlflow_server, "synth", "--out", tmp_path / "logs", "--preset", "small")
     _, runs = _runs(mlflow_server, "synth")
     assert len(runs) == 1 and runs[0].data.metrics["synth.rows"] > 1000
+    # the daily run registers its model through the server and names a champion
+    recd("--tracking-uri", mlflow_server, "run", "--warehouse", tmp_path / "wh",
+         "--logs", tmp_path / "logs", "--ds", "2026-11-01", "--summary", tmp_path / "run.json")  # fmt: skip
+    summary = json.loads((tmp_path / "run.json").read_text())
+    client = MlflowClient(tracking_uri=mlflow_server)
+    champion = client.get_model_version_by_alias("recd-dlrm", "champion")
+    assert str(champion.version) == str(summary["registry.version"]) == "1"
+    assert champion.run_id == summary["mlflow.run_id.dedup"]

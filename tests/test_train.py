@@ -20,6 +20,7 @@ from recd_core.sparse import JaggedError
 from recd_core.train import (
     CheckpointError,
     Checkpoints,
+    batches_id,
     load_model,
     predict,
     run_name,
@@ -126,7 +127,9 @@ def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(
     preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=cfg.batch_size))
     r = subprocess.run([sys.executable, "-c", script])
     assert r.returncode == -9, "the training process was killed"
-    ckpts = Checkpoints(fresh_warehouse, run_name(DAY, cfg), 2).list()
+    ckpts = Checkpoints(
+        fresh_warehouse, run_name(DAY, cfg, batches_id(fresh_warehouse, DAY, cfg.mode)), 2
+    ).list()
     assert ckpts[-1].endswith("step-00000012.pt") and len(ckpts) == 2
     resumed = train(fresh_warehouse, DAY, cfg)
     assert resumed["train.resumed_from_step"] == 12 and resumed["train.steps"] == 20
@@ -161,7 +164,9 @@ def test_model_file_is_a_plain_state_dict(fresh_warehouse):
 def test_corrupt_checkpoint_is_a_clear_error(fresh_warehouse, tmp_path):
     cfg = TrainConfig(batch_size=512, max_steps=2, checkpoint_every=1, model=SMALL_MODEL)
     fit(fresh_warehouse, cfg)
-    latest = Checkpoints(fresh_warehouse, run_name(DAY, cfg), 2).list()[-1]
+    latest = Checkpoints(
+        fresh_warehouse, run_name(DAY, cfg, batches_id(fresh_warehouse, DAY, cfg.mode)), 2
+    ).list()[-1]
     with open(latest, "r+b") as f:
         f.seek(100)
         f.write(b"\x00garbage\x00" * 10)

@@ -1,0 +1,114 @@
+"""Dedup vs baseline, side by side: the table `recd run --mode both` and `recd compare`
+print, the chart they log to MLflow, and the quality gate `recd compare` enforces.
+
+Both arms train on the same day's samples and are evaluated on the same next day, so the
+only differences are the layout (clustered vs shuffled), DPP (IKJT vs KJT) and the
+training path: the throughput columns should differ, the model-quality rows should not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    key: str
+    higher_is_better: bool | None  # None: a quality figure, expected equal
+
+
+ROWS = (
+    Row("storage (MiB)", "storage.bytes", False),
+    Row("DPP samples/s", "dpp.samples_per_s", True),
+    Row("train samples/s", "train.samples_per_s", True),
+    Row("train peak memory (MiB)", "train.peak_mem_bytes", False),
+    Row("next-day NE", "eval.ne", None),
+    Row("next-day AUC", "eval.auc", None),
+    Row("next-day calibration", "eval.calibration", None),
+)
+MIB = ("storage.bytes", "train.peak_mem_bytes")
+
+
+def table_rows(summary: dict) -> list[tuple[str, float, float, str]]:
+    """(label, dedup, baseline, dedup's advantage) per row, from a two-arm run summary."""
+    out = []
+    for row in ROWS:
+        d, b = summary[f"{row.key}.dedup"], summary[f"{row.key}.baseline"]
+        if row.key in MIB:
+            d, b = d / 2**20, b / 2**20
+        if row.higher_is_better is None:
+            gain = f"{d - b:+.4f}"
+        else:
+            ratio = d / b if row.higher_is_better else b / d
+            gain = f"{ratio:.2f}x"
+        out.append((row.label, d, b, gain))
+    return out
+
+
+def print_table(summary: dict, console) -> None:
+    from rich.table import Table
+
+    t = Table(
+        title=f"dedup vs baseline, trained {summary['run.ds']}, scored {summary['run.eval_ds']}"
+    )
+    for col in ("", "dedup", "baseline", "dedup gain"):
+        t.add_column(col, justify="left" if not col else "right")
+    for label, d, b, gain in table_rows(summary):
+        fmt = "{:,.4f}" if abs(d) < 10 else "{:,.1f}"
+        t.add_row(label, fmt.format(d), fmt.format(b), gain)
+    console.print(t)
+
+
+def chart(summary: dict, path: Path) -> Path:
+    """One PNG: the throughput and storage ratios as bars, NE and AUC of both arms side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    ratios = {
+        "storage\n(shuffled / clustered)": summary["storage.bytes.baseline"]
+        / summary["storage.bytes.dedup"],
+        "DPP\nsamples/s": summary["dpp.samples_per_s.dedup"]
+        / summary["dpp.samples_per_s.baseline"],
+        "training\nsamples/s": summary["train.samples_per_s.dedup"]
+        / summary["train.samples_per_s.baseline"],
+    }
+    bars = left.bar(list(ratios), list(ratios.values()), color="#3b7dd8")
+    left.bar_label(bars, fmt="%.2fx")
+    left.axhline(1.0, color="grey", lw=1, ls="--")
+    left.set_title("dedup / baseline (higher is better)")
+    width = 0.35
+    names = ["NE", "AUC"]
+    for i, (arm, colour) in enumerate((("dedup", "#3b7dd8"), ("baseline", "#aaaaaa"))):
+        vals = [summary[f"eval.ne.{arm}"], summary[f"eval.auc.{arm}"]]
+        b = right.bar(
+            [x + (i - 0.5) * width for x in range(2)], vals, width, label=arm, color=colour
+        )
+        right.bar_label(b, fmt="%.3f")
+    right.set_xticks(range(2), names)
+    right.set_title(f"next-day quality ({summary['run.eval_ds']})")
+    right.legend()
+    fig.suptitle(f"recd: dedup vs baseline, {summary['run.ds']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def quality_gap(summary: dict, ne_tol: float, auc_tol: float) -> str | None:
+    """None when the arms' NE and AUC agree within tolerance; else the one-line reason."""
+    ne = abs(summary["eval.ne.dedup"] - summary["eval.ne.baseline"])
+    auc = abs(summary["eval.auc.dedup"] - summary["eval.auc.baseline"])
+    problems = []
+    if not ne <= ne_tol:
+        problems.append(f"NE differs by {ne:.4f} (tolerance {ne_tol})")
+    if not auc <= auc_tol:
+        problems.append(f"AUC differs by {auc:.4f} (tolerance {auc_tol})")
+    if not problems:
+        return None
+    return "dedup and baseline models differ in quality: " + "; ".join(problems)

@@ -1,0 +1,190 @@
+"""The model registry: every trained model is logged to MLflow and registered; `champion`
+moves only when the new model is no worse on the same evaluation day.
+
+A registered version is an MLflow pyfunc that scores *sample rows* (a DataFrame with the
+feature columns of `samples/`), not a `torch.nn.Module` fed tensors: the DLRM takes a
+deduplicated sparse `Batch`, which DPP builds from rows with the training run's own
+transforms and statistics. So the logged model carries the state dict, `model.json` (those
+transforms, statistics and the dedup plan) and the `recd_core` code, with a signature and an
+input example; `mlflow.pyfunc.load_model("models:/recd-dlrm@champion").predict(rows)`
+returns click probabilities. The state dict inside is plain `torch.save` of tensors, loadable
+with `weights_only=True` (no pickled code).
+
+Aliases, per registered model name:
+
+    challenger  the newest trained version (set on every registration)
+    champion    the version serving; replaced by the challenger when
+                challenger NE <= champion NE + tolerance, both scored on the same day
+
+The decision, both NEs and the day are written as tags on the challenger's version and as
+metrics on the pipeline's run.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow.pyfunc
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+import recd_core
+from recd_core.schema import events_schema
+
+MODEL_ARTIFACT = "model"
+EXAMPLE_ROWS = 5
+NON_FEATURE_COLUMNS = ("event_id", "ts", "label")
+
+
+class SampleScorer(mlflow.pyfunc.PythonModel):
+    """Click probabilities for sample rows (one DataFrame row per impression)."""
+
+    def load_context(self, context) -> None:
+        from recd_core.train import load_model_dir
+
+        self.model, self.meta = load_model_dir(context.artifacts["dlrm"])
+        self.schema = events_schema(samples_features(self.meta))
+
+    def predict(self, context, model_input: pd.DataFrame, params=None) -> np.ndarray:
+        from recd_core.train import predict
+
+        table = rows_table(model_input, self.schema)
+        return predict(self.model, self.meta, table, trust_sessions=False).astype(np.float64)
+
+
+def rows_table(frame: pd.DataFrame, schema: pa.Schema) -> pa.Table:
+    """A scoring DataFrame as a samples table: the model's feature columns, typed as in the
+    warehouse; columns it does not use are ignored; a missing one is an error naming it."""
+    missing = [
+        f.name for f in schema if f.name not in frame.columns and f.name not in NON_FEATURE_COLUMNS
+    ]
+    if missing:
+        raise ValueError(f"scoring input lacks feature column(s): {', '.join(missing)}")
+    n = len(frame)
+    cols = {}
+    for f in schema:
+        if f.name in frame.columns:
+            cols[f.name] = pa.array(list(frame[f.name]), type=f.type)
+        elif f.name == "label":
+            cols[f.name] = pa.array(np.zeros(n, np.int8), type=f.type)
+        else:  # event_id, ts, and a session id that scoring never trusts
+            cols[f.name] = pa.array(np.arange(n), type=f.type)
+    return pa.table(cols, schema=schema)
+
+
+def scoring_example(samples: pa.Table) -> pd.DataFrame:
+    """The input example: the first rows of a samples table, features only."""
+    keep = [c for c in samples.column_names if c not in NON_FEATURE_COLUMNS]
+    return samples.slice(0, EXAMPLE_ROWS).select(keep).to_pandas()
+
+
+@dataclass(frozen=True)
+class Registered:
+    name: str
+    version: str
+    artifact_uri: str
+
+
+def log_and_register(
+    tracker, run_id: str, model_dir: Path, samples: pa.Table, name: str
+) -> Registered:
+    """Log the model (pyfunc with signature and input example) to the run's artifacts and
+    register it as a new version of `name`, aliased `challenger`."""
+    import torch
+    from mlflow.models import infer_signature
+
+    from recd_core.train import load_model_dir
+
+    example = scoring_example(samples)
+    model, meta = load_model_dir(model_dir)
+    scorer = SampleScorer()
+    scorer.model, scorer.meta = model, meta
+    scorer.schema = events_schema(samples_features(meta))
+    signature = infer_signature(example, scorer.predict(None, example))
+    client = tracker.client()
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / MODEL_ARTIFACT
+        mlflow.pyfunc.save_model(
+            path=str(target),
+            python_model=SampleScorer(),
+            artifacts={"dlrm": str(model_dir)},
+            code_paths=[str(Path(recd_core.__file__).parent)],
+            signature=signature,
+            input_example=example,
+            pip_requirements=[
+                f"torch=={torch.__version__.split('+')[0]}",
+                f"pyarrow=={pa.__version__}",
+                f"pandas=={pd.__version__}",
+                f"numpy=={np.__version__}",
+                "pydantic>=2",
+                "pyyaml",
+            ],
+        )
+        client.log_artifacts(run_id, str(target), MODEL_ARTIFACT)
+    source = f"{client.get_run(run_id).info.artifact_uri}/{MODEL_ARTIFACT}"
+    try:
+        client.get_registered_model(name)
+    except mlflow.exceptions.MlflowException:
+        client.create_registered_model(name, description="recd DLRM: scores sample rows")
+    version = client.create_model_version(name, source, run_id=run_id).version
+    client.set_registered_model_alias(name, "challenger", version)
+    return Registered(name, str(version), source)
+
+
+def samples_features(meta: dict):
+    from recd_core.config import FeatureSet
+
+    return FeatureSet.model_validate(meta["prepared"]["raw"])
+
+
+def champion(tracker, name: str):
+    """The version aliased `champion`, or None."""
+    client = tracker.client()
+    try:
+        return client.get_model_version_by_alias(name, "champion")
+    except mlflow.exceptions.MlflowException:
+        return None
+
+
+def decide(challenger_ne: float, champion_ne: float | None, tolerance: float) -> bool:
+    """Promote when there is no champion, or the challenger's NE is no worse (lower is better)
+    than the champion's on the same day, within `tolerance`."""
+    if champion_ne is None:
+        return True
+    if not np.isfinite(challenger_ne):
+        return False
+    return bool(challenger_ne <= champion_ne + tolerance)
+
+
+def record_decision(
+    tracker, reg: Registered, promoted: bool, ds: str, challenger_ne: float, champion_ne
+) -> None:
+    client = tracker.client()
+    tags = {
+        "recd.eval_ds": ds,
+        "recd.eval_ne": f"{challenger_ne:.6f}",
+        "recd.champion_ne": "" if champion_ne is None else f"{champion_ne:.6f}",
+        "recd.decision": "promoted" if promoted else "kept champion",
+    }
+    for k, v in tags.items():
+        client.set_model_version_tag(reg.name, reg.version, k, v)
+    if promoted:
+        client.set_registered_model_alias(reg.name, "champion", reg.version)
+
+
+def score_version(tracker, version, warehouse, ds: str, batch_size: int) -> dict:
+    """A registered version's metrics on a day, scored from the registry's copy (its own
+    transforms and statistics), so the champion is judged on the challenger's day."""
+    import mlflow.artifacts
+
+    from recd_core.evaluate import score_day
+
+    with tempfile.TemporaryDirectory() as tmp:
+        local = mlflow.artifacts.download_artifacts(
+            artifact_uri=version.source, dst_path=tmp, tracking_uri=tracker.uri
+        )
+        scorer = mlflow.pyfunc.load_model(local).unwrap_python_model()
+        return score_day(warehouse, scorer.model, scorer.meta, ds, batch_size)

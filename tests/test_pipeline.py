@@ -1,0 +1,132 @@
+"""`recd run` and `recd compare`: every stage for a day, MLflow's record of both arms, the
+registered model and the champion/challenger decision across days."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow.pyfunc
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from mlflow.tracking import MlflowClient
+
+from recd_core.registry import decide
+from recd_core.train import load_model, predict
+
+RECD = Path(sys.executable).parent / "recd"
+DAY, NEXT, THIRD = "2026-11-01", "2026-11-02", "2026-11-03"
+ARM_KEYS = ("storage.bytes", "dpp.samples_per_s", "train.samples_per_s", "eval.ne", "eval.auc")
+
+
+def recd(*args, check=True):
+    r = subprocess.run([str(RECD), *map(str, args)], capture_output=True, text=True)
+    if check:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def test_promotion_rule():
+    assert decide(0.9, None, 0.0) is True  # the first model becomes champion
+    assert decide(0.9, 0.95, 0.0) and decide(0.95, 0.95, 0.0)
+    assert not decide(0.96, 0.95, 0.0)
+    assert decide(0.96, 0.95, 0.02)  # within tolerance
+    assert not decide(float("nan"), 0.95, 0.02)
+
+
+@pytest.fixture(scope="module")
+def daily(tmp_path_factory):
+    """Two days of `recd run`: day one with both arms, day two the dedup arm."""
+    root = tmp_path_factory.mktemp("daily")
+    uri = f"sqlite:///{root}/mlflow.db"
+    common = ("--warehouse", root / "wh", "--logs", root / "logs", "--out", root / "out")
+    first = recd("--tracking-uri", uri, "run", *common, "--ds", DAY, "--mode", "both",
+                 "--summary", root / "day1.json")  # fmt: skip
+    recd("--tracking-uri", uri, "run", *common, "--ds", NEXT, "--summary", root / "day2.json")
+    return root, uri, first.stderr
+
+
+def test_a_run_with_both_arms_records_each_arm_and_registers_a_champion(daily):
+    root, uri, stderr = daily
+    summary = json.loads((root / "day1.json").read_text())
+    client = MlflowClient(tracking_uri=uri)
+    parent = client.get_run(summary["mlflow.run_id"])
+    assert parent.info.status == "FINISHED" and parent.data.tags["recd.stage"] == "run"
+    exp = parent.info.experiment_id
+    children = client.search_runs(
+        [exp], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    by_mode = {r.data.tags["mode"]: r for r in children}
+    assert set(by_mode) == {"dedup", "baseline"}
+    for mode, run in by_mode.items():
+        for key in ARM_KEYS:
+            assert run.data.metrics[key] == pytest.approx(summary[f"{key}.{mode}"]), (mode, key)
+    # the arms: clustered storage is smaller, the same next-day quality
+    assert (
+        by_mode["dedup"].data.metrics["storage.bytes"]
+        < by_mode["baseline"].data.metrics["storage.bytes"]
+    )
+    assert abs(summary["eval.ne.dedup"] - summary["eval.ne.baseline"]) < 0.01
+    assert summary["run.eval_ds"] == NEXT
+    assert "dedup vs baseline" in stderr and "next-day NE" in stderr  # the comparison table
+    artifacts = [a.path for a in client.list_artifacts(parent.info.run_id)]
+    assert f"compare-{DAY}.png" in artifacts
+    assert (root / "out" / f"compare-{DAY}.png").read_bytes()[:4] == b"\x89PNG"
+    v1 = client.get_model_version("recd-dlrm", "1")
+    assert v1.run_id == by_mode["dedup"].info.run_id
+    assert v1.tags["recd.decision"] == "promoted" and v1.tags["recd.champion_ne"] == ""
+
+
+def test_the_next_day_promotes_or_keeps_the_champion_by_ne_and_logs_why(daily):
+    root, uri, _ = daily
+    day2 = json.loads((root / "day2.json").read_text())
+    client = MlflowClient(tracking_uri=uri)
+    v2 = client.get_model_version("recd-dlrm", "2")
+    assert str(client.get_model_version_by_alias("recd-dlrm", "challenger").version) == "2"
+    champion = str(client.get_model_version_by_alias("recd-dlrm", "champion").version)
+    better = day2["registry.challenger_ne"] <= day2["registry.champion_ne"]
+    assert champion == ("2" if better else "1")
+    assert v2.tags["recd.decision"] == ("promoted" if better else "kept champion")
+    assert v2.tags["recd.eval_ds"] == THIRD
+    # both NEs were scored on the same day: the champion's here is day one's model on day three
+    assert float(v2.tags["recd.champion_ne"]) == pytest.approx(day2["registry.champion_ne"])
+    run = client.get_run(day2["mlflow.run_id"])
+    assert run.data.metrics["registry.promoted"] == float(better)
+    assert run.data.metrics["registry.champion_ne"] == pytest.approx(day2["registry.champion_ne"])
+
+
+def test_the_registered_model_scores_sample_rows_like_the_trained_model(daily):
+    root, uri, _ = daily
+    client = MlflowClient(tracking_uri=uri)
+    v1 = client.get_model_version("recd-dlrm", "1")
+    loaded = mlflow.pyfunc.load_model(f"{v1.source}")
+    sig = loaded.metadata.signature
+    assert "user_history" in sig.inputs.input_names() and "label" not in sig.inputs.input_names()
+    files = sorted((root / "wh/samples/layout=clustered" / f"ds={NEXT}").glob("*.parquet"))
+    table = pq.read_table(files[0]).slice(0, 300)
+    scored = loaded.predict(table.drop_columns(["label", "event_id", "ts"]).to_pandas())
+    model, meta = load_model(json.loads((root / "day1.json").read_text())["train.model_uri.dedup"])
+    np.testing.assert_allclose(scored, predict(model, meta, table), rtol=1e-5, atol=1e-6)
+    with pytest.raises(Exception, match="item_id"):
+        loaded.predict(table.drop_columns(["item_id"]).to_pandas())
+
+
+def test_compare_fails_loudly_when_the_arms_differ_beyond_tolerance(daily, tmp_path):
+    root, uri, _ = daily
+    cfg = tmp_path / "strict.yaml"
+    cfg.write_text(
+        "features: synthetic\nregistry: {compare_ne_tolerance: 0.0, compare_auc_tolerance: 0.0}\n"
+    )
+    r = recd("--tracking-uri", uri, "compare", "--warehouse", root / "wh", "--logs", root / "logs",
+             "--ds", DAY, "--config", cfg, "--out", tmp_path, check=False)  # fmt: skip
+    assert r.returncode == 3, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("recd compare: error:") and "differ in quality" in last
+    assert (tmp_path / f"compare-{DAY}.png").exists()  # the evidence is kept
+    runs = MlflowClient(tracking_uri=uri).search_runs(
+        [MlflowClient(tracking_uri=uri).get_experiment_by_name("recd").experiment_id],
+        filter_string="tags.`recd.stage` = 'compare'",
+    )
+    assert runs[0].info.status == "FAILED"
+    assert len(MlflowClient(tracking_uri=uri).search_model_versions("name='recd-dlrm'")) == 2
