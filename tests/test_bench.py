@@ -44,3 +44,35 @@ def test_dpp_bench_figures_and_report(fresh_warehouse):
     assert r["bench.dpp_speedup"] > 0 and r["dpp.bytes_out.dedup"] < r["dpp.bytes_out.baseline"]
     report = markdown({"bench.preset": "small", **r})
     assert "DPP preprocessing" in report
+
+
+def test_recd_bench_writes_and_logs_its_report(tmp_path):
+    """`recd bench` end to end on the small preset: the ratios and bounds in one JSON, the
+    markdown table and the chart under --out, all logged to MLflow."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    exe = Path(sys.executable).parent / "recd"
+    r = subprocess.run([exe, "--tracking-uri", uri, "bench", "--preset", "small", "--out", tmp_path / "b"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((tmp_path / "b/bench.json").read_text())
+    for key in (
+        "bench.storage_ratio",
+        "bench.dpp_speedup",
+        "bench.train_speedup",
+        "bench.train_speedup_bound",
+    ):
+        assert result[key] > 0, key
+    assert (tmp_path / "b/bench.png").read_bytes()[:4] == b"\x89PNG"
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(result["mlflow.run_id"])
+    assert run.data.metrics["bench.storage_ratio"] == pytest.approx(result["bench.storage_ratio"])
+    assert {"bench.md", "bench.png", "summary.json"} <= {
+        a.path for a in client.list_artifacts(run.info.run_id)
+    }
