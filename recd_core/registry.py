@@ -7,8 +7,9 @@ deduplicated sparse `Batch`, which DPP builds from rows with the training run's 
 transforms and statistics. So the logged model carries the state dict, `model.json` (those
 transforms, statistics and the dedup plan) and the `recd_core` code, with a signature and an
 input example; `mlflow.pyfunc.load_model("models:/recd-dlrm@champion").predict(rows)`
-returns click probabilities. The state dict inside is plain `torch.save` of tensors, loadable
-with `weights_only=True` (no pickled code).
+returns click probabilities. Nothing is pickled: the model is logged "from code"
+(`mlflow_model.py`), and the state dict inside is plain `torch.save` of tensors, loaded
+with `weights_only=True`.
 
 Aliases, per registered model name:
 
@@ -109,7 +110,7 @@ def log_and_register(
         target = Path(tmp) / MODEL_ARTIFACT
         mlflow.pyfunc.save_model(
             path=str(target),
-            python_model=SampleScorer(),
+            python_model=str(Path(__file__).with_name("mlflow_model.py")),
             artifacts={"dlrm": str(model_dir)},
             code_paths=[str(Path(recd_core.__file__).parent)],
             signature=signature,

@@ -1,0 +1,48 @@
+"""What every component entrypoint does: typed arguments (generated from `StageArgs`, so the
+orchestrators and the library cannot drift apart), one stage call, the stage's summary
+written as the output-metadata file the orchestrator reads, and a one-line reason with the
+stage's exit code (2 bad input, 3 quality gate, 4 tracking) on failure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from recd_core.stages import StageArgs, StageFailed, run_stage
+
+
+def parser(stage: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"python -m components.{stage}", description=f"recd stage: {stage}"
+    )
+    for name, field in StageArgs.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        required = field.is_required()
+        p.add_argument(flag, dest=name, required=required, default=None,
+                       help=(field.description or "") + ("" if required else f" (default: {field.default})"))  # fmt: skip
+    p.add_argument("--output-metadata", type=Path, help="write the stage's summary JSON here")
+    p.add_argument("--upstream-json", help="finish: the other stages' summaries, a JSON list")
+    return p
+
+
+def main(stage: str, argv: list[str] | None = None) -> int:
+    ns = vars(parser(stage).parse_args(argv))
+    out, upstream = ns.pop("output_metadata"), ns.pop("upstream_json")
+    args = {k: v for k, v in ns.items() if v not in (None, "", "None")}
+    try:
+        summary = run_stage(stage, args, json.loads(upstream) if upstream else None)
+    except StageFailed as e:
+        print(f"recd {stage}: error: {e}", file=sys.stderr)
+        return e.code
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=1, default=str))
+    keys = [
+        k
+        for k in summary
+        if k.split(".")[0] in ("ingest", "storage", "dpp", "train", "eval", "registry")
+    ]
+    print(f"recd {stage}: ok " + ", ".join(f"{k}={summary[k]}" for k in keys[:8]))
+    return 0

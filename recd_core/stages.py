@@ -1,0 +1,366 @@
+"""The pipeline's stages as orchestrator tasks: one definition, run in-process by an Airflow
+worker, as a pod of the components image (Airflow's KubernetesPodOperator, Kubeflow), or by
+hand (`python -m components.<stage>`).
+
+Every stage takes one `StageArgs` (plain values an orchestrator can template) and returns
+a JSON-safe summary (the contract keys), which becomes the task's XCom / output metadata.
+Stages talk only through the warehouse and these summaries. With a tracking URI, `start`
+opens the pipeline's MLflow run and every stage records a child run under it.
+
+    start -> synth -> ingest -> generate -> preprocess(arm) -> train(arm) -> evaluate(arm)
+          -> register (first arm: challenger, champion by NE) -> finish
+
+`days` > 1 (the comparison DAG) runs each stage over consecutive training days
+ds .. ds+days-1, each evaluated on its next day.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from recd_core.config import PipelineConfig, load_pipeline_config
+from recd_core.tracking import Tracker
+from recd_core.warehouse import Warehouse
+
+STAGES = (
+    "start",
+    "synth",
+    "ingest",
+    "generate",
+    "preprocess",
+    "train",
+    "evaluate",
+    "register",
+    "finish",
+)
+
+
+class StageArgs(BaseModel):
+    """One stage invocation. Strings from templates are coerced (`days: "2"` -> 2)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    warehouse: str
+    ds: str = Field(pattern=r"^\d{4}-\d{2}-\d{2}$")  # the (first) training day
+    days: int = Field(default=1, ge=1, le=31)
+    logs: str | None = None  # raw JSON-lines logs root; missing days synthesized if `synthesize`
+    synthesize: bool = True
+    config: str | None = None  # pipeline YAML; the built-in synthetic config if unset
+    preset: Literal["small", "standard"] | None = None  # overrides the config's synth preset
+    batch_size: int | None = Field(default=None, gt=0)  # overrides DPP's and training's
+    mode: Literal["dedup", "baseline"] = "dedup"
+    model_uri: str | None = None  # evaluate: the trained model(s), ';'-joined over days
+    tracking_uri: str | None = None
+    experiment: str = "recd"
+    parent_run_id: str | None = None
+    pipeline: str = "recd"  # the parent run's name
+    register_run_id: str | None = None  # register: the train run that logs the model
+
+    def training_days(self) -> list[str]:
+        first = dt.date.fromisoformat(self.ds)
+        return [(first + dt.timedelta(days=k)).isoformat() for k in range(self.days)]
+
+    def eval_day(self, day: str) -> str:
+        return (dt.date.fromisoformat(day) + dt.timedelta(days=1)).isoformat()
+
+    def all_days(self) -> list[str]:
+        days = self.training_days()
+        return [*days, self.eval_day(days[-1])]
+
+    def pipeline_config(self) -> PipelineConfig:
+        from recd_core.config import SYNTH_PRESETS, SynthConfig
+
+        cfg = load_pipeline_config(self.config)
+        update = {}
+        if self.preset:
+            update["synth"] = SynthConfig(
+                **{**cfg.synth.model_dump(), **SYNTH_PRESETS[self.preset]}
+            )
+        if self.batch_size:
+            update["preprocess"] = cfg.preprocess.model_copy(update={"batch_size": self.batch_size})
+            update["train"] = cfg.train.model_copy(update={"batch_size": self.batch_size})
+        return cfg.model_copy(update=update)
+
+    def tracker(self) -> Tracker | None:
+        return Tracker(self.tracking_uri, self.experiment) if self.tracking_uri else None
+
+
+class StageFailed(Exception):
+    """A stage could not do its work for a reason the input explains (bad input, a failed
+    quality gate): retrying will not help. `code` is the CLI's exit code for it."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+def _per_day(args: StageArgs, fn: Callable[[str], dict]) -> dict:
+    """Run `fn` per training day; one day's summary as is, several under `days.<ds>`."""
+    days = args.training_days()
+    if len(days) == 1:
+        return fn(days[0])
+    return {"days": {d: fn(d) for d in days}}
+
+
+def _start(args: StageArgs) -> dict:
+    tracker = args.tracker()
+    if tracker is None:
+        return {"mlflow.run_id": None}
+    tracker.check()
+    run_id = tracker.start("pipeline", {**args.model_dump(exclude_none=True), "mode": ""},
+                           pipeline=args.pipeline)  # fmt: skip
+    return {"mlflow.run_id": run_id}
+
+
+def _synth(args: StageArgs) -> dict:
+    from recd_core.pipeline import ensure_logs
+
+    if not args.logs:
+        raise StageFailed("synth: no --logs root given")
+    if not args.synthesize:
+        return {"synth.days": 0, "synth.rows": 0}
+    return ensure_logs(Path(args.logs), args.all_days(), args.pipeline_config())
+
+
+def _ingest(args: StageArgs) -> dict:
+    from recd_core.ingest import ingest
+    from recd_core.pipeline import logs_for_day
+
+    if not args.logs:
+        raise StageFailed("ingest: no --logs root given")
+    cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
+    out = {}
+    for day in args.all_days():
+        s = ingest(
+            logs_for_day(Path(args.logs), day), wh, day, cfg.features, cfg.ingest, cfg.generate
+        )
+        out[day] = s
+    first = out[args.ds]
+    return {**first, "ingest.days": {d: s["ingest.rows_ok"] for d, s in out.items()}}
+
+
+def _generate(args: StageArgs) -> dict:
+    from recd_core.datagen import generate
+
+    cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
+
+    def one(day: str) -> dict:
+        s = generate(wh, day, cfg.generate, layouts=("clustered", "shuffled"))
+        layouts = s.pop("layouts")
+        s["storage.bytes.dedup"] = layouts["clustered"]["storage.bytes"]
+        s["storage.bytes.baseline"] = layouts["shuffled"]["storage.bytes"]
+        return s
+
+    out = _per_day(args, one)
+    last = args.training_days()[-1]
+    generate(wh, args.eval_day(last), cfg.generate, layouts=("clustered",))
+    return out
+
+
+def _preprocess(args: StageArgs) -> dict:
+    from recd_core.dpp import preprocess
+
+    cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
+    prep = cfg.preprocess.model_copy(update={"mode": args.mode})
+    return _per_day(args, lambda day: preprocess(wh, day, prep))
+
+
+def _train(args: StageArgs) -> dict:
+    from recd_core.train import train
+
+    cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
+    tc = cfg.train.model_copy(update={"mode": args.mode})
+    out = _per_day(args, lambda day: train(wh, day, tc))
+    uris = [s["train.model_uri"] for s in (out["days"].values() if "days" in out else [out])]
+    return {**out, "train.model_uris": ";".join(uris)}
+
+
+def _evaluate(args: StageArgs) -> dict:
+    from recd_core.evaluate import evaluate
+
+    if not args.model_uri:
+        raise StageFailed("evaluate: no --model-uri given")
+    cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
+    uris = dict(zip(args.training_days(), args.model_uri.split(";"), strict=True))
+    out = _per_day(
+        args,
+        lambda day: {
+            "train.mode": args.mode,
+            **evaluate(wh, uris[day], args.eval_day(day), cfg.registry.eval_batch_size),
+        },
+    )
+    if "days" in out:  # the mean over days, under the contract keys
+        for key in ("eval.ne", "eval.auc", "eval.logloss", "eval.calibration"):
+            out[key] = sum(s[key] for s in out["days"].values()) / len(out["days"])
+    return out
+
+
+def _register(args: StageArgs) -> dict:
+    """Log the last day's model to the train run, register it, decide the champion."""
+    from recd_core import registry
+    from recd_core.evaluate import evaluate
+    from recd_core.train import model_dir
+
+    tracker = args.tracker()
+    if tracker is None:
+        return {"registry.decision": "off (no tracking URI)"}
+    if not args.model_uri or not args.register_run_id:
+        raise StageFailed("register: --model-uri and --register-run-id are required")
+    cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
+    day = args.training_days()[-1]
+    eval_ds, uri = args.eval_day(day), args.model_uri.split(";")[-1]
+    ne = evaluate(wh, uri, eval_ds, cfg.registry.eval_batch_size)["eval.ne"]
+    samples = wh.read("samples", eval_ds, layout="clustered").slice(0, registry.EXAMPLE_ROWS)
+    with model_dir(uri) as local:
+        new = registry.log_and_register(
+            tracker, args.register_run_id, local, samples, cfg.registry.model_name
+        )
+    current = registry.champion(tracker, cfg.registry.model_name)
+    champion_ne = None
+    if current is not None:
+        champion_ne = registry.score_version(
+            tracker, current, wh, eval_ds, cfg.registry.eval_batch_size
+        )["eval.ne"]
+    promoted = registry.decide(ne, champion_ne, cfg.registry.ne_tolerance)
+    registry.record_decision(tracker, new, promoted, eval_ds, ne, champion_ne)
+    return {
+        "registry.model": new.name,
+        "registry.version": int(new.version),
+        "registry.promoted": promoted,
+        "registry.decision": "promoted" if promoted else "kept champion",
+        "registry.challenger_ne": ne,
+        "registry.champion_ne": champion_ne,
+        "registry.eval_ds": eval_ds,
+    }
+
+
+def _finish(args: StageArgs) -> dict:
+    """Close the pipeline run. Its summary: the stages' figures, merged (see `merge`)."""
+    return {"pipeline.ds": args.ds, "pipeline.days": args.days}
+
+
+IMPLS: dict[str, Callable[[StageArgs], dict]] = {
+    "start": _start,
+    "synth": _synth,
+    "ingest": _ingest,
+    "generate": _generate,
+    "preprocess": _preprocess,
+    "train": _train,
+    "evaluate": _evaluate,
+    "register": _register,
+    "finish": _finish,
+}
+
+
+def run_stage(name: str, args: StageArgs | dict, upstream: list[dict] | None = None) -> dict:
+    """Run one stage and record it (a child of the pipeline run); return its summary.
+
+    Errors a retry cannot fix (bad input, quality gate, unknown partition) become
+    `StageFailed` with a one-line reason; the stage's MLflow run and the pipeline's run are
+    closed FAILED. `upstream` (finish only): the other stages' summaries to merge."""
+    from recd_core.config import ConfigError
+    from recd_core.ingest import QuarantineExceeded
+    from recd_core.sources import SourceError
+    from recd_core.tracking import TrackingError
+    from recd_core.warehouse import PartitionNotFound
+
+    if name not in IMPLS:
+        raise StageFailed(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    if isinstance(args, dict):
+        # templated values an orchestrator could not fill arrive as "" or "None": unset
+        args = {k: v for k, v in args.items() if v not in (None, "", "None")}
+        try:
+            args = StageArgs.model_validate(args)
+        except ValueError as e:
+            raise StageFailed(f"{name}: bad arguments: {e}") from None
+    tracker = args.tracker()
+    run_id = None
+    if tracker is not None and name not in ("start", "finish") and args.parent_run_id:
+        params = args.model_dump(exclude_none=True)
+        if name in ("synth", "ingest", "generate", "register"):
+            params["mode"] = "" if name != "register" else args.mode
+        run_id = tracker.start(name, params, parent_id=args.parent_run_id)
+    try:
+        summary = IMPLS[name](args)
+        if name == "finish":
+            summary = merge(upstream or [], summary)
+    except Exception as e:
+        failure = _failure(
+            e,
+            (ConfigError, SourceError, PartitionNotFound, ValueError),
+            QuarantineExceeded,
+            TrackingError,
+        )
+        if tracker is not None:
+            for rid in (run_id, args.parent_run_id):
+                if rid:
+                    with contextlib.suppress(TrackingError):
+                        tracker.finish(rid, {"status": "failed", "error": f"{name}: {failure}"})
+        if isinstance(failure, StageFailed):
+            raise failure from None
+        raise
+    summary = {"status": "ok", **_json_safe(summary)}
+    if tracker is not None:
+        if name == "finish" and args.parent_run_id:
+            tracker.finish(args.parent_run_id, summary)
+            summary["mlflow.run_id"] = args.parent_run_id
+        elif run_id:
+            tracker.finish(run_id, summary)
+            summary["mlflow.run_id"] = run_id
+    return summary
+
+
+def _failure(e: Exception, bad_input: tuple, gate: type, tracking: type) -> Exception:
+    if isinstance(e, StageFailed):
+        return e
+    if isinstance(e, gate):
+        return StageFailed(str(e), 3)
+    if isinstance(e, tracking):
+        return StageFailed(str(e), 4)
+    if isinstance(e, bad_input):
+        return StageFailed(str(e).strip(), 2)
+    return e
+
+
+def merge(upstream: list[dict], base: dict) -> dict:
+    """The pipeline run's summary: each stage's contract keys; an arm's keys suffixed with
+    its mode (`train.samples_per_s.dedup`), the first (dedup) arm's also unsuffixed."""
+    out = dict(base)
+    for s in upstream:
+        if not s:
+            continue
+        mode = s.get("train.mode") or s.get("dpp.mode")
+        for k, v in s.items():
+            if k in ("status", "mlflow.run_id") or isinstance(v, dict):
+                continue
+            if mode:
+                out[f"{k}.{mode}"] = v
+                if mode == "dedup" or k not in out:
+                    out[k] = v
+            else:
+                out.setdefault(k, v)
+    return out
+
+
+def _json_safe(obj):
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if hasattr(obj, "item") and not isinstance(obj, str):  # numpy scalars
+        return obj.item()
+    return (
+        json.loads(json.dumps(obj, default=str))
+        if not isinstance(obj, str | int | float | bool | type(None))
+        else obj
+    )
