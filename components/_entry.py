@@ -23,7 +23,7 @@ def parser(stage: str) -> argparse.ArgumentParser:
         p.add_argument(flag, dest=name, required=required, default=None,
                        help=(field.description or "") + ("" if required else f" (default: {field.default})"))  # fmt: skip
     p.add_argument("--output-metadata", type=Path, help="write the stage's summary JSON here")
-    p.add_argument("--upstream-json", help="finish: the other stages' summaries, a JSON list")
+X
     return p
 
 

@@ -9,6 +9,7 @@ opens the pipeline's MLflow run and every stage records a child run under it.
 
     start -> synth -> ingest -> generate -> preprocess(arm) -> train(arm) -> evaluate(arm)
           -> register (first arm: challenger, champion by NE) -> finish
+          or, with both arms, -> compare (table, chart, quality gate) -> finish
 
 `days` > 1 (the comparison DAG) runs each stage over consecutive training days
 ds .. ds+days-1, each evaluated on its next day.
@@ -242,6 +243,49 @@ def _register(args: StageArgs) -> dict:
     }
 
 
+def _compare(args: StageArgs, upstream: list[dict]) -> dict:
+    """Both arms side by side: the table in the task log, the chart in MLflow (the pipeline
+    run) and in the warehouse (`reports/compare/ds=D/`), and the quality gate."""
+    import tempfile
+
+    from recd_core.compare import chart, quality_gap, table_rows
+
+    cfg = args.pipeline_config()
+    summary = merge(
+        upstream, {"run.ds": args.ds, "run.eval_ds": args.eval_day(args.training_days()[-1])}
+    )
+    missing = [k for k in ("eval.ne.dedup", "eval.ne.baseline") if k not in summary]
+    if missing:
+        raise StageFailed(f"compare: upstream summaries lack {', '.join(missing)}")
+    for label, d, b, gain in table_rows(summary):
+        print(f"{label:<26} dedup {d:>14,.4f}   baseline {b:>14,.4f}   {gain}")
+    wh = Warehouse(args.warehouse)
+    with tempfile.TemporaryDirectory() as tmp:
+        png = chart(summary, Path(tmp) / f"compare-{args.ds}.png")
+        target = f"{wh.root}/reports/compare/ds={args.ds}"
+        wh.fs.create_dir(target, recursive=True)
+        with wh.fs.open_output_stream(f"{target}/{png.name}") as f:
+            f.write(png.read_bytes())
+        tracker = args.tracker()
+        if tracker is not None and args.parent_run_id:
+            tracker.client().log_artifact(args.parent_run_id, str(png))
+    gap = quality_gap(
+        summary, cfg.registry.compare_ne_tolerance, cfg.registry.compare_auc_tolerance
+    )
+    out = {
+        "compare.chart": f"{wh.uri.rstrip('/')}/reports/compare/ds={args.ds}/{png.name}",
+        "compare.quality_ok": gap is None,
+        "storage.ratio": summary["storage.bytes.baseline"] / summary["storage.bytes.dedup"],
+        "dpp.speedup": summary["dpp.samples_per_s.dedup"] / summary["dpp.samples_per_s.baseline"],
+        "train.speedup": summary["train.samples_per_s.dedup"]
+        / summary["train.samples_per_s.baseline"],
+        "eval.ne_gap": summary["eval.ne.dedup"] - summary["eval.ne.baseline"],
+    }
+    if gap:
+        raise StageFailed(gap, 3)
+    return out
+
+
 def _finish(args: StageArgs) -> dict:
     """Close the pipeline run. Its summary: the stages' figures, merged (see `merge`)."""
     return {"pipeline.ds": args.ds, "pipeline.days": args.days}
@@ -257,6 +301,7 @@ IMPLS: dict[str, Callable[[StageArgs], dict]] = {
     "evaluate": _evaluate,
     "register": _register,
     "finish": _finish,
+    "compare": lambda args: {},  # needs the arms' summaries: run_stage passes them
 }
 
 
@@ -289,7 +334,10 @@ def run_stage(name: str, args: StageArgs | dict, upstream: list[dict] | None = N
             params["mode"] = "" if name != "register" else args.mode
         run_id = tracker.start(name, params, parent_id=args.parent_run_id)
     try:
-        summary = IMPLS[name](args)
+        if name == "compare":
+            summary = _compare(args, upstream or [])
+        else:
+            summary = IMPLS[name](args)
         if name == "finish":
             summary = merge(upstream or [], summary)
     except Exception as e:

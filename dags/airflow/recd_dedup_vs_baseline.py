@@ -1,0 +1,72 @@
+"""
+### recd_dedup_vs_baseline
+
+Triggered by hand. Both arms on the same data: the same samples, preprocessed as IKJT
+(dedup) and KJT (baseline), trained, and evaluated on the next day; `compare` prints the
+table, stores the chart (MLflow and `reports/compare/` in the warehouse) and fails when the
+arms' NE or AUC differ beyond the configured tolerance.
+
+Parameters: `ds` (the first training day), `days` (consecutive training days, each judged
+on its next day), `preset` (synthetic workload size), `batch_size` (DPP and training).
+Each preset gets its own warehouse under the compare root, so runs never mix workloads.
+"""
+
+from airflow.sdk import Param, chain, dag
+from recd_tasks import SETTINGS, default_args, stage, xcom
+
+ROOT = f"{SETTINGS.compare_root}/{{{{ params.preset }}}}"
+
+
+@dag(
+    dag_id="recd_dedup_vs_baseline",
+    schedule=None,
+    start_date=SETTINGS.start,
+    catchup=False,
+    default_args=default_args(),
+    tags=["recd", "benchmark"],
+    doc_md=__doc__,
+    params={
+        "ds": Param("2026-11-01", type="string", format="date", description="first training day"),
+        "days": Param(1, type="integer", minimum=1, maximum=31, description="training days"),
+        "preset": Param("small", enum=["small", "standard"], description="synthetic workload"),
+        "batch_size": Param(512, type="integer", minimum=1, description="DPP and training"),
+    },
+)
+def recd_dedup_vs_baseline():
+    base = {
+        "warehouse": f"{ROOT}/warehouse",
+        "logs": f"{ROOT}/logs",
+        "ds": "{{ params.ds }}",
+        "days": "{{ params.days }}",
+        "preset": "{{ params.preset }}",
+        "batch_size": "{{ params.batch_size }}",
+        "config": SETTINGS.config,
+        "tracking_uri": SETTINGS.tracking_uri,
+        "pipeline": "recd_dedup_vs_baseline {{ params.ds }} x{{ params.days }} {{ params.preset }}",
+    }
+    wh = f"{SETTINGS.compare_root}/warehouse"
+    start = stage("start", base)
+    args = {**base, "parent_run_id": xcom("start", "mlflow.run_id")}
+    data = [stage(s, args, warehouse=wh) for s in ("synth", "ingest", "generate")]
+    arms = []
+    for mode in ("dedup", "baseline"):
+        a = {**args, "mode": mode}
+        prep = stage("preprocess", a, task_id=f"preprocess_{mode}", warehouse=wh)
+        train = stage("train", a, task_id=f"train_{mode}", warehouse=wh)
+        model = xcom(f"train_{mode}", "train.model_uris")
+        evaluate = stage("evaluate", {**a, "model_uri": model}, task_id=f"evaluate_{mode}")
+        chain(prep, train, evaluate)
+        arms.append((prep, evaluate))
+    ids = ["generate"] + [
+        f"{s}_{m}" for m in ("dedup", "baseline") for s in ("preprocess", "train", "evaluate")
+    ]
+    compare = stage("compare", args, upstream=ids)
+    finish = stage("finish", args, upstream=["ingest", *ids, "compare"])
+    chain(start, *data)
+    for prep, evaluate in arms:
+        data[-1] >> prep
+        evaluate >> compare
+    compare >> finish
+
+
+recd_dedup_vs_baseline()

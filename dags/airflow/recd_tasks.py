@@ -1,0 +1,172 @@
+"""Shared by the recd DAGs: where the pipeline runs (settings) and one factory that turns a
+stage of `recd_core.stages` into an Airflow task, either
+
+    inprocess   a TaskFlow task calling `run_stage` on the Airflow worker (the embedded
+                default: `make run`, one machine)
+    kubernetes  a KubernetesPodOperator running `python -m components.<stage>` in the
+                components image (clusters; the chart's ServiceAccount may launch these pods)
+
+Both receive the same templated arguments and return the same summary (XCom), so the DAG
+files read the same for either. Settings come from `RECD_*` environment variables, read once
+here at parse time (the Helm values for the Airflow chart set them).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Literal
+
+from airflow.sdk import Asset, task
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Settings(BaseSettings):
+    """`RECD_EXECUTOR=kubernetes`, `RECD_WAREHOUSE=s3://…`, … (defaults: the local embedded
+    setup of this checkout)."""
+
+    model_config = SettingsConfigDict(env_prefix="RECD_", extra="ignore")
+
+    executor: Literal["inprocess", "kubernetes"] = "inprocess"
+    warehouse: str = str(REPO / "data/default/warehouse")
+    logs: str = str(REPO / "data/default/logs")
+    compare_root: str = str(REPO / "data/compare")
+    tracking_uri: str | None = f"sqlite:///{REPO}/data/mlflow.db"
+    config: str | None = None
+    schedule: str = "@daily"
+    start_date: dt.date = dt.date(2026, 11, 1)
+    retries: int = 2
+    # kubernetes executor
+    image: str = "ghcr.io/recd-project/recd-components:0.1.0"
+    namespace: str = "recd"
+    service_account: str = "recd-pipeline"
+    train_gpus: int = 0
+    gpu_node_selector: dict[str, str] = {}
+    env_from_secret: str | None = None  # a Secret with e.g. AWS_* for an s3:// warehouse
+
+    @property
+    def start(self) -> dt.datetime:
+        return dt.datetime.combine(self.start_date, dt.time(), dt.UTC)
+
+
+SETTINGS = Settings()
+
+
+def xcom(task_id: str, key: str) -> str:
+    """A template pulling one key of an upstream stage's summary."""
+    return "{{ ti.xcom_pull(task_ids='" + task_id + "')['" + key + "'] }}"
+
+
+def xcoms_json(task_ids: list[str]) -> str:
+    """A template rendering upstream summaries as one JSON list (for finish and compare)."""
+    return "{{ ti.xcom_pull(task_ids=" + json.dumps(task_ids) + ") | tojson }}"
+
+
+def asset(table: str, warehouse: str = SETTINGS.warehouse) -> Asset:
+    """The Asset a stage produces: one warehouse table (partitions per ds in the event extra)."""
+    uri = warehouse if "://" in warehouse else Path(warehouse).resolve().as_uri()
+    # named by its URI: two warehouses (e.g. daily and comparison) are two assets
+    return Asset(uri=f"{uri.rstrip('/')}/{table}", group="recd")
+
+
+OUTLETS = {
+    "ingest": ("events", "quarantine"),
+    "generate": ("samples",),
+    "preprocess": ("batches",),
+    "train": ("models",),
+}
+
+
+def stage(name: str, args: dict, task_id: str | None = None, upstream: list[str] | None = None,
+          warehouse: str | None = None):  # fmt: skip
+    """The task running stage `name` with (templated) `args`; `upstream`: task ids whose
+    summaries the stage needs (finish, compare)."""
+    task_id = task_id or name
+    outlets = [asset(t, warehouse or SETTINGS.warehouse) for t in OUTLETS.get(name, ())]
+    upstream_json = xcoms_json(upstream) if upstream else None
+    if SETTINGS.executor == "kubernetes":
+        return _pod(name, task_id, args, outlets, upstream_json)
+
+    @task(task_id=task_id, outlets=outlets)
+    def run(stage_args: dict, upstream_json: str | None = None, **context) -> dict:
+        from airflow.sdk.exceptions import AirflowFailException
+
+        from recd_core.stages import StageFailed, run_stage
+
+        try:
+            summary = run_stage(
+                name, stage_args, json.loads(upstream_json) if upstream_json else None
+            )
+        except StageFailed as e:  # bad input or a failed gate: retrying cannot help
+            raise AirflowFailException(f"recd {name}: {e}") from None
+        for out in outlets:
+            context["outlet_events"][out].extra = {"ds": stage_args["ds"]}
+        return summary
+
+    return run(args, upstream_json)
+
+
+def _pod(name: str, task_id: str, args: dict, outlets: list, upstream_json: str | None):
+    from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+    from kubernetes.client import models as k8s
+
+    argv = []
+    for key, value in args.items():
+        if value is not None:
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+    if upstream_json:
+        argv += ["--upstream-json", upstream_json]
+    argv += ["--output-metadata", "/airflow/xcom/return.json"]
+    gpus = SETTINGS.train_gpus if name == "train" else 0
+    limits = {"nvidia.com/gpu": str(gpus)} if gpus else {}
+    return KubernetesPodOperator(
+        task_id=task_id,
+        name=f"recd-{name}",
+        namespace=SETTINGS.namespace,
+        image=SETTINGS.image,
+        cmds=["python", "-m", f"components.{name}"],
+        arguments=argv,
+        service_account_name=SETTINGS.service_account,
+        do_xcom_push=True,
+        get_logs=True,
+        on_finish_action="delete_succeeded_pod",
+        outlets=outlets,
+        container_resources=k8s.V1ResourceRequirements(
+            requests={"cpu": "1", "memory": "4Gi"}, limits={"memory": "16Gi", **limits}
+        ),
+        node_selector=SETTINGS.gpu_node_selector if gpus else None,
+        tolerations=[k8s.V1Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")]
+        if gpus
+        else None,
+        security_context=k8s.V1PodSecurityContext(
+            run_as_non_root=True,
+            run_as_user=10001,
+            fs_group=10001,
+            seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
+        ),  # fmt: skip
+        container_security_context=k8s.V1SecurityContext(
+            allow_privilege_escalation=False,
+            read_only_root_filesystem=True,
+            capabilities=k8s.V1Capabilities(drop=["ALL"]),
+        ),  # fmt: skip
+        volumes=[k8s.V1Volume(name="tmp", empty_dir=k8s.V1EmptyDirVolumeSource())],
+        volume_mounts=[k8s.V1VolumeMount(name="tmp", mount_path="/tmp")],
+        env_from=[
+            k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=SETTINGS.env_from_secret))
+        ]
+        if SETTINGS.env_from_secret
+        else None,
+    )
+
+
+def default_args() -> dict:
+    return {
+        "owner": "recd",
+        "retries": SETTINGS.retries,
+        "retry_delay": dt.timedelta(seconds=30),
+        "retry_exponential_backoff": True,
+        "max_retry_delay": dt.timedelta(minutes=10),
+    }
