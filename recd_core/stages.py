@@ -104,11 +104,20 @@ class StageFailed(Exception):
 
 
 def _per_day(args: StageArgs, fn: Callable[[str], dict]) -> dict:
-    """Run `fn` per training day; one day's summary as is, several under `days.<ds>`."""
+    """Run `fn` per training day. One day: its summary. Several: each under `days.<ds>`,
+    and at the top the first day's labels (mode, ...) with the mean of every number."""
     days = args.training_days()
     if len(days) == 1:
         return fn(days[0])
-    return {"days": {d: fn(d) for d in days}}
+    per = {d: fn(d) for d in days}
+    first = per[days[0]]
+    out: dict = {k: v for k, v in first.items() if isinstance(v, str | bool)}
+    for k, v in first.items():
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            vals = [s.get(k) for s in per.values()]
+            if all(isinstance(x, int | float) for x in vals):
+                out[k] = sum(vals) / len(vals)
+    return {**out, "days": per}
 
 
 def _start(args: StageArgs) -> dict:
@@ -125,7 +134,7 @@ def _synth(args: StageArgs) -> dict:
     from recd_core.pipeline import ensure_logs
 
     if not args.logs:
-        raise StageFailed("synth: no --logs root given")
+        raise StageFailed("no --logs root given")
     if not args.synthesize:
         return {"synth.days": 0, "synth.rows": 0}
     return ensure_logs(Path(args.logs), args.all_days(), args.pipeline_config())
@@ -136,7 +145,7 @@ def _ingest(args: StageArgs) -> dict:
     from recd_core.pipeline import logs_for_day
 
     if not args.logs:
-        raise StageFailed("ingest: no --logs root given")
+        raise StageFailed("no --logs root given")
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
     out = {}
     for day in args.all_days():
@@ -188,7 +197,7 @@ def _evaluate(args: StageArgs) -> dict:
     from recd_core.evaluate import evaluate
 
     if not args.model_uri:
-        raise StageFailed("evaluate: no --model-uri given")
+        raise StageFailed("no --model-uri given")
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
     uris = dict(zip(args.training_days(), args.model_uri.split(";"), strict=True))
     out = _per_day(
@@ -198,9 +207,6 @@ def _evaluate(args: StageArgs) -> dict:
             **evaluate(wh, uris[day], args.eval_day(day), cfg.registry.eval_batch_size),
         },
     )
-    if "days" in out:  # the mean over days, under the contract keys
-        for key in ("eval.ne", "eval.auc", "eval.logloss", "eval.calibration"):
-            out[key] = sum(s[key] for s in out["days"].values()) / len(out["days"])
     return out
 
 
@@ -214,7 +220,7 @@ def _register(args: StageArgs) -> dict:
     if tracker is None:
         return {"registry.decision": "off (no tracking URI)"}
     if not args.model_uri or not args.register_run_id:
-        raise StageFailed("register: --model-uri and --register-run-id are required")
+        raise StageFailed("--model-uri and --register-run-id are required")
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
     day = args.training_days()[-1]
     eval_ds, uri = args.eval_day(day), args.model_uri.split(";")[-1]
@@ -256,7 +262,7 @@ def _compare(args: StageArgs, upstream: list[dict]) -> dict:
     )
     missing = [k for k in ("eval.ne.dedup", "eval.ne.baseline") if k not in summary]
     if missing:
-        raise StageFailed(f"compare: upstream summaries lack {', '.join(missing)}")
+        raise StageFailed(f"upstream summaries lack {', '.join(missing)}")
     for label, d, b, gain in table_rows(summary):
         print(f"{label:<26} dedup {d:>14,.4f}   baseline {b:>14,.4f}   {gain}")
     wh = Warehouse(args.warehouse)
@@ -325,7 +331,7 @@ def run_stage(name: str, args: StageArgs | dict, upstream: list[dict] | None = N
         try:
             args = StageArgs.model_validate(args)
         except ValueError as e:
-            raise StageFailed(f"{name}: bad arguments: {e}") from None
+            raise StageFailed(f"bad arguments: {e}") from None
     tracker = args.tracker()
     run_id = None
     if tracker is not None and name not in ("start", "finish") and args.parent_run_id:

@@ -72,7 +72,7 @@ def print_summary(dag_id: str, day: dt.date, state: str, tracking_uri: str | Non
         summary = {}
     if state != "success":
         console.print(f"[red]failed:[/red] {summary.get('error', 'see the task log above')}")
-    else:
+    elif "registry.decision" in summary:
         console.print(
             f"champion decision: {summary.get('registry.decision', '-')}"
             f" (model {summary.get('registry.model', '-')} v{summary.get('registry.version', '-')})"
