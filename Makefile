@@ -13,7 +13,7 @@ RECBOLE_WHEEL := recbole==1.2.1
 
 MLFLOW_DB := $(CURDIR)/$(DATA)/mlflow.db
 
-.PHONY: run test lint venv movielens bench ui clean distclean
+.PHONY: run test lint venv movielens bench ui pipeline clean distclean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ run: $(STAMP)
 	@$(AIRFLOW_ENV) $(BIN)/airflow db migrate > $(DATA)/airflow/migrate.log 2>&1 || \
 	  { cat $(DATA)/airflow/migrate.log; exit 1; }
 	$(AIRFLOW_ENV) $(BIN)/python dags/airflow/run_local.py $(if $(DATE),--date $(DATE))
+
+# The Kubeflow pipeline, compiled (a build output: upload it in the Kubeflow UI).
+pipeline: $(STAMP)
+	$(BIN)/python dags/kubeflow/recd_pipeline.py --out build/kfp/recd_pipeline.yaml $(if $(IMAGE),--image $(IMAGE))
 
 # The MLflow UI over the embedded store that `make run` writes.
 ui: $(STAMP)

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from recd_core.stages import StageArgs, StageFailed, run_stage
+from recd_core.stages import StageArgs, StageFailed, run_stage, with_upstream
 
 
 def parser(stage: str) -> argparse.ArgumentParser:
@@ -19,20 +19,32 @@ def parser(stage: str) -> argparse.ArgumentParser:
     )
     for name, field in StageArgs.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        required = field.is_required()
+        required = False  # may come from --args-json; StageArgs validates the whole
         p.add_argument(flag, dest=name, required=required, default=None,
                        help=(field.description or "") + ("" if required else f" (default: {field.default})"))  # fmt: skip
+    p.add_argument("--args-json", help="further arguments as one JSON object (flags win)")
+    p.add_argument("--start-json", help="start's summary: the pipeline's MLflow run")
+    p.add_argument("--train-json", help="train's summary: the model(s) and the train run")
+    p.add_argument("--upstream-item", action="append", default=[],
+                   help="finish, compare: one upstream stage's summary (repeatable)")  # fmt: skip
+    p.add_argument("--upstream-json", help="finish, compare: upstream summaries, a JSON list")
     p.add_argument("--output-metadata", type=Path, help="write the stage's summary JSON here")
-X
     return p
 
 
 def main(stage: str, argv: list[str] | None = None) -> int:
     ns = vars(parser(stage).parse_args(argv))
     out, upstream = ns.pop("output_metadata"), ns.pop("upstream_json")
-    args = {k: v for k, v in ns.items() if v not in (None, "", "None")}
+    extra, start, train = ns.pop("args_json"), ns.pop("start_json"), ns.pop("train_json")
+    items = [json.loads(i) for i in ns.pop("upstream_item") if i and i != "{}"]
+    args = {
+        **json.loads(extra or "{}"),
+        **{k: v for k, v in ns.items() if v not in (None, "", "None")},
+    }
+    args = with_upstream(args, start, train)
     try:
-        summary = run_stage(stage, args, json.loads(upstream) if upstream else None)
+        ups = (json.loads(upstream) if upstream else []) + items
+        summary = run_stage(stage, args, ups or None)
     except StageFailed as e:
         print(f"recd {stage}: error: {e}", file=sys.stderr)
         return e.code

@@ -311,6 +311,24 @@ IMPLS: dict[str, Callable[[StageArgs], dict]] = {
 }
 
 
+def with_upstream(
+    args: dict, start: str | dict | None = None, train: str | dict | None = None
+) -> dict:
+    """Fill the arguments that come from upstream summaries (orchestrators that pass whole
+    outputs, e.g. Kubeflow): the pipeline's MLflow run from `start`'s, the trained model(s)
+    and the train run from `train`'s."""
+    out = dict(args)
+    s = json.loads(start) if isinstance(start, str) and start else (start or {})
+    t = json.loads(train) if isinstance(train, str) and train else (train or {})
+    if s.get("mlflow.run_id"):
+        out.setdefault("parent_run_id", s["mlflow.run_id"])
+    if t.get("train.model_uris"):
+        out.setdefault("model_uri", t["train.model_uris"])
+        if t.get("mlflow.run_id"):
+            out.setdefault("register_run_id", t["mlflow.run_id"])
+    return out
+
+
 def run_stage(name: str, args: StageArgs | dict, upstream: list[dict] | None = None) -> dict:
     """Run one stage and record it (a child of the pipeline run); return its summary.
 
@@ -340,10 +358,7 @@ def run_stage(name: str, args: StageArgs | dict, upstream: list[dict] | None = N
             params["mode"] = "" if name != "register" else args.mode
         run_id = tracker.start(name, params, parent_id=args.parent_run_id)
     try:
-        if name == "compare":
-            summary = _compare(args, upstream or [])
-        else:
-            summary = IMPLS[name](args)
+        summary = _compare(args, upstream or []) if name == "compare" else IMPLS[name](args)
         if name == "finish":
             summary = merge(upstream or [], summary)
     except Exception as e:

@@ -1,0 +1,86 @@
+"""The component entrypoints a container runs, and the components image's Dockerfile
+(checked statically: no Docker engine here)."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recd_core.stages import STAGES, StageFailed, run_stage, with_upstream
+
+REPO = Path(__file__).resolve().parents[1]
+DAY = "2026-11-01"
+
+
+def component(stage: str, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"components.{stage}", *map(str, args)],
+                          capture_output=True, text=True, cwd=REPO)  # fmt: skip
+
+
+def test_every_stage_has_an_entrypoint_with_typed_arguments():
+    for stage in STAGES:
+        r = component(stage, "--help")
+        assert r.returncode == 0 and "--warehouse" in r.stdout and "--output-metadata" in r.stdout
+
+
+def test_a_component_writes_its_summary_for_the_orchestrator(tmp_path, small_logs):
+    meta = tmp_path / "out" / "metadata.json"
+    r = component("ingest", "--warehouse", tmp_path / "wh", "--ds", DAY, "--logs", small_logs,
+                  "--output-metadata", meta, "--args-json", json.dumps({"synthesize": False}))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(meta.read_text())
+    assert summary["status"] == "ok" and summary["ingest.rows_ok"] == summary["ingest.rows_in"] > 0
+    assert sorted(summary["ingest.days"]) == [DAY, "2026-11-02"]  # and the evaluation day
+    assert (tmp_path / "wh/events/ds=2026-11-02/_manifest.json").exists()
+
+
+def test_a_component_fails_with_one_line_and_the_stage_exit_code(tmp_path):
+    r = component("generate", "--warehouse", tmp_path / "wh", "--ds", DAY)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "recd generate: error:" in r.stderr
+    assert "events/ds=2026-11-01" in r.stderr
+    r = component("train", "--warehouse", tmp_path / "wh", "--ds", "yesterday")
+    assert r.returncode == 2 and "ds" in r.stderr
+
+
+def test_upstream_summaries_fill_the_run_and_model_arguments():
+    args = with_upstream({"warehouse": "w", "ds": DAY}, '{"mlflow.run_id": "p1"}',
+                         {"train.model_uris": "w/models/x", "mlflow.run_id": "t1"})  # fmt: skip
+    assert args["parent_run_id"] == "p1" and args["model_uri"] == "w/models/x"
+    assert args["register_run_id"] == "t1"
+    assert with_upstream({"ds": DAY}, "{}", "{}") == {"ds": DAY}
+    with pytest.raises(StageFailed, match="unknown stage"):
+        run_stage("deploy", {"warehouse": "w", "ds": DAY})
+
+
+DOCKERFILE = REPO / "components" / "Dockerfile"
+
+
+def test_the_dockerfile_is_multi_stage_pinned_and_non_root():
+    text = DOCKERFILE.read_text()
+    froms = re.findall(r"^FROM\s+(\S+)(?:\s+AS\s+(\S+))?", text, flags=re.M | re.I)
+    assert len(froms) >= 2, "multi-stage: a build stage and a runtime stage"
+    args = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", text, flags=re.M))
+    for image, _ in froms:
+        resolved = re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), image)
+        if resolved in {alias for _, alias in froms}:
+            continue
+        assert re.search(r":[\w.\-]+(@sha256:[0-9a-f]{64})?$", resolved), (
+            f"unpinned base {resolved}"
+        )
+        assert ":latest" not in resolved
+    users = re.findall(r"^USER\s+(\S+)", text, flags=re.M)
+    assert users and users[-1] not in ("root", "0", "0:0"), "the runtime stage runs as non-root"
+    assert "torch==2.13.0" in text  # torch pinned first, as on the CI machine
+    assert re.search(r"^ARG\s+VARIANT=cpu", text, flags=re.M) and "cuda" in text.lower()
+    for stage in STAGES:
+        assert (REPO / "components" / f"{stage}.py").exists()
+    assert re.search(r"COPY[^\n]*components", text) and re.search(
+        r"COPY[^\n]*recd_core|pip install[^\n]*\.", text
+    )
+    dockerignore = (REPO / ".dockerignore").read_text()
+    for ignored in (".venv", "data", ".git"):
+        assert ignored in dockerignore
