@@ -89,7 +89,9 @@ $(MOVIELENS)/ml-100k.inter: | $(BIN)/python
 	@ls $(MOVIELENS)
 
 bench: $(STAMP) movielens
-	$(BIN)/recd bench --preset standard --out build/bench --movielens $(MOVIELENS)
+	@mkdir -p $(DATA)
+	$(BIN)/recd --tracking-uri sqlite:///$(MLFLOW_DB) bench --preset standard --out build/bench \
+	  --movielens $(MOVIELENS)
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache
