@@ -164,8 +164,16 @@ def _pod(name: str, task_id: str, args: dict, outlets: list, upstream_json: str 
             read_only_root_filesystem=True,
             capabilities=k8s.V1Capabilities(drop=["ALL"]),
         ),  # fmt: skip
-        volumes=[k8s.V1Volume(name="tmp", empty_dir=k8s.V1EmptyDirVolumeSource())],
-        volume_mounts=[k8s.V1VolumeMount(name="tmp", mount_path="/tmp")],
+        # the root filesystem is read-only: scratch and $HOME are emptyDirs
+        volumes=[
+            k8s.V1Volume(name="tmp", empty_dir=k8s.V1EmptyDirVolumeSource()),
+            k8s.V1Volume(name="home", empty_dir=k8s.V1EmptyDirVolumeSource()),
+        ],
+        volume_mounts=[
+            k8s.V1VolumeMount(name="tmp", mount_path="/tmp"),
+            k8s.V1VolumeMount(name="home", mount_path="/home/recd"),
+        ],
+        labels={"app.kubernetes.io/component": "pipeline", "recd.ai/mlflow-client": "true"},
         env_from=[
             k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=SETTINGS.env_from_secret))
         ]
