@@ -177,29 +177,9 @@ def register_and_promote(
     run, warehouse: Warehouse, arm: dict, eval_ds: str, pipeline: PipelineConfig
 ) -> dict:
     """Register the arm's model as `challenger`; promote it to `champion` by NE on `eval_ds`."""
-    from recd_core import registry
-    from recd_core.train import model_dir
+    from recd_core.registry import register_and_promote as register
 
-    reg = pipeline.registry
-    samples = warehouse.read("samples", eval_ds, layout="clustered").slice(0, registry.EXAMPLE_ROWS)
-    with model_dir(arm["train.model_uri"]) as local:
-        new = registry.log_and_register(
-            run.tracker, arm["mlflow.run_id"], local, samples, reg.model_name
-        )
-    current = registry.champion(run.tracker, reg.model_name)
-    champion_ne = None
-    if current is not None:
-        champion_ne = registry.score_version(
-            run.tracker, current, warehouse, eval_ds, reg.eval_batch_size
-        )["eval.ne"]
-    promoted = registry.decide(arm["eval.ne"], champion_ne, reg.ne_tolerance)
-    registry.record_decision(run.tracker, new, promoted, eval_ds, arm["eval.ne"], champion_ne)
-    return {
-        "registry.model": reg.model_name,
-        "registry.version": int(new.version),
-        "registry.promoted": promoted,
-        "registry.decision": "promoted" if promoted else "kept champion",
-        "registry.challenger_ne": arm["eval.ne"],
-        "registry.champion_ne": champion_ne,
-        "registry.previous_champion": None if current is None else int(current.version),
-    }
+    return register(
+        run.tracker, warehouse, arm["train.model_uri"], arm["mlflow.run_id"], eval_ds,
+        arm["eval.ne"], pipeline.registry,
+    )  # fmt: skip

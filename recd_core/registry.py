@@ -189,3 +189,34 @@ def score_version(tracker, version, warehouse, ds: str, batch_size: int) -> dict
         )
         scorer = mlflow.pyfunc.load_model(local).unwrap_python_model()
         return score_day(warehouse, scorer.model, scorer.meta, ds, batch_size)
+
+
+def register_and_promote(
+    tracker, warehouse, model_uri: str, run_id: str, eval_ds: str, challenger_ne: float, cfg
+) -> dict:
+    """Log and register the model saved at `model_uri` (to MLflow run `run_id`) as
+    `challenger`; score the current champion on `eval_ds`; move `champion` by NE (`cfg`: the
+    pipeline's `RegistryConfig`). Returns the `registry.*` figures."""
+    from recd_core.train import model_dir
+
+    samples = warehouse.read("samples", eval_ds, layout="clustered").slice(0, EXAMPLE_ROWS)
+    with model_dir(model_uri) as local:
+        new = log_and_register(tracker, run_id, local, samples, cfg.model_name)
+    current = champion(tracker, cfg.model_name)
+    champion_ne = None
+    if current is not None:
+        champion_ne = score_version(tracker, current, warehouse, eval_ds, cfg.eval_batch_size)[
+            "eval.ne"
+        ]
+    promoted = decide(challenger_ne, champion_ne, cfg.ne_tolerance)
+    record_decision(tracker, new, promoted, eval_ds, challenger_ne, champion_ne)
+    return {
+        "registry.model": cfg.model_name,
+        "registry.version": int(new.version),
+        "registry.promoted": promoted,
+        "registry.decision": "promoted" if promoted else "kept champion",
+        "registry.challenger_ne": challenger_ne,
+        "registry.champion_ne": champion_ne,
+        "registry.previous_champion": None if current is None else int(current.version),
+        "registry.eval_ds": eval_ds,
+    }

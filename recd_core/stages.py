@@ -212,9 +212,8 @@ def _evaluate(args: StageArgs) -> dict:
 
 def _register(args: StageArgs) -> dict:
     """Log the last day's model to the train run, register it, decide the champion."""
-    from recd_core import registry
     from recd_core.evaluate import evaluate
-    from recd_core.train import model_dir
+    from recd_core.registry import register_and_promote
 
     tracker = args.tracker()
     if tracker is None:
@@ -222,31 +221,10 @@ def _register(args: StageArgs) -> dict:
     if not args.model_uri or not args.register_run_id:
         raise StageFailed("--model-uri and --register-run-id are required")
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
-    day = args.training_days()[-1]
-    eval_ds, uri = args.eval_day(day), args.model_uri.split(";")[-1]
+    eval_ds, uri = args.eval_day(args.training_days()[-1]), args.model_uri.split(";")[-1]
+    # scored here again (seconds), so the stage needs only the train stage's outputs
     ne = evaluate(wh, uri, eval_ds, cfg.registry.eval_batch_size)["eval.ne"]
-    samples = wh.read("samples", eval_ds, layout="clustered").slice(0, registry.EXAMPLE_ROWS)
-    with model_dir(uri) as local:
-        new = registry.log_and_register(
-            tracker, args.register_run_id, local, samples, cfg.registry.model_name
-        )
-    current = registry.champion(tracker, cfg.registry.model_name)
-    champion_ne = None
-    if current is not None:
-        champion_ne = registry.score_version(
-            tracker, current, wh, eval_ds, cfg.registry.eval_batch_size
-        )["eval.ne"]
-    promoted = registry.decide(ne, champion_ne, cfg.registry.ne_tolerance)
-    registry.record_decision(tracker, new, promoted, eval_ds, ne, champion_ne)
-    return {
-        "registry.model": new.name,
-        "registry.version": int(new.version),
-        "registry.promoted": promoted,
-        "registry.decision": "promoted" if promoted else "kept champion",
-        "registry.challenger_ne": ne,
-        "registry.champion_ne": champion_ne,
-        "registry.eval_ds": eval_ds,
-    }
+    return register_and_promote(tracker, wh, uri, args.register_run_id, eval_ds, ne, cfg.registry)
 
 
 def _compare(args: StageArgs, upstream: list[dict]) -> dict:

@@ -91,7 +91,7 @@ class Tracker:
             plist = [
                 Param(k, str(v)[:MAX_PARAM])
                 for k, v in {**params, **facts}.items()
-                if v is not None and k not in run_tags
+                if v is not None
             ]
             client.log_batch(run.info.run_id, params=plist, tags=[RunTag("recd.status", "running")])
             return run.info.run_id

@@ -95,7 +95,7 @@ def test_run_is_idempotent_for_a_day(tmp_path: Path):
     first = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "wh").rglob("*.parquet")}
     recd(*args, "--summary", tmp_path / "b.json")
     a, b = (json.loads((tmp_path / n).read_text()) for n in ("a.json", "b.json"))
-    assert b["synth.skipped"] is True, "the day's logs are reused"
+    assert a["synth.days"] == 2 and b["synth.days"] == 0, "the days' logs are reused"
     for key in ("ingest.rows_ok", "storage.rows", "storage.bytes", "storage.ratio"):
         assert a[key] == b[key], key
     second = list((tmp_path / "wh").rglob("*.parquet"))
@@ -107,6 +107,10 @@ def test_run_is_idempotent_for_a_day(tmp_path: Path):
             "quarantine/ds=2026-11-01",
             "samples/layout=clustered/ds=2026-11-01",
             "samples/layout=shuffled/ds=2026-11-01",
+            # the evaluation day (the day after)
+            "events/ds=2026-11-02",
+            "quarantine/ds=2026-11-02",
+            "samples/layout=clustered/ds=2026-11-02",
         ]
     )
 
