@@ -32,7 +32,7 @@ venv: $(STAMP)
 # logs generated when none exist, a local warehouse, SQLite MLflow in data/mlflow.db.
 AIRFLOW_ENV := AIRFLOW_HOME=$(CURDIR)/$(DATA)/airflow AIRFLOW__CORE__DAGS_FOLDER=$(CURDIR)/dags/airflow \
   AIRFLOW__CORE__LOAD_EXAMPLES=False AIRFLOW__LOGGING__LOGGING_LEVEL=WARNING \
-  MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR=false \
+  MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR=false MLFLOW_LOGGING_LEVEL=WARNING PYTHONWARNINGS=ignore \
   RECD_WAREHOUSE=$(CURDIR)/$(DATA)/default/warehouse RECD_LOGS=$(CURDIR)/$(DATA)/default/logs \
   RECD_TRACKING_URI=sqlite:///$(MLFLOW_DB)
 

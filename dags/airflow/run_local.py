@@ -64,7 +64,8 @@ def print_summary(dag_id: str, day: dt.date, state: str, tracking_uri: str | Non
     keep = ("storage.bytes", "storage.ratio", "dpp.samples_per_s", "train.samples_per_s",
             "train.steps", "eval.ne", "eval.auc", "eval.calibration", "registry.version",
             "registry.challenger_ne", "registry.champion_ne")  # fmt: skip
-    show(f"{dag_id}, logical date {day}: {state}", {k: m[k] for k in keep if k in m})
+    trained = t.get("ds") or "?"
+    show(f"{dag_id} {day}: {state}", {"trained on": trained, **{k: m[k] for k in keep if k in m}})
     try:
         path = client.download_artifacts(runs[0].info.run_id, "summary.json")
         summary = json.loads(Path(path).read_text())
