@@ -67,6 +67,7 @@ for dag_id, dag in bag.dags.items():
             "image": getattr(t, "image", None), "cmds": getattr(t, "cmds", None),
             "arguments": getattr(t, "arguments", None),
             "gpu": str(getattr(getattr(t, "container_resources", None), "limits", "") or ""),
+            "volumes": [v.name for v in getattr(t, "volumes", None) or []],
         } for t in dag.tasks},
     }
 print("PROBE" + json.dumps(out, default=str))
@@ -118,6 +119,7 @@ def test_the_kubernetes_switch_runs_each_stage_as_a_pod_of_the_components_image(
     airflow_home, tmp_path
 ):
     env = _env(airflow_home, tmp_path, executor="kubernetes", image="registry.example/recd:1.2.3",
+               logs_claim="recd-raw-logs", logs="/data/logs",
                train_gpus=1, warehouse="s3://bucket/wh", tracking_uri="http://recd-mlflow:5000")  # fmt: skip
     bag = _probe(env)
     assert bag["errors"] == {}

@@ -8,13 +8,16 @@ arms' NE or AUC differ beyond the configured tolerance.
 
 Parameters: `ds` (the first training day), `days` (consecutive training days, each judged
 on its next day), `preset` (synthetic workload size), `batch_size` (DPP and training).
-Each preset gets its own warehouse under the compare root, so runs never mix workloads.
+Each preset gets its own warehouse under the compare root (`RECD_COMPARE_ROOT`) and its own
+logs under `<logs>/_compare/`, so runs never mix workloads or touch the daily partitions.
 """
 
 from airflow.sdk import Param, chain, dag
 from recd_tasks import SETTINGS, default_args, stage, xcom
 
-ROOT = f"{SETTINGS.compare_root}/{{{{ params.preset }}}}"
+PRESET = "{{ params.preset }}"
+ROOT = f"{SETTINGS.compare_root}/{PRESET}"
+LOGS = f"{SETTINGS.logs}/_compare/{PRESET}"  # raw logs stay files (the logs volume in pods)
 
 
 @dag(
@@ -35,7 +38,7 @@ ROOT = f"{SETTINGS.compare_root}/{{{{ params.preset }}}}"
 def recd_dedup_vs_baseline():
     base = {
         "warehouse": f"{ROOT}/warehouse",
-        "logs": f"{ROOT}/logs",
+        "logs": LOGS,
         "ds": "{{ params.ds }}",
         "days": "{{ params.days }}",
         "preset": "{{ params.preset }}",

@@ -47,6 +47,8 @@ class Settings(BaseModel):
     train_gpus: int = 0
     gpu_node_selector: dict[str, str] = {}
     env_from_secret: str | None = None  # a Secret with e.g. AWS_* for an s3:// warehouse
+    # raw logs are files: a PVC mounted at `logs` in every pod (synth writes, ingest reads)
+    logs_claim: str | None = None
 
     @property
     def start(self) -> dt.datetime:
@@ -168,10 +170,16 @@ def _pod(name: str, task_id: str, args: dict, outlets: list, upstream_json: str 
         volumes=[
             k8s.V1Volume(name="tmp", empty_dir=k8s.V1EmptyDirVolumeSource()),
             k8s.V1Volume(name="home", empty_dir=k8s.V1EmptyDirVolumeSource()),
+            *_logs_volume(k8s),
         ],
         volume_mounts=[
             k8s.V1VolumeMount(name="tmp", mount_path="/tmp"),
             k8s.V1VolumeMount(name="home", mount_path="/home/recd"),
+            *(
+                [k8s.V1VolumeMount(name="logs", mount_path=SETTINGS.logs)]
+                if SETTINGS.logs_claim
+                else []
+            ),
         ],
         labels={"app.kubernetes.io/component": "pipeline", "recd.ai/mlflow-client": "true"},
         env_from=[
@@ -180,6 +188,13 @@ def _pod(name: str, task_id: str, args: dict, outlets: list, upstream_json: str 
         if SETTINGS.env_from_secret
         else None,
     )
+
+
+def _logs_volume(k8s) -> list:
+    if not SETTINGS.logs_claim:
+        return []
+    claim = k8s.V1PersistentVolumeClaimVolumeSource(claim_name=SETTINGS.logs_claim)
+    return [k8s.V1Volume(name="logs", persistent_volume_claim=claim)]
 
 
 def default_args() -> dict:
