@@ -59,6 +59,13 @@ def test_upstream_summaries_fill_the_run_and_model_arguments():
 DOCKERFILE = REPO / "components" / "Dockerfile"
 
 
+def test_hadolint_passes_the_dockerfile():
+    exe = Path(sys.executable).parent / "hadolint"
+    r = subprocess.run([str(exe), "--failure-threshold", "warning", str(DOCKERFILE)],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_the_dockerfile_is_multi_stage_pinned_and_non_root():
     text = DOCKERFILE.read_text()
     froms = re.findall(r"^FROM\s+(\S+)(?:\s+AS\s+(\S+))?", text, flags=re.M | re.I)
