@@ -394,6 +394,8 @@ def _run_pipeline(
 ):  # fmt: skip
     from recd_core.pipeline import run_day
 
+    if handle is not None:
+        handle.tracker.log_config(handle.run_id, _pipeline(config))
     with progress("run", 3 + len(modes)) as advance:
         result = run_day(
             Warehouse(warehouse),

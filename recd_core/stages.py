@@ -127,6 +127,7 @@ def _start(args: StageArgs) -> dict:
     tracker.check()
     run_id = tracker.start("pipeline", {**args.model_dump(exclude_none=True), "mode": ""},
                            pipeline=args.pipeline)  # fmt: skip
+    tracker.log_config(run_id, args.pipeline_config())
     return {"mlflow.run_id": run_id}
 
 

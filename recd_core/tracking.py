@@ -123,6 +123,11 @@ class Tracker:
                     client.log_artifact(run_id, str(path))
             client.set_terminated(run_id, "FINISHED" if status == "ok" else "FAILED")
 
+    def log_config(self, run_id: str, config) -> None:
+        """The resolved configuration a run used (a pydantic model), as `config.yaml`."""
+        with self._errors():
+            self.client().log_dict(run_id, config.model_dump(mode="json"), "config.yaml")
+
     def log(self, stage: str, params: dict, summary: dict, **kw) -> str:
         """Record one finished command run; returns the MLflow run id."""
         run_id = self.start(stage, params, **kw)

@@ -176,6 +176,8 @@ def test_a_daily_dag_run_writes_the_partitions_records_mlflow_and_names_a_champi
         [exp.experiment_id], f"tags.mlflow.parentRunId = '{pipeline[0].info.run_id}'"
     )
     assert {r.data.tags["recd.stage"] for r in children} == set(STAGES) - {"start", "finish"}
+    artifacts = {a.path for a in client.list_artifacts(pipeline[0].info.run_id)}
+    assert {"config.yaml", "summary.json"} <= artifacts
     champion = client.get_model_version_by_alias("recd-dlrm", "champion")
     train_run = next(r for r in children if r.data.tags["recd.stage"] == "train")
     assert champion.run_id == train_run.info.run_id

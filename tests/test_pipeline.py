@@ -71,7 +71,7 @@ def test_a_run_with_both_arms_records_each_arm_and_registers_a_champion(daily):
     assert summary["run.eval_ds"] == NEXT
     assert "dedup vs baseline" in stderr and "next-day NE" in stderr  # the comparison table
     artifacts = [a.path for a in client.list_artifacts(parent.info.run_id)]
-    assert f"compare-{DAY}.png" in artifacts
+    assert f"compare-{DAY}.png" in artifacts and "config.yaml" in artifacts
     assert (root / "out" / f"compare-{DAY}.png").read_bytes()[:4] == b"\x89PNG"
     v1 = client.get_model_version("recd-dlrm", "1")
     assert v1.run_id == by_mode["dedup"].info.run_id
