@@ -120,7 +120,7 @@ def test_the_kubernetes_switch_runs_each_stage_as_a_pod_of_the_components_image(
 ):
     env = _env(airflow_home, tmp_path, executor="kubernetes", image="registry.example/recd:1.2.3",
                logs_claim="recd-raw-logs", logs="/data/logs",
-               train_gpus=1, warehouse="s3://bucket/wh", tracking_uri="http://recd-mlflow:5000")  # fmt: skip
+               train_gpus=1, synthesize="false", warehouse="s3://bucket/wh", tracking_uri="http://recd-mlflow:5000")  # fmt: skip
     bag = _probe(env)
     assert bag["errors"] == {}
     tasks = bag["dags"]["recd_daily_retrain"]["tasks"]
@@ -130,6 +130,7 @@ def test_the_kubernetes_switch_runs_each_stage_as_a_pod_of_the_components_image(
         assert t["cmds"] == ["python", "-m", f"components.{name}"]
         assert (REPO / "components" / f"{name}.py").exists()
         assert "--output-metadata" in t["arguments"] and "s3://bucket/wh" in t["arguments"]
+        assert t["arguments"][t["arguments"].index("--synthesize") + 1] == "False"
     assert (
         "nvidia.com/gpu" in tasks["train"]["gpu"] and "nvidia.com/gpu" not in tasks["ingest"]["gpu"]
     )

@@ -129,6 +129,7 @@ def test_the_orchestrator_may_launch_pods_in_its_namespace_and_nothing_more(helm
     assert pipeline_sa["automountServiceAccountToken"] is False
     cm = next(o for o in objects if o["kind"] == "ConfigMap")
     assert cm["data"]["RECD_EXECUTOR"] == "kubernetes"
+    assert cm["data"]["RECD_SYNTHESIZE"] == "false"  # production never fabricates logs
     assert cm["data"]["RECD_SERVICE_ACCOUNT"] == "rel-recd-pipeline"
     assert yaml.safe_load(cm["data"]["pipeline.yaml"])["features"] == "synthetic"
 

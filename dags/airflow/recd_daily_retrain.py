@@ -42,6 +42,7 @@ def recd_daily_retrain():
         "logs": SETTINGS.logs,
         "ds": TRAIN_DAY,
         "config": SETTINGS.config,
+        "synthesize": SETTINGS.synthesize,
         "tracking_uri": SETTINGS.tracking_uri,
         "pipeline": "recd_daily_retrain {{ ds }}",
     }

@@ -44,6 +44,7 @@ def recd_dedup_vs_baseline():
         "preset": "{{ params.preset }}",
         "batch_size": "{{ params.batch_size }}",
         "config": SETTINGS.config,
+        "synthesize": True,  # the comparison runs on the synthetic workload of `preset`
         "tracking_uri": SETTINGS.tracking_uri,
         "pipeline": "recd_dedup_vs_baseline {{ params.ds }} x{{ params.days }} {{ params.preset }}",
     }

@@ -37,6 +37,8 @@ class Settings(BaseModel):
     compare_root: str = str(REPO / "data/compare")
     tracking_uri: str | None = f"sqlite:///{REPO}/data/mlflow.db"
     config: str | None = None
+    # fabricate logs for days without any: the embedded default only, never in production
+    synthesize: bool = True
     schedule: str = "@daily"
     start_date: dt.date = dt.date(2026, 11, 1)
     retries: int = 2
