@@ -34,12 +34,38 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     day = dt.date.fromisoformat(a.date) if a.date else dt.datetime.now(dt.UTC).date()
     logical = dt.datetime.combine(day, dt.time(), dt.UTC)
+    _show_task_progress()
     run = bag.get_dag(a.dag).test(
         logical_date=logical, run_conf=json.loads(a.conf) if a.conf else None
     )
     state = str(getattr(run.state, "value", run.state))
     print_summary(a.dag, day, state, SETTINGS.tracking_uri)
     return 0 if state == "success" else 1
+
+
+def _show_task_progress() -> None:
+    """One line per task as `dag.test()` finishes it, with its time (Airflow's own log is
+    quieted by the Makefile)."""
+    import logging
+    import time
+
+    started: dict[str, float] = {}
+
+    class Progress(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            msg = record.getMessage()
+            if "[DAG TEST]" not in msg or "task_id=" not in msg:
+                return
+            task = msg.split("task_id=", 1)[1].split()[0]
+            if "starting" in msg:
+                started[task] = time.monotonic()
+            elif "end task" in msg:
+                took = time.monotonic() - started.get(task, time.monotonic())
+                print(f"  {task:<12} {took:6.1f} s", file=sys.stderr, flush=True)
+
+    logger = logging.getLogger("airflow.sdk.definitions.dag")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Progress())
 
 
 def print_summary(dag_id: str, day: dt.date, state: str, tracking_uri: str | None) -> None:
