@@ -399,16 +399,15 @@ def merge(upstream: list[dict], base: dict) -> dict:
 
 
 def _json_safe(obj):
+    """A summary as XCom / output metadata can carry it: plain JSON, NaN and inf as null."""
     if isinstance(obj, dict):
         return {str(k): _json_safe(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
         return [_json_safe(v) for v in obj]
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
-    if hasattr(obj, "item") and not isinstance(obj, str):  # numpy scalars
-        return obj.item()
-    return (
-        json.loads(json.dumps(obj, default=str))
-        if not isinstance(obj, str | int | float | bool | type(None))
-        else obj
-    )
+    if isinstance(obj, str | bool | int | float | type(None)):
+        return obj
+    if hasattr(obj, "item"):  # numpy scalars
+        return _json_safe(obj.item())
+    return str(obj)
