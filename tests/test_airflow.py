@@ -11,8 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import kubernetes_validate
 import pyarrow.parquet as pq
 import pytest
+from k8s_checks import assert_restricted
 from mlflow.tracking import MlflowClient
 
 from recd_core.stages import STAGES as ALL_STAGES
@@ -32,6 +34,16 @@ def airflow_home(tmp_path_factory):
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     return home
+
+
+KUBECONFIG = """
+apiVersion: v1
+kind: Config
+clusters: [{name: offline, cluster: {server: "https://127.0.0.1:1"}}]
+users: [{name: offline, user: {token: none}}]
+contexts: [{name: offline, context: {cluster: offline, user: offline}}]
+current-context: offline
+"""
 
 
 def _env(home: Path, root: Path, **recd) -> dict:
@@ -54,6 +66,13 @@ PROBE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from airflow.dag_processing.dagbag import DagBag
+
+def _pod_dict(task):
+    if not hasattr(task, "build_pod_request_obj"):
+        return None
+    from kubernetes.client import ApiClient
+    return ApiClient().sanitize_for_serialization(task.build_pod_request_obj())
+
 bag = DagBag(dag_folder=sys.argv[1], safe_mode=False)
 out = {"errors": {k: str(v)[-500:] for k, v in bag.import_errors.items()}, "dags": {}}
 for dag_id, dag in bag.dags.items():
@@ -61,13 +80,14 @@ for dag_id, dag in bag.dags.items():
         "schedule": str(dag.schedule), "catchup": dag.catchup,
         "params": sorted(dag.params.keys()),
         "tasks": {t.task_id: {
-            "type": type(t).__name__, "downstream": sorted(t.downstream_task_ids),
+            "type": type(t).__name__, "bases": [c.__name__ for c in type(t).__mro__], "downstream": sorted(t.downstream_task_ids),
             "retries": t.retries, "backoff": t.retry_exponential_backoff,
             "outlets": [o.uri for o in t.outlets],
             "image": getattr(t, "image", None), "cmds": getattr(t, "cmds", None),
             "arguments": getattr(t, "arguments", None),
             "gpu": str(getattr(getattr(t, "container_resources", None), "limits", "") or ""),
             "volumes": [v.name for v in getattr(t, "volumes", None) or []],
+            "pod": _pod_dict(t),
         } for t in dag.tasks},
     }
 print("PROBE" + json.dumps(out, default=str))
@@ -121,11 +141,19 @@ def test_the_kubernetes_switch_runs_each_stage_as_a_pod_of_the_components_image(
     env = _env(airflow_home, tmp_path, executor="kubernetes", image="registry.example/recd:1.2.3",
                logs_claim="recd-raw-logs", logs="/data/logs",
                train_gpus=1, synthesize="false", warehouse="s3://bucket/wh", tracking_uri="http://recd-mlflow:5000")  # fmt: skip
-    bag = _probe(env)
+    kubeconfig = tmp_path / "kubeconfig"  # the operator builds its client; nothing connects
+    kubeconfig.write_text(KUBECONFIG)
+    bag = _probe({**env, "KUBECONFIG": str(kubeconfig)})
     assert bag["errors"] == {}
     tasks = bag["dags"]["recd_daily_retrain"]["tasks"]
+    for name, t in tasks.items():  # the pods Airflow would create, as the API server sees them
+        pod = t["pod"]
+        kubernetes_validate.validate(pod, "1.33.0", strict=True)
+        assert_restricted(name, pod["spec"])
+        assert pod["spec"]["serviceAccountName"] == "recd-pipeline"
+        assert {c["name"] for c in pod["spec"]["containers"]} == {"base", "airflow-xcom-sidecar"}
     for name, t in tasks.items():
-        assert t["type"] == "KubernetesPodOperator", name
+        assert "KubernetesPodOperator" in t["bases"], name
         assert t["image"] == "registry.example/recd:1.2.3"
         assert t["cmds"] == ["python", "-m", f"components.{name}"]
         assert (REPO / "components" / f"{name}.py").exists()

@@ -11,6 +11,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from k8s_checks import assert_restricted
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "recd"
@@ -76,23 +77,7 @@ def test_every_pod_runs_under_the_restricted_profile(helm, values):
     specs = list(pod_specs(render(helm, *values)))
     assert specs
     for name, spec in specs:
-        psc = spec["securityContext"]
-        assert psc["runAsNonRoot"] is True and psc["runAsUser"] > 0, name
-        assert psc["seccompProfile"]["type"] == "RuntimeDefault", name
-        assert spec.get("automountServiceAccountToken") is False, name
-        assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC")
-        writable = {m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", [])}
-        assert "/tmp" in writable, name
-        for c in spec["containers"] + spec.get("initContainers", []):
-            sc = c["securityContext"]
-            assert sc["allowPrivilegeEscalation"] is False, (name, c["name"])
-            assert sc["capabilities"]["drop"] == ["ALL"] and not sc["capabilities"].get("add")
-            assert sc["readOnlyRootFilesystem"] is True
-            assert not sc.get("privileged")
-            assert ":" in c["image"] and not c["image"].endswith(":latest")
-            assert "limits" in c["resources"] and "requests" in c["resources"]
-        for v in spec.get("volumes", []):
-            assert "hostPath" not in v, name
+        assert_restricted(name, spec)
 
 
 def test_secrets_are_referenced_never_inline(helm):
