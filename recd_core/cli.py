@@ -118,9 +118,7 @@ def _run(
         write_summary(summary_path, summary)
         if run_id is not None:
             with contextlib.suppress(TrackingError):
-                tracker.finish(
-                    run_id, summary, tuple(Path(p) for p in summary.get("artifacts", ()))
-                )
+                tracker.finish(run_id, summary)
         _fail(command, message, code)
 
     handle = RunHandle(tracker, run_id) if run_id is not None else None
@@ -138,7 +136,7 @@ def _run(
     if run_id is not None:
         summary["mlflow.run_id"] = run_id
         try:
-            tracker.finish(run_id, summary, tuple(Path(p) for p in summary.get("artifacts", ())))
+            tracker.finish(run_id, summary)
         except TrackingError as e:
             write_summary(summary_path, summary)
             _fail(command, f"the stage succeeded but {e}", 4)
@@ -389,19 +387,19 @@ LogsOpt = Annotated[Path, typer.Option(help="raw logs root; days without logs ar
 
 
 def _run_pipeline(
-    warehouse, ds, eval_ds, logs, modes, config, handle, out: Path | None, register: bool = True,
-    synthesize: bool = True,
+    warehouse, ds, eval_ds, logs, modes, pipeline: PipelineConfig, handle, out: Path | None,
+    register: bool = True, synthesize: bool = True,
 ):  # fmt: skip
     from recd_core.pipeline import run_day
 
     if handle is not None:
-        handle.tracker.log_config(handle.run_id, _pipeline(config))
+        handle.tracker.log_config(handle.run_id, pipeline)
     with progress("run", 3 + len(modes)) as advance:
         result = run_day(
             Warehouse(warehouse),
             _day_or_yesterday(ds),
             logs,
-            _pipeline(config),
+            pipeline,
             modes,
             advance,
             handle,
@@ -454,8 +452,9 @@ def run_cmd(
             raise BadInput(f"--mode must be dedup, baseline or both, got {mode!r}")
         modes = ("dedup", "baseline") if mode == "both" else (mode,)
         return _run_pipeline(
-            warehouse, ds, eval_ds, logs, modes, config, handle, out, synthesize=synthesize
-        )
+            warehouse, ds, eval_ds, logs, modes, _pipeline(config), handle, out,
+            synthesize=synthesize,
+        )  # fmt: skip
 
     result = _run(ctx, "run", summary, body, tracked=True)
     if mode == "both":
@@ -481,10 +480,12 @@ def compare_cmd(
     from recd_core.compare import print_table, quality_gap
 
     def body(handle):
+        pipeline = _pipeline(config)
         result = _run_pipeline(
-            warehouse, ds, eval_ds, logs, ("dedup", "baseline"), config, handle, out, register=False
-        )
-        reg = _pipeline(config).registry
+            warehouse, ds, eval_ds, logs, ("dedup", "baseline"), pipeline, handle, out,
+            register=False,
+        )  # fmt: skip
+        reg = pipeline.registry
         gap = quality_gap(result, reg.compare_ne_tolerance, reg.compare_auc_tolerance)
         result["compare.quality_ok"] = gap is None
         if gap:

@@ -32,6 +32,23 @@ ROWS = (
 MIB = ("storage.bytes",)
 
 
+def ratios(summary: dict) -> dict[str, float]:
+    """Dedup over baseline from a two-arm summary (`<key>.dedup`, `<key>.baseline`): storage
+    (baseline bytes / dedup bytes), DPP and training throughput, and the quality gaps."""
+
+    def arm(key: str, mode: str) -> float:
+        return summary[f"{key}.{mode}"]
+
+    return {
+        "storage.ratio": arm("storage.bytes", "baseline") / arm("storage.bytes", "dedup"),
+        "dpp.speedup": arm("dpp.samples_per_s", "dedup") / arm("dpp.samples_per_s", "baseline"),
+        "train.speedup": arm("train.samples_per_s", "dedup")
+        / arm("train.samples_per_s", "baseline"),
+        "eval.ne_gap": arm("eval.ne", "dedup") - arm("eval.ne", "baseline"),
+        "eval.auc_gap": arm("eval.auc", "dedup") - arm("eval.auc", "baseline"),
+    }
+
+
 def table_rows(summary: dict) -> list[tuple[str, float, float, str]]:
     """(label, dedup, baseline, dedup's advantage) per row, from a two-arm run summary."""
     out = []
@@ -70,15 +87,13 @@ def chart(summary: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    ratios = {
-        "storage\n(shuffled / clustered)": summary["storage.bytes.baseline"]
-        / summary["storage.bytes.dedup"],
-        "DPP\nsamples/s": summary["dpp.samples_per_s.dedup"]
-        / summary["dpp.samples_per_s.baseline"],
-        "training\nsamples/s": summary["train.samples_per_s.dedup"]
-        / summary["train.samples_per_s.baseline"],
+    r = ratios(summary)
+    bars_of = {
+        "storage\n(shuffled / clustered)": r["storage.ratio"],
+        "DPP\nsamples/s": r["dpp.speedup"],
+        "training\nsamples/s": r["train.speedup"],
     }
-    bars = left.bar(list(ratios), list(ratios.values()), color="#3b7dd8")
+    bars = left.bar(list(bars_of), list(bars_of.values()), color="#3b7dd8")
     left.bar_label(bars, fmt="%.2fx")
     left.axhline(1.0, color="grey", lw=1, ls="--")
     left.set_title("dedup / baseline (higher is better)")

@@ -162,24 +162,22 @@ def run_day(
         summary.update({f"{k}.{mode}": v for k, v in arm.items()})
     summary.update({k: arms[modes[0]][k] for k in ARM_KEYS})
     if {"dedup", "baseline"} <= arms.keys():
-        dedup, base = arms["dedup"], arms["baseline"]
-        summary["storage.ratio"] = base["storage.bytes"] / dedup["storage.bytes"]
-        summary["dpp.speedup"] = dedup["dpp.samples_per_s"] / base["dpp.samples_per_s"]
-        summary["train.speedup"] = dedup["train.samples_per_s"] / base["train.samples_per_s"]
-        summary["eval.ne_gap"] = arms["dedup"]["eval.ne"] - arms["baseline"]["eval.ne"]
-        summary["eval.auc_gap"] = arms["dedup"]["eval.auc"] - arms["baseline"]["eval.auc"]
+        from recd_core.compare import ratios
+
+        summary.update(ratios(summary))
     if run is not None and register:
-        summary.update(register_and_promote(run, warehouse, arms[modes[0]], eval_ds, pipeline))
+        from recd_core.registry import register_and_promote
+
+        first = arms[modes[0]]
+        summary.update(
+            register_and_promote(
+                run.tracker,
+                warehouse,
+                first["train.model_uri"],
+                first["mlflow.run_id"],
+                eval_ds,
+                first["eval.ne"],
+                pipeline.registry,
+            )  # fmt: skip
+        )
     return summary
-
-
-def register_and_promote(
-    run, warehouse: Warehouse, arm: dict, eval_ds: str, pipeline: PipelineConfig
-) -> dict:
-    """Register the arm's model as `challenger`; promote it to `champion` by NE on `eval_ds`."""
-    from recd_core.registry import register_and_promote as register
-
-    return register(
-        run.tracker, warehouse, arm["train.model_uri"], arm["mlflow.run_id"], eval_ds,
-        arm["eval.ne"], pipeline.registry,
-    )  # fmt: skip

@@ -26,6 +26,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlflow.pyfunc
 import numpy as np
@@ -97,13 +98,9 @@ def log_and_register(
     import torch
     from mlflow.models import infer_signature
 
-    from recd_core.train import load_model_dir
-
     example = scoring_example(samples)
-    model, meta = load_model_dir(model_dir)
-    scorer = SampleScorer()
-    scorer.model, scorer.meta = model, meta
-    scorer.schema = events_schema(samples_features(meta))
+    scorer = SampleScorer()  # loaded as MLflow will load it, to sign what it returns
+    scorer.load_context(SimpleNamespace(artifacts={"dlrm": str(model_dir)}))
     signature = infer_signature(example, scorer.predict(None, example))
     client = tracker.client()
     with tempfile.TemporaryDirectory() as tmp:

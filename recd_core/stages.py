@@ -233,7 +233,7 @@ def _compare(args: StageArgs, upstream: list[dict]) -> dict:
     run) and in the warehouse (`reports/compare/ds=D/`), and the quality gate."""
     import tempfile
 
-    from recd_core.compare import chart, quality_gap, table_rows
+    from recd_core.compare import chart, quality_gap, ratios, table_rows
 
     cfg = args.pipeline_config()
     summary = merge(
@@ -260,20 +260,16 @@ def _compare(args: StageArgs, upstream: list[dict]) -> dict:
     out = {
         "compare.chart": f"{wh.uri.rstrip('/')}/reports/compare/ds={args.ds}/{png.name}",
         "compare.quality_ok": gap is None,
-        "storage.ratio": summary["storage.bytes.baseline"] / summary["storage.bytes.dedup"],
-        "dpp.speedup": summary["dpp.samples_per_s.dedup"] / summary["dpp.samples_per_s.baseline"],
-        "train.speedup": summary["train.samples_per_s.dedup"]
-        / summary["train.samples_per_s.baseline"],
-        "eval.ne_gap": summary["eval.ne.dedup"] - summary["eval.ne.baseline"],
+        **ratios(summary),
     }
     if gap:
         raise StageFailed(gap, 3)
     return out
 
 
-def _finish(args: StageArgs) -> dict:
+def _finish(args: StageArgs, upstream: list[dict]) -> dict:
     """Close the pipeline run. Its summary: the stages' figures, merged (see `merge`)."""
-    return {"pipeline.ds": args.ds, "pipeline.days": args.days}
+    return merge(upstream, {"pipeline.ds": args.ds, "pipeline.days": args.days})
 
 
 IMPLS: dict[str, Callable[[StageArgs], dict]] = {
@@ -285,8 +281,11 @@ IMPLS: dict[str, Callable[[StageArgs], dict]] = {
     "train": _train,
     "evaluate": _evaluate,
     "register": _register,
+}
+# the stages that work on other stages' summaries
+UPSTREAM_IMPLS: dict[str, Callable[[StageArgs, list[dict]], dict]] = {
+    "compare": _compare,
     "finish": _finish,
-    "compare": lambda args: {},  # needs the arms' summaries: run_stage passes them
 }
 
 
@@ -313,14 +312,14 @@ def run_stage(name: str, args: StageArgs | dict, upstream: list[dict] | None = N
 
     Errors a retry cannot fix (bad input, quality gate, unknown partition) become
     `StageFailed` with a one-line reason; the stage's MLflow run and the pipeline's run are
-    closed FAILED. `upstream` (finish only): the other stages' summaries to merge."""
+    closed FAILED. `upstream` (compare, finish): the other stages' summaries."""
     from recd_core.config import ConfigError
     from recd_core.ingest import QuarantineExceeded
     from recd_core.sources import SourceError
     from recd_core.tracking import TrackingError
     from recd_core.warehouse import PartitionNotFound
 
-    if name not in IMPLS:
+    if name not in IMPLS and name not in UPSTREAM_IMPLS:
         raise StageFailed(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
     if isinstance(args, dict):
         # templated values an orchestrator could not fill arrive as "" or "None": unset
@@ -333,13 +332,14 @@ def run_stage(name: str, args: StageArgs | dict, upstream: list[dict] | None = N
     run_id = None
     if tracker is not None and name not in ("start", "finish") and args.parent_run_id:
         params = args.model_dump(exclude_none=True)
-        if name in ("synth", "ingest", "generate", "register"):
-            params["mode"] = "" if name != "register" else args.mode
+        if name in ("synth", "ingest", "generate"):  # data stages serve both arms
+            params["mode"] = ""
         run_id = tracker.start(name, params, parent_id=args.parent_run_id)
     try:
-        summary = _compare(args, upstream or []) if name == "compare" else IMPLS[name](args)
-        if name == "finish":
-            summary = merge(upstream or [], summary)
+        if name in UPSTREAM_IMPLS:
+            summary = UPSTREAM_IMPLS[name](args, upstream or [])
+        else:
+            summary = IMPLS[name](args)
     except Exception as e:
         failure = _failure(
             e,

@@ -96,9 +96,10 @@ class Tracker:
             client.log_batch(run.info.run_id, params=plist, tags=[RunTag("recd.status", "running")])
             return run.info.run_id
 
-    def finish(self, run_id: str, summary: dict, artifacts: tuple[Path, ...] = ()) -> None:
+    def finish(self, run_id: str, summary: dict) -> None:
         """Record the stage's figures (metrics), its summary, tags known only at the end
-        (mode, ds, status) and artifact files (plots, tables), then close the run."""
+        (mode, ds, status) and the files the summary lists under `artifacts` (plots,
+        tables), then close the run."""
         from mlflow.entities import Metric, RunTag
 
         with self._errors():
@@ -118,7 +119,7 @@ class Tracker:
                     run_id, metrics=metrics[lo : lo + 900], tags=tags if lo == 0 else []
                 )
             client.log_dict(run_id, summary, "summary.json")
-            for path in artifacts:
+            for path in summary.get("artifacts", ()):
                 if Path(path).exists():
                     client.log_artifact(run_id, str(path))
             client.set_terminated(run_id, "FINISHED" if status == "ok" else "FAILED")
@@ -153,9 +154,9 @@ class RunHandle:
     tracker: Tracker
     run_id: str
 
-    def child(self, stage: str, params: dict, summary: dict, artifacts=()) -> str:
+    def child(self, stage: str, params: dict, summary: dict) -> str:
         run_id = self.tracker.start(stage, params, parent_id=self.run_id)
-        self.tracker.finish(run_id, summary, tuple(artifacts))
+        self.tracker.finish(run_id, summary)
         return run_id
 
 

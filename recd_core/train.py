@@ -297,11 +297,16 @@ def save_model(
     return f"{wh.uri.rstrip('/')}/models/{run}"
 
 
-def load_model(uri: str) -> tuple[DLRM, dict]:
-    """A saved model (state dict + model.json) at `<warehouse>/models/<run>`, for scoring."""
+def _model_location(uri: str) -> tuple[Warehouse, str]:
+    """A model URI (`<warehouse>/models/<run>`) as its warehouse and the path inside it."""
     wh_uri, run = uri.rsplit("/models/", 1)
     wh = Warehouse(wh_uri)
-    base = f"{wh.root}/models/{run}"
+    return wh, f"{wh.root}/models/{run}"
+
+
+def load_model(uri: str) -> tuple[DLRM, dict]:
+    """A saved model (state dict + model.json) at `<warehouse>/models/<run>`, for scoring."""
+    wh, base = _model_location(uri)
     meta = json.loads(_read_bytes(wh, f"{base}/model.json"))
     return model_from(meta, _read_bytes(wh, f"{base}/model.pt"), f"{base}/model.pt"), meta
 
@@ -316,9 +321,7 @@ def load_model_dir(path: str | Path) -> tuple[DLRM, dict]:
 @contextlib.contextmanager
 def model_dir(uri: str):
     """A local directory holding the saved model's two files (copied from an object store)."""
-    wh_uri, run = uri.rsplit("/models/", 1)
-    wh = Warehouse(wh_uri)
-    base = f"{wh.root}/models/{run}"
+    wh, base = _model_location(uri)
     if wh.fs.type_name == "local":
         yield Path(base)
         return
