@@ -74,6 +74,24 @@ def ensure_logs(logs: Path, days: list[str], pipeline: PipelineConfig) -> dict:
     return {"synth.days": len(missing), "synth.rows": rows}
 
 
+def ingest_day(warehouse: Warehouse, logs: Path, day: str, pipeline: PipelineConfig) -> dict:
+    """Raw logs of one day -> `events/ds=day` (+ quarantine)."""
+    cfg = pipeline
+    return ingest(logs_for_day(logs, day), warehouse, day, cfg.features, cfg.ingest, cfg.generate)
+
+
+def generate_training_day(warehouse: Warehouse, day: str, pipeline: PipelineConfig) -> dict:
+    """Both layouts of a training day: clustered for the dedup arm, shuffled for the baseline."""
+    return generate(
+        warehouse, day, pipeline.generate, layouts=(ARM_LAYOUT["dedup"], ARM_LAYOUT["baseline"])
+    )
+
+
+def generate_eval_day(warehouse: Warehouse, day: str, pipeline: PipelineConfig) -> dict:
+    """The evaluation day: clustered samples only (every model scores the same rows)."""
+    return generate(warehouse, day, pipeline.generate, layouts=("clustered",))
+
+
 def prepare_data(
     warehouse: Warehouse,
     ds: str,
@@ -88,20 +106,11 @@ def prepare_data(
     summary = ensure_logs(logs, [ds, eval_ds], pipeline) if synthesize else {}
     step = progress or (lambda *_: None)
     step("synth", 1)
-    for day in (ds, eval_ds):
-        out = ingest(
-            logs_for_day(logs, day),
-            warehouse,
-            day,
-            pipeline.features,
-            pipeline.ingest,
-            pipeline.generate,
-        )
-        if day == ds:
-            summary.update(out)
+    summary.update(ingest_day(warehouse, logs, ds, pipeline))
+    ingest_day(warehouse, logs, eval_ds, pipeline)
     step("ingest", 1)
-    summary.update(generate(warehouse, ds, pipeline.generate, layouts=("clustered", "shuffled")))
-    generate(warehouse, eval_ds, pipeline.generate, layouts=("clustered",))
+    summary.update(generate_training_day(warehouse, ds, pipeline))
+    generate_eval_day(warehouse, eval_ds, pipeline)
     step("generate", 1)
     return summary
 

@@ -142,37 +142,30 @@ def _synth(args: StageArgs) -> dict:
 
 
 def _ingest(args: StageArgs) -> dict:
-    from recd_core.ingest import ingest
-    from recd_core.pipeline import logs_for_day
+    from recd_core.pipeline import ingest_day
 
     if not args.logs:
         raise StageFailed("no --logs root given")
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
-    out = {}
-    for day in args.all_days():
-        s = ingest(
-            logs_for_day(Path(args.logs), day), wh, day, cfg.features, cfg.ingest, cfg.generate
-        )
-        out[day] = s
+    out = {day: ingest_day(wh, Path(args.logs), day, cfg) for day in args.all_days()}
     first = out[args.ds]
     return {**first, "ingest.days": {d: s["ingest.rows_ok"] for d, s in out.items()}}
 
 
 def _generate(args: StageArgs) -> dict:
-    from recd_core.datagen import generate
+    from recd_core.pipeline import generate_eval_day, generate_training_day
 
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
 
     def one(day: str) -> dict:
-        s = generate(wh, day, cfg.generate, layouts=("clustered", "shuffled"))
+        s = generate_training_day(wh, day, cfg)
         layouts = s.pop("layouts")
         s["storage.bytes.dedup"] = layouts["clustered"]["storage.bytes"]
         s["storage.bytes.baseline"] = layouts["shuffled"]["storage.bytes"]
         return s
 
     out = _per_day(args, one)
-    last = args.training_days()[-1]
-    generate(wh, args.eval_day(last), cfg.generate, layouts=("clustered",))
+    generate_eval_day(wh, args.eval_day(args.training_days()[-1]), cfg)
     return out
 
 
