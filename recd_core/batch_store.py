@@ -65,16 +65,23 @@ def read_manifest(wh: Warehouse, ds: str, mode: str) -> dict:
     return wh.manifest("batches", ds, mode=mode)
 
 
-class BatchStore:
-    """A preprocessed day: its batches in order, decoded to tensors on demand."""
+SPLIT_PREFIX = {"train": "shard-", "validation": "valid-"}
 
-    def __init__(self, wh: Warehouse, ds: str, mode: str):
+
+class BatchStore:
+    """A preprocessed day's training or validation batches, in order, decoded to tensors on
+    demand (`split`: which files of the partition, see dpp.py)."""
+
+    def __init__(self, wh: Warehouse, ds: str, mode: str, split: str = "train"):
         self.manifest = read_manifest(wh, ds, mode)
         prepared = self.manifest["prepared"]
         self.model_features = FeatureSet.model_validate(prepared["model"])
         self.groups: dict[str, list[str]] = prepared["groups"]
         self.records: list[pa.RecordBatch] = []
+        prefix = SPLIT_PREFIX[split]
         for path in wh.files("batches", ds, mode=mode):
+            if not path.rsplit("/", 1)[-1].startswith(prefix):
+                continue
             with wh.fs.open_input_file(path) as f:
                 reader = ipc.open_file(f)
                 self.records += [reader.get_batch(i) for i in range(reader.num_record_batches)]

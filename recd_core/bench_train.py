@@ -27,6 +27,7 @@ from recd_core.batching import make_batch, plan_dedup
 from recd_core.config import TrainConfig
 from recd_core.dpp import batch_ranges
 from recd_core.model import DLRM, Batch
+from recd_core.optim import RowWiseAdagrad
 from recd_core.schema import feature_set_of
 from recd_core.train import _peak_mem, make_optimizers, train_step
 
@@ -65,17 +66,22 @@ def dedupable_share(
     (embedding bags / history encoder forward + backward + sparse update) on all rows."""
     model = copy.deepcopy(model)
     opt_dense, opt_sparse = make_optimizers(model, cfg)
-    group_params = [model.bags[n].weight for n in grouped if n in model.bags] + [
-        model.history[n].embedding.weight for n in grouped if n in model.history
+    tables = {model.table_of[n] for n in grouped if n in model.table_of} | {
+        model.history_table[n] for n in grouped if model.history_table.get(n)
+    }
+    group_params = [model.bags[t].weight for t in sorted(tables)] + [
+        model.history[n].embedding.weight
+        for n in grouped
+        if n in model.history and model.history[n].embedding is not None
     ]
-    sparse_group = torch.optim.Adagrad(group_params, lr=cfg.lr_sparse) if group_params else None
+    sparse_group = RowWiseAdagrad(group_params, lr=cfg.lr_sparse) if group_params else None
     all_rows = {n: jt for n, jt in base.kjt.to_dict().items() if n in grouped}
     unique_rows = {n: jt for ik in dedup.groups.values() for n, jt in ik.unique.to_dict().items()}
 
     def group_work(jts):
         for p in model.parameters():
             p.grad = None
-        outs = [model._embed(n, jt) for n, jt in jts.items()]
+        outs = [model._embed(n, jt, {}) for n, jt in jts.items()]
         torch.stack([o.sum() for o in outs]).sum().backward()
         if sparse_group:
             sparse_group.step()

@@ -320,6 +320,14 @@ def train_cmd(
     max_steps: Annotated[int | None, typer.Option(min=1)] = None,
     checkpoint_every: Annotated[int | None, typer.Option(min=1)] = None,
     amp: Annotated[bool, typer.Option(help="bf16 autocast on CUDA")] = False,
+    init_from: Annotated[
+        str | None,
+        typer.Option(
+            help="start from this model's weights (warm start): a model directory, "
+            "<warehouse>/models/<run>, or models:/<name>@<alias> | models:/<name>/<version> "
+            "(needs a tracking URI)"
+        ),
+    ] = None,
     train_config: Annotated[
         Path | None, typer.Option(help="TrainConfig YAML (model, optimizer, dedup plan)")
     ] = None,
@@ -344,8 +352,17 @@ def train_cmd(
         cfg = TrainConfig(
             **{**base.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
         )
+        from recd_core.registry import init_model
+
+        tracker = ctx.find_root().obj
         try:
-            return train(Warehouse(warehouse), ds, cfg, nproc=nproc)
+            with init_model(tracker, init_from, _pipeline(config).registry.model_name) as (
+                init_dir,
+                label,
+            ):
+                return train(
+                    Warehouse(warehouse), ds, cfg, nproc=nproc, init_from=init_dir, init_label=label
+                )
         except (CheckpointError, BatchMismatch) as e:
             raise BadInput(str(e)) from None
 

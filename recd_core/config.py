@@ -52,12 +52,18 @@ class FeatureSpec(_Strict):
     synth_length: tuple[int, int] | None = Field(
         default=None, description="length range the synthetic generator draws lists from"
     )
+    # features naming the same `table` share one embedding table (same `table_size`): ids
+    # from one space, e.g. a user's followed creators and an item's creator, or the user's
+    # clicked items and the shown item; by default every feature has its own table
+    table: Identifier | None = None
 
     @model_validator(mode="after")
     def _kind_fields(self) -> FeatureSpec:
         if self.kind == "dense":
             if self.table_size is not None or self.max_length is not None:
                 raise ValueError("a dense feature takes `dim`, not `table_size`/`max_length`")
+            if self.table is not None:
+                raise ValueError("a dense feature has no embedding `table`")
         else:
             if self.table_size is None:
                 raise ValueError(f"a {self.kind} feature needs `table_size`")
@@ -96,11 +102,22 @@ class FeatureSet(_Strict):
         reserved = set(names) & set(ENVELOPE_COLUMNS)
         if reserved:
             raise ValueError(f"feature names clash with envelope columns: {sorted(reserved)}")
+        sizes: dict[str, set[int | None]] = {}
+        for f in self.features:
+            if f.table is not None:
+                sizes.setdefault(f.table, set()).add(f.table_size)
+        for table, found in sizes.items():
+            if len(found) > 1:
+                raise ValueError(f"features sharing table {table!r} differ in table_size")
         for key, side in ((self.user_key, "user"), (self.item_key, "item")):
             spec = next((f for f in self.features if f.name == key), None)
             if spec is None or spec.side != side or spec.kind != "sparse":
                 raise ValueError(f"`{key}` must name a {side}-side sparse feature")
         return self
+
+    def table_of(self, name: str) -> str:
+        """The embedding table a feature looks up: its `table`, or its own name."""
+        return self[name].table or name
 
     def by_side(self, side: Side) -> list[FeatureSpec]:
         return [f for f in self.features if f.side == side]
@@ -184,10 +201,12 @@ class ModelConfig(_Strict):
     embedding_dim: int = Field(default=32, gt=0)
     bottom_mlp: list[int] = [64]
     top_mlp: list[int] = [128, 64]
-    pooling: str = Field(default="sum", pattern="^(sum|mean)$")
+    pooling: str = Field(default="mean", pattern="^(sum|mean)$")
     history_heads: int = Field(default=2, gt=0)
     history_layers: int = Field(default=1, ge=0)
     history_ff: int = Field(default=64, gt=0)
+    # the shown item attends over the encoded history (one more interaction vector)
+    target_attention: bool = True
     seed: int = 0
 
 
@@ -209,10 +228,22 @@ class TrainConfig(_Strict):
 
     mode: Literal["dedup", "baseline"] = "dedup"
     batch_size: int = Field(default=4096, gt=0)
-    epochs: int = Field(default=1, gt=0)
+    # at most this many passes over the day; validation stops earlier and keeps the best
+    # state (CTR models overfit after about one pass: the "one-epoch phenomenon")
+    epochs: int = Field(default=2, gt=0)
     max_steps: int | None = Field(default=None, gt=0)
+    validations_per_epoch: int = Field(default=4, gt=0)
+    # stop after this many validations in a row without a better validation NE
+    patience: int = Field(default=4, gt=0)
     lr_dense: float = Field(default=1e-3, gt=0)
-    lr_sparse: float = Field(default=0.02, gt=0)
+    # embedding tables: row-wise Adagrad (optim.py); its per-row accumulator starts here
+    lr_sparse: float = Field(default=0.1, gt=0)
+    adagrad_initial_accumulator: float = Field(default=0.0, ge=0)
+    # pipelines (`recd run`, the DAGs) start from the champion's weights when its feature
+    # set and model config match; `recd train --init-from` names a model explicitly
+    warm_start: bool = True
+    # train on the last N days' batches (day D and the N-1 before it), oldest first
+    window_days: int = Field(default=1, gt=0, le=31)
     checkpoint_every: int = Field(default=50, gt=0)
     keep_checkpoints: int = Field(default=2, gt=0)
     seed: int = 0
@@ -263,6 +294,12 @@ class PreprocessConfig(_Strict):
     # and numpy release the GIL; no start-up: better on small machines and short jobs)
     executor: Literal["process", "thread"] = "process"
     compression: Literal["lz4", "zstd", "none"] = "lz4"
+    # the day's latest rows by time (this share of them) become validation batches that
+    # training evaluates on and never trains on (early stopping); 0 = no validation
+    validation_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
+    # `time`: the day's latest rows (a daily log); `user`: each user's latest rows (a table
+    # whose users span the whole period, e.g. MovieLens split by time per user)
+    validation_by: Literal["time", "user"] = "time"
     transforms: dict[str, TransformSpec] = {}
     default_dense: TransformSpec = TransformSpec(standardize=True)
     dedup: DedupConfig = DedupConfig()

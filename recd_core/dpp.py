@@ -6,6 +6,11 @@ transforms the features (transforms.py) and writes the batches to
 exactly first and only the unique rows are transformed; the batch keeps them as an IKJT.
 Expanding a dedup batch gives the baseline batch, tensor for tensor (tested).
 
+Validation: the latest `validation_fraction` of the day's rows by time (or of each user's
+rows, `validation_by: user`) are batched apart, into `valid-NNNNN.arrow` beside each split's
+`shard-NNNNN.arrow`; training evaluates on them and never trains on them. Both keep the
+clustered order, so validation batches deduplicate like training batches.
+
 Batch format (Arrow IPC, never pickle): a shard file `shard-NNNNN.arrow` per split; each
 training batch is one record batch of ONE row whose columns are flat tensors:
 
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
@@ -262,28 +268,78 @@ def split_ranges(
     return [(lo, min(lo + step, num_rows)) for lo in range(0, num_rows, step)]
 
 
-def process_split(wh_uri: str, ds: str, lo: int, hi: int, prep_json: str, out_path: str) -> dict:
-    """Transform rows [lo, hi) into one shard file (runs in a worker: local pool or Ray)."""
+def process_split(
+    wh_uri: str,
+    ds: str,
+    lo: int,
+    hi: int,
+    prep_json: str,
+    out_path: str,
+    valid_path: str | None = None,
+    valid_rows: np.ndarray | None = None,
+) -> dict:
+    """Transform rows [lo, hi) into one shard file, and the split's validation rows
+    (`valid_rows`: a mask over [lo, hi)) into `valid_path` (runs in a worker: local pool or
+    Ray)."""
     t0 = time.perf_counter()
     prep = Prepared.from_json(prep_json)
     wh = Warehouse(wh_uri)
     rows = wh.read_range("samples", ds, lo, hi, layout="clustered")
+    valid = None
+    if valid_path is not None and valid_rows is not None:
+        mask = pa.array(np.asarray(valid_rows, bool))
+        valid, rows = rows.filter(mask), rows.filter(pc.invert(mask))
+    n_batches = _write_batches(wh, out_path, rows, prep)
+    n_valid = _write_batches(wh, valid_path, valid, prep) if valid is not None else 0
+    return {
+        "batches": n_batches,
+        "samples": rows.num_rows,
+        "valid_batches": n_valid,
+        "valid_samples": valid.num_rows if valid is not None else 0,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _write_batches(wh: Warehouse, path: str, rows: pa.Table, prep: Prepared) -> int:
+    """Encode `rows` batch by batch into one Arrow IPC file; the number of batches."""
     opts = ipc.IpcWriteOptions(
         compression=None if prep.cfg.compression == "none" else prep.cfg.compression
     )
     n_batches = 0
-    sink = wh.fs.open_output_stream(out_path)
-    writer = None
-    for a, b in batch_ranges(hi - lo, prep.cfg.batch_size):
-        rb = encode_batch(rows.slice(a, b - a), prep)
-        if writer is None:
-            writer = ipc.new_file(sink, rb.schema, options=opts)
-        writer.write_batch(rb)
-        n_batches += 1
-    if writer is not None:
-        writer.close()
-    sink.close()
-    return {"batches": n_batches, "samples": hi - lo, "seconds": time.perf_counter() - t0}
+    with wh.fs.open_output_stream(path) as sink:
+        writer = None
+        for a, b in batch_ranges(rows.num_rows, prep.cfg.batch_size):
+            rb = encode_batch(rows.slice(a, b - a), prep)
+            if writer is None:
+                writer = ipc.new_file(sink, rb.schema, options=opts)
+            writer.write_batch(rb)
+            n_batches += 1
+        if writer is not None:
+            writer.close()
+    return n_batches
+
+
+def validation_rows(warehouse: Warehouse, ds: str, cfg: PreprocessConfig) -> np.ndarray | None:
+    """Which rows of the partition are validation (a mask in partition order): the latest
+    `validation_fraction` of the rows by time (`validation_by: time`), or of each user's
+    rows (`user`). None when the fraction is 0 or nothing would be left to train on."""
+    if cfg.validation_fraction <= 0:
+        return None
+    cols = ["ts", "event_id"] + (["user_id"] if cfg.validation_by == "user" else [])
+    t = warehouse.read("samples", ds, cols, layout="clustered")
+    if t.num_rows < 2:
+        return None
+    ts, eid = np.asarray(t["ts"], np.int64), np.asarray(t["event_id"], np.int64)
+    group = np.asarray(t["user_id"], np.int64) if cfg.validation_by == "user" else np.zeros_like(ts)
+    order = np.lexsort((eid, ts, group))  # by group, then time (event id breaks ties)
+    g = group[order]
+    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+    counts = np.diff(np.r_[starts, g.size])
+    rank = np.arange(g.size) - np.repeat(starts, counts)
+    keep = np.repeat(np.ceil(counts * (1 - cfg.validation_fraction)).astype(np.int64), counts)
+    mask = np.zeros(g.size, bool)
+    mask[order] = rank >= keep
+    return mask if 0 < mask.sum() < mask.size else None
 
 
 def preprocess(
@@ -319,32 +375,53 @@ def preprocess(
     splits = split_ranges(
         info.rows, cfg, warehouse.row_group_rows("samples", ds, layout="clustered")
     )
+    valid = validation_rows(warehouse, ds, cfg)
     with warehouse.writing("batches", ds, mode=cfg.mode) as w:
         paths = [w.add_file(f"shard-{i:05d}.arrow") for i in range(len(splits))]
+        valid_paths: list[str | None] = [None] * len(splits)
+        if valid is not None:
+            valid_paths = [w.add_file(f"valid-{i:05d}.arrow") for i in range(len(splits))]
         args = [
-            (warehouse.uri, ds, lo, hi, prep.to_json(), p)
-            for (lo, hi), p in zip(splits, paths, strict=True)
+            (
+                warehouse.uri,
+                ds,
+                lo,
+                hi,
+                prep.to_json(),
+                p,
+                v,
+                None if valid is None else valid[lo:hi],
+            )
+            for (lo, hi), p, v in zip(splits, paths, valid_paths, strict=True)
         ]
         results = run_splits(args, cfg, progress)
         samples = sum(r["samples"] for r in results)
-        w.rows = samples
+        valid_samples = sum(r["valid_samples"] for r in results)
+        w.rows = samples + valid_samples
         w.extra = {
-            "format": "recd.batches/1 (see recd_core/dpp.py)",
+            "format": "recd.batches/2 (see recd_core/dpp.py)",
             "mode": cfg.mode,
             "batch_size": cfg.batch_size,
             "batches": sum(r["batches"] for r in results),
             "samples": samples,
             "batches_per_shard": [r["batches"] for r in results],
+            "validation": {
+                "by": cfg.validation_by,
+                "fraction": cfg.validation_fraction,
+                "batches": sum(r["valid_batches"] for r in results),
+                "samples": valid_samples,
+            },
             "prepared": json.loads(prep.to_json()),
         }
     seconds = time.perf_counter() - t0
     work = sum(r["seconds"] for r in results)
     return {
         "dpp.mode": cfg.mode,
-        "dpp.samples": samples,
+        "dpp.samples": samples + valid_samples,
+        "dpp.validation_samples": valid_samples,
         "dpp.batches": w.extra["batches"],
-        "dpp.samples_per_s": samples / seconds if seconds > 0 else 0.0,
-        "dpp.worker_samples_per_s": samples / work if work > 0 else 0.0,
+        "dpp.samples_per_s": (samples + valid_samples) / seconds if seconds > 0 else 0.0,
+        "dpp.worker_samples_per_s": (samples + valid_samples) / work if work > 0 else 0.0,
         "dpp.bytes_out": w.info.bytes,
         "dpp.seconds": seconds,
         "dpp.workers": cfg.workers,

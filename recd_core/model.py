@@ -1,9 +1,25 @@
 """A DLRM with a user-history sequence module, dedup-aware (RecD).
 
-    dense floats ──────────────── bottom MLP ──┐
-    each id / id-list feature ─── EmbeddingBag ─┤
-    the history sequence ──────── HistoryEncoder┤── pairwise dots ── top MLP ── logit
-                                                 (+ the bottom MLP output)
+    a learned constant ─────────────────────────────┐
+    user-side dense floats ─── user bottom MLP ─────┤
+    item-side dense floats ─── item bottom MLP ─────┤
+    each id / id-list feature ─ EmbeddingBag ───────┤── pairwise dots ── top MLP ── logit
+    the history sequence ────── HistoryEncoder ─────┤  (+ the bottom MLP outputs)
+      └ its tokens, attended by the sample's item ──┘  (target attention)
+
+Why this shape: the dot interaction only sees what arrives as separate vectors. Dense
+features get one bottom MLP per side (user, item, context), so a user-side dense vector
+meets an item-side one in a dot product (a learned bilinear affinity) instead of being
+mixed before the interaction; the bottom MLPs end linear, so those vectors can point
+anywhere (a ReLU'd vector is non-negative and a dot of two cannot be negative). The
+constant vector dotted with each embedding is a learned first-order term per id (a user's
+or an item's own click propensity), as in a factorization machine. Id lists are mean-pooled
+by default, so a list's vector does not grow with its length. Features that name the same
+`table` in the feature set share it (a user's followed creators and the item's creator; the
+clicked items of the history and the shown item): their dot product then compares ids of
+one space, learned from both uses. The shown item attends over the encoded history (target
+attention, as in DIN): the history's encoder runs once per unique user row, only the
+attention runs per sample.
 
 A `Batch` carries per-sample features in a KeyedJaggedTensor and each deduplicated feature
 group in an InverseKeyedJaggedTensor. Modules that see only a group's features (embedding
@@ -11,7 +27,7 @@ bags, the history encoder) run on the group's unique rows; their outputs are exp
 `index_select(0, inverse_indices)`. Autograd sums the gradients of duplicates, so a dedup
 step and a baseline step on the same batch give the same loss and gradients.
 Embedding tables take sparse gradients (`sparse=True`): a dense gradient of a large table
-costs more than dedup saves (DESIGN.md section 9).
+costs more than dedup saves.
 """
 
 from __future__ import annotations
@@ -21,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from recd_core.config import FeatureSet, FeatureSpec, ModelConfig
 from recd_core.sparse import InverseKeyedJaggedTensor, JaggedError, JaggedTensor, KeyedJaggedTensor
@@ -56,11 +73,11 @@ class Batch:
         )
 
 
-def mlp(sizes: list[int]) -> nn.Sequential:
+def mlp(sizes: list[int], last_relu: bool = True) -> nn.Sequential:
     layers: list[nn.Module] = []
     for a, b in zip(sizes[:-1], sizes[1:], strict=True):
         layers += [nn.Linear(a, b), nn.ReLU()]
-    return nn.Sequential(*layers)
+    return nn.Sequential(*(layers if last_relu else layers[:-1]))
 
 
 def padded(jt: JaggedTensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,13 +97,17 @@ def padded(jt: JaggedTensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
 class HistoryEncoder(nn.Module):
     """User history -> one vector: id embeddings + positions, `layers` transformer encoder
     layers, then attention pooling with a learned query. A learned null token is always
-    attended to, so an empty history is well defined."""
+    attended to, so an empty history is well defined. The encoded tokens are returned too,
+    for the candidate item to attend over (target attention, see DLRM).
 
-    def __init__(self, spec: FeatureSpec, cfg: ModelConfig):
+    `shared`: the ids look up a table the DLRM passes in (`forward(jt, table)`), e.g. the
+    item table when the history lists item ids: one vector per item, trained by both uses."""
+
+    def __init__(self, spec: FeatureSpec, cfg: ModelConfig, shared: bool = False):
         super().__init__()
         d = cfg.embedding_dim
         self.max_len = spec.max_length or 128
-        self.embedding = nn.Embedding(spec.table_size or 1, d, sparse=True)
+        self.embedding = None if shared else nn.Embedding(spec.table_size or 1, d, sparse=True)
         self.position = nn.Parameter(torch.randn(self.max_len + 1, d) * 0.02)
         self.null = nn.Parameter(torch.randn(1, 1, d) * 0.02)
         self.query = nn.Parameter(torch.randn(1, 1, d) * 0.02)
@@ -98,10 +119,14 @@ class HistoryEncoder(nn.Module):
         )
         self.pool = nn.MultiheadAttention(d, cfg.history_heads, dropout=0.0, batch_first=True)
 
-    def forward(self, jt: JaggedTensor) -> torch.Tensor:
+    def forward(
+        self, jt: JaggedTensor, table: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (pooled [N, d], tokens [N, 1 + L, d], valid [N, 1 + L]); token 0 is the null."""
         ids, mask = padded(jt, self.max_len)
         n, width = ids.shape
-        x = self.embedding(ids) + self.position[1 : width + 1]
+        emb = self.embedding(ids) if table is None else F.embedding(ids, table, sparse=True)
+        x = emb + self.position[1 : width + 1]
         x = torch.cat([self.null.expand(n, 1, -1) + self.position[:1], x], dim=1)
         valid = torch.cat([torch.ones(n, 1, dtype=torch.bool, device=ids.device), mask], dim=1)
         for layer in self.layers:
@@ -109,7 +134,15 @@ class HistoryEncoder(nn.Module):
         out, _ = self.pool(
             self.query.expand(n, 1, -1), x, x, key_padding_mask=~valid, need_weights=False
         )
-        return out.squeeze(1)
+        return out.squeeze(1), x, valid
+
+
+def target_attention(tokens: torch.Tensor, valid: torch.Tensor, query: torch.Tensor):
+    """Each sample's candidate (query [B, d]) attends over its user's history tokens
+    ([B, T, d]): the history summarized by what is relevant to this item (DIN's idea)."""
+    scores = torch.bmm(tokens, query.unsqueeze(2)).squeeze(2) / tokens.shape[-1] ** 0.5
+    weights = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=1)
+    return torch.bmm(weights.unsqueeze(1), tokens).squeeze(1)
 
 
 class DLRM(nn.Module):
@@ -118,28 +151,56 @@ class DLRM(nn.Module):
         self.features, self.cfg = features, cfg
         d = cfg.embedding_dim
         torch.manual_seed(cfg.seed)
-        self.dense_names = [f.name for f in features.features if f.kind == "dense"]
-        self.dense_dim = sum(f.dim for f in features.features if f.kind == "dense")
+        dense = [f for f in features.features if f.kind == "dense"]
+        self.dense_names = [f.name for f in dense]
+        self.dense_dim = sum(f.dim for f in dense)
+        # the columns of `Batch.dense` each side's bottom MLP reads (features in order)
+        self.dense_columns: dict[str, list[int]] = {}
+        col = 0
+        for f in dense:
+            self.dense_columns.setdefault(f.side, []).extend(range(col, col + f.dim))
+            col += f.dim
+        for side, cols in self.dense_columns.items():
+            self.register_buffer(f"_cols_{side}", torch.tensor(cols), persistent=False)
         self.sparse_names = [f.name for f in features.features if f.kind in ("sparse", "id_list")]
         self.sequence_names = [f.name for f in features.features if f.kind == "sequence"]
         self.table_sizes = {f.name: f.table_size for f in features.features if f.kind != "dense"}
-        self.bottom = mlp([max(self.dense_dim, 1), *cfg.bottom_mlp, d])
-        self.bags = nn.ModuleDict(
+        self.constant = nn.Parameter(torch.randn(d) * 0.05)
+        self.bottoms = nn.ModuleDict(
             {
-                n: nn.EmbeddingBag(features[n].table_size, d, mode=cfg.pooling, sparse=True)
-                for n in self.sparse_names
+                side: mlp([len(cols), *cfg.bottom_mlp, d], last_relu=False)
+                for side, cols in self.dense_columns.items()
             }
         )
-        for bag in self.bags.values():
-            nn.init.uniform_(bag.weight, -0.05, 0.05)
+        # one embedding bag per table; features naming the same `table` share it (module
+        # keys are prefixed: a table named like a ModuleDict method, e.g. `items`, is fine)
+        self.table_of = {n: f"t_{features.table_of(n)}" for n in self.sparse_names}
+        self.bags = nn.ModuleDict()
+        for n in self.sparse_names:
+            if self.table_of[n] not in self.bags:
+                bag = nn.EmbeddingBag(features[n].table_size, d, mode=cfg.pooling, sparse=True)
+                nn.init.uniform_(bag.weight, -0.05, 0.05)
+                self.bags[self.table_of[n]] = bag
+        # a history whose `table` is a bag's table (e.g. clicked items and the shown item)
+        # looks its ids up there; otherwise it has a table of its own
+        self.history_table = {
+            n: f"t_{features.table_of(n)}" if f"t_{features.table_of(n)}" in self.bags else None
+            for n in self.sequence_names
+        }
         self.history = nn.ModuleDict(
-            {n: HistoryEncoder(features[n], cfg) for n in self.sequence_names}
+            {
+                n: HistoryEncoder(features[n], cfg, self.history_table[n] is not None)
+                for n in self.sequence_names
+            }
         )
-        n_vec = 1 + len(self.sparse_names) + len(self.sequence_names)
+        self.targeted = self.sequence_names if cfg.target_attention else []
+        n_dense = len(self.bottoms)
         self.order = [*self.sparse_names, *self.sequence_names]
+        n_vec = 1 + n_dense + len(self.order) + len(self.targeted)
         self.register_buffer("_tri", torch.triu_indices(n_vec, n_vec, offset=1), persistent=False)
         self.top = nn.Sequential(
-            mlp([d + n_vec * (n_vec - 1) // 2, *cfg.top_mlp]), nn.Linear(cfg.top_mlp[-1], 1)
+            mlp([n_dense * d + n_vec * (n_vec - 1) // 2, *cfg.top_mlp]),
+            nn.Linear(cfg.top_mlp[-1], 1),
         )
 
     def init_output_bias(self, click_rate: float) -> None:
@@ -151,7 +212,7 @@ class DLRM(nn.Module):
 
     def sparse_parameters(self) -> list[nn.Parameter]:
         return [b.weight for b in self.bags.values()] + [
-            h.embedding.weight for h in self.history.values()
+            h.embedding.weight for h in self.history.values() if h.embedding is not None
         ]
 
     def dense_parameters(self) -> list[nn.Parameter]:
@@ -167,25 +228,37 @@ class DLRM(nn.Module):
                     f"feature {name!r}: ids must be in [0, {size}) (its table size), got [{lo}, {hi}]"
                 )
 
-    def _embed(self, name: str, jt: JaggedTensor) -> torch.Tensor:
+    def _embed(self, name: str, jt: JaggedTensor, tokens: dict, inverse=None) -> torch.Tensor:
+        """[rows, d] for one feature; a history also leaves its tokens (expanded to samples
+        by `inverse` when the rows are a group's unique rows) for target attention."""
         self._check_ids(name, jt)
-        if name in self.history:
-            return self.history[name](jt)
-        return self.bags[name](jt.values, jt.offsets[:-1])
+        if name not in self.history:
+            return self.bags[self.table_of[name]](jt.values, jt.offsets[:-1])
+        shared = self.history_table[name]
+        pooled, x, valid = self.history[name](jt, self.bags[shared].weight if shared else None)
+        if name in self.targeted:
+            if inverse is not None:
+                x, valid = x.index_select(0, inverse), valid.index_select(0, inverse)
+            tokens[name] = (x, valid)
+        return pooled
 
     def embed_features(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """[B, d] per id feature: per sample from `kjt`, unique-then-expand from `groups`."""
+        """[B, d] per id feature: per sample from `kjt`, unique-then-expand from `groups`;
+        then each history attended by the sample's item (`<history>@item`)."""
         out: dict[str, torch.Tensor] = {}
+        tokens: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if batch.kjt is not None:
             for name, jt in batch.kjt.to_dict().items():
-                out[name] = self._embed(name, jt)
+                out[name] = self._embed(name, jt, tokens)
         for ik in batch.groups.values():
             inverse = ik.inverse_indices
             for name, jt in ik.unique.to_dict().items():
-                out[name] = self._embed(name, jt).index_select(0, inverse)
+                out[name] = self._embed(name, jt, tokens, inverse).index_select(0, inverse)
         missing = [n for n in self.order if n not in out]
         if missing:
             raise JaggedError(f"batch lacks features {missing}")
+        for name, (x, valid) in tokens.items():
+            out[f"{name}@item"] = target_attention(x, valid, out[self.features.item_key])
         return out
 
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -193,8 +266,13 @@ class DLRM(nn.Module):
             raise JaggedError(
                 f"dense input has {batch.dense.shape[1]} columns, the model expects {self.dense_dim}"
             )
-        x = self.bottom(batch.dense if self.dense_dim else batch.dense.new_zeros(batch.size, 1))
+        sides = [
+            bottom(batch.dense.index_select(1, getattr(self, f"_cols_{side}")))
+            for side, bottom in self.bottoms.items()
+        ]
         emb = self.embed_features(batch)
-        vecs = torch.stack([x, *(emb[n] for n in self.order)], dim=1)  # [B, n_vec, d]
+        const = self.constant.expand(batch.size, -1)
+        order = [*self.order, *(f"{n}@item" for n in self.targeted)]
+        vecs = torch.stack([const, *sides, *(emb[n] for n in order)], dim=1)  # [B, n, d]
         dots = torch.bmm(vecs, vecs.transpose(1, 2))[:, self._tri[0], self._tri[1]]
-        return self.top(torch.cat([x, dots], dim=1)).squeeze(1)
+        return self.top(torch.cat([*sides, dots], dim=1)).squeeze(1)

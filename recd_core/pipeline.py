@@ -7,7 +7,8 @@ Stages talk only through the warehouse and their summaries (DESIGN.md section 1)
     generate D           clustered and shuffled samples (storage figures of both arms)
     generate D+1         clustered samples: the evaluation day
     per arm (dedup, baseline or both, on the same samples):
-        preprocess D  ->  train D  ->  evaluate on D+1
+        preprocess D  ->  train D (from the champion's weights: warm start)
+                      ->  evaluate on D+1 (with the oracle's NE when D+1 is synthetic)
     register             the first arm's model: MLflow pyfunc, alias `challenger`
     promote              `champion` := challenger if its NE on D+1 is no worse than the
                          champion's NE on D+1 (registry.py)
@@ -38,11 +39,17 @@ ARM_KEYS = (
     "train.steps",
     "train.peak_mem_bytes",
     "train.model_uri",
+    "train.init_from",
+    "train.init_reason",
+    "train.val_ne",
+    "train.best_step",
+    "train.history",
     "eval.ne",
     "eval.auc",
     "eval.logloss",
     "eval.calibration",
 )
+OPTIONAL_ARM_KEYS = ("eval.oracle_ne", "eval.oracle_auc")
 
 
 def logs_for_day(logs: Path, ds: str) -> Path:
@@ -116,20 +123,51 @@ def prepare_data(
 
 
 def run_arm(
-    warehouse: Warehouse, ds: str, eval_ds: str, mode: str, pipeline: PipelineConfig
+    warehouse: Warehouse,
+    ds: str,
+    eval_ds: str,
+    mode: str,
+    pipeline: PipelineConfig,
+    tracker=None,
+    logs: Path | None = None,
 ) -> dict:
-    """DPP, training and next-day evaluation of one arm; the arm's contract figures."""
+    """DPP, training (warm-started from the champion when `train.warm_start`) and next-day
+    evaluation of one arm; the arm's contract figures."""
     from recd_core.dpp import preprocess  # torch loads only when a run trains
     from recd_core.evaluate import evaluate
     from recd_core.train import train
 
     out = {"mode": mode}
     out.update(preprocess(warehouse, ds, pipeline.preprocess.model_copy(update={"mode": mode})))
-    out.update(train(warehouse, ds, pipeline.train.model_copy(update={"mode": mode})))
+    with warm_start(tracker, pipeline) as (init_dir, label):
+        cfg = pipeline.train.model_copy(update={"mode": mode})
+        out.update(train(warehouse, ds, cfg, init_from=init_dir, init_label=label))
     out.update(
         evaluate(warehouse, out["train.model_uri"], eval_ds, pipeline.registry.eval_batch_size)
     )
+    out.update(oracle_figures(logs, eval_ds))
     return out
+
+
+def warm_start(tracker, pipeline: PipelineConfig):
+    """Where the pipelines' training starts (a context: a registry copy is downloaded):
+    the champion when `train.warm_start` and there is one, else scratch with the reason."""
+    from recd_core.registry import init_model
+
+    return init_model(
+        tracker, "champion" if pipeline.train.warm_start else None, pipeline.registry.model_name
+    )
+
+
+def oracle_figures(logs: Path | None, eval_ds: str) -> dict:
+    """`eval.oracle_ne` / `eval.oracle_auc`: the optimum on a synthetic evaluation day (the
+    true click probabilities synth drew its labels from); nothing for real logs."""
+    from recd_core.synth import read_oracle
+
+    oracle = read_oracle(logs_for_day(logs, eval_ds)) if logs is not None else None
+    if not oracle:
+        return {}
+    return {"eval.oracle_ne": oracle["ne"], "eval.oracle_auc": oracle["auc"]}
 
 
 def run_day(
@@ -154,13 +192,14 @@ def run_day(
     layouts = summary.pop("layouts")
     arms = {}
     for mode in modes:
-        arm = run_arm(warehouse, ds, eval_ds, mode, pipeline)
+        arm = run_arm(warehouse, ds, eval_ds, mode, pipeline, run and run.tracker, logs)
         layout = layouts[ARM_LAYOUT[mode]]
         arms[mode] = {
             "storage.bytes": layout["storage.bytes"],
             "storage.rows": layout["storage.rows"],
             "storage.bytes_per_sample": layout["storage.bytes_per_sample"],
-            **{k: arm[k] for k in ARM_KEYS},
+            **{k: arm.get(k) for k in ARM_KEYS},
+            **{k: arm[k] for k in OPTIONAL_ARM_KEYS if k in arm},
         }
         if run is not None:
             arms[mode]["mlflow.run_id"] = run.child(
@@ -169,7 +208,8 @@ def run_day(
         step(f"train {mode}", 1)
     for mode, arm in arms.items():
         summary.update({f"{k}.{mode}": v for k, v in arm.items()})
-    summary.update({k: arms[modes[0]][k] for k in ARM_KEYS})
+    first = arms[modes[0]]
+    summary.update({k: first[k] for k in (*ARM_KEYS, *OPTIONAL_ARM_KEYS) if k in first})
     if {"dedup", "baseline"} <= arms.keys():
         from recd_core.compare import ratios
 

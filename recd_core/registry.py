@@ -23,11 +23,14 @@ metrics on the pipeline's run.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import mlflow.artifacts
 import mlflow.pyfunc
 import numpy as np
 import pandas as pd
@@ -45,9 +48,9 @@ class SampleScorer(mlflow.pyfunc.PythonModel):
     """Click probabilities for sample rows (one DataFrame row per impression)."""
 
     def load_context(self, context) -> None:
-        from recd_core.train import load_model_dir
+        from recd_core.train import load_model
 
-        self.model, self.meta = load_model_dir(context.artifacts["dlrm"])
+        self.model, self.meta = load_model(context.artifacts["dlrm"])
         self.schema = events_schema(samples_features(self.meta))
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> np.ndarray:
@@ -69,7 +72,7 @@ def rows_table(frame: pd.DataFrame, schema: pa.Schema) -> pa.Table:
     cols = {}
     for f in schema:
         if f.name in frame.columns:
-            cols[f.name] = pa.array(list(frame[f.name]), type=f.type)
+            cols[f.name] = _column(frame[f.name], f)
         elif f.name == "label":
             cols[f.name] = pa.array(np.zeros(n, np.int8), type=f.type)
         else:  # event_id, ts, and a session id that scoring never trusts
@@ -77,10 +80,33 @@ def rows_table(frame: pd.DataFrame, schema: pa.Schema) -> pa.Table:
     return pa.table(cols, schema=schema)
 
 
+def _column(values: pd.Series, field: pa.Field) -> pa.Array:
+    """One scoring column typed as in the warehouse; float64 input (JSON numbers) is narrowed
+    to the warehouse's float32, any other mismatch is an error naming the column."""
+    try:
+        if field.type == pa.float32() or (
+            pa.types.is_list(field.type) and field.type.value_type == pa.float32()
+        ):
+            wide = pa.float64() if field.type == pa.float32() else pa.list_(pa.float64())
+            return pa.array(list(values), type=wide).cast(field.type)
+        return pa.array(list(values), type=field.type)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as e:
+        raise ValueError(f"scoring input column {field.name!r}: {e}") from None
+
+
 def scoring_example(samples: pa.Table) -> pd.DataFrame:
-    """The input example: the first rows of a samples table, features only."""
+    """The input example: the first rows of a samples table, features only. Float columns
+    are widened to float64 so the signature says `double`: a served request's JSON numbers
+    arrive as float64, which MLflow will not narrow to a `float` column (rows_table casts
+    them back to the warehouse's float32)."""
     keep = [c for c in samples.column_names if c not in NON_FEATURE_COLUMNS]
-    return samples.slice(0, EXAMPLE_ROWS).select(keep).to_pandas()
+    rows = samples.slice(0, EXAMPLE_ROWS).select(keep)
+    for i, f in enumerate(rows.schema):
+        if f.type == pa.float32():
+            rows = rows.set_column(i, f.name, rows[f.name].cast(pa.float64()))
+        elif pa.types.is_list(f.type) and f.type.value_type == pa.float32():
+            rows = rows.set_column(i, f.name, rows[f.name].cast(pa.list_(pa.float64())))
+    return rows.to_pandas()
 
 
 @dataclass(frozen=True)
@@ -147,6 +173,59 @@ def champion(tracker, name: str):
         return None
 
 
+@contextlib.contextmanager
+def init_model(tracker, init_from: str | None, name: str) -> Iterator[tuple[str | None, str]]:
+    """Resolve where training starts: yields (a local model directory or None, its label).
+
+    `init_from`: None (scratch), `champion` (the current champion of `name`, when there is
+    one: the pipelines' warm start), `models:/<name>@<alias>` or `models:/<name>/<version>`
+    (downloaded from the registry), or a model directory / `<warehouse>/models/<run>`.
+    The label is what the record shows: `models:/<name>/<version>` for a registry copy, or
+    why training starts from scratch."""
+    if not init_from:
+        yield None, "from scratch: no model to start from"
+        return
+    if init_from == "champion":
+        if tracker is None:
+            yield None, "from scratch: no tracking URI, so no champion to start from"
+            return
+        if champion(tracker, name) is None:
+            yield None, f"from scratch: {name} has no champion yet (the first model)"
+            return
+        init_from = f"models:/{name}@champion"
+    if not init_from.startswith("models:/"):
+        yield init_from, init_from
+        return
+    if tracker is None:
+        raise ValueError(f"--init-from {init_from}: a registry URI needs a tracking URI")
+    version = registry_version(tracker, init_from)
+    with tempfile.TemporaryDirectory() as tmp:
+        local = mlflow.artifacts.download_artifacts(
+            artifact_uri=version.source, dst_path=tmp, tracking_uri=tracker.uri
+        )
+        found = next(Path(local).rglob("model.json"), None)
+        if found is None:
+            raise ValueError(
+                f"--init-from {init_from}: version {version.version} has no model.json"
+            )
+        yield str(found.parent), f"models:/{version.name}/{version.version}"
+
+
+def registry_version(tracker, uri: str):
+    """The model version a `models:/<name>@<alias>` or `models:/<name>/<version>` names."""
+    client = tracker.client()
+    ref = uri.removeprefix("models:/")
+    try:
+        if "@" in ref:
+            model_name, alias = ref.split("@", 1)
+            return client.get_model_version_by_alias(model_name, alias)
+        model_name, number = ref.rsplit("/", 1)
+        return client.get_model_version(model_name, number)
+    except (mlflow.exceptions.MlflowException, ValueError) as e:
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise ValueError(f"--init-from {uri}: no such registered model version ({first})") from None
+
+
 def decide(challenger_ne: float, champion_ne: float | None, tolerance: float) -> bool:
     """Promote when there is no champion, or the challenger's NE is no worse (lower is better)
     than the champion's on the same day, within `tolerance`."""
@@ -158,10 +237,19 @@ def decide(challenger_ne: float, champion_ne: float | None, tolerance: float) ->
 
 
 def record_decision(
-    tracker, reg: Registered, promoted: bool, ds: str, challenger_ne: float, champion_ne
+    tracker,
+    reg: Registered,
+    promoted: bool,
+    ds: str,
+    challenger_ne: float,
+    champion_ne,
+    lineage: dict | None = None,
 ) -> None:
+    """The decision as tags of the challenger's version; `lineage` adds where its training
+    started (`recd.init_from`: the version it was warm-started from, empty for scratch)."""
     client = tracker.client()
     tags = {
+        **(lineage or {}),
         "recd.eval_ds": ds,
         "recd.eval_ne": f"{challenger_ne:.6f}",
         "recd.champion_ne": "" if champion_ne is None else f"{champion_ne:.6f}",
@@ -194,7 +282,14 @@ def register_and_promote(
     """Log and register the model saved at `model_uri` (to MLflow run `run_id`) as
     `challenger`; score the current champion on `eval_ds`; move `champion` by NE (`cfg`: the
     pipeline's `RegistryConfig`). Returns the `registry.*` figures."""
-    from recd_core.train import model_dir
+    from recd_core.train import model_dir, saved_summary
+
+    trained = saved_summary(model_uri)
+    lineage = {
+        "recd.init_from": trained.get("train.init_from", ""),
+        "recd.init_reason": trained.get("train.init_reason", ""),
+        "recd.trained_on": ",".join(trained.get("train.days", [])),
+    }
 
     samples = warehouse.read("samples", eval_ds, layout="clustered").slice(0, EXAMPLE_ROWS)
     with model_dir(model_uri) as local:
@@ -206,7 +301,7 @@ def register_and_promote(
             "eval.ne"
         ]
     promoted = decide(challenger_ne, champion_ne, cfg.ne_tolerance)
-    record_decision(tracker, new, promoted, eval_ds, challenger_ne, champion_ne)
+    record_decision(tracker, new, promoted, eval_ds, challenger_ne, champion_ne, lineage)
     return {
         "registry.model": cfg.model_name,
         "registry.version": int(new.version),
@@ -216,4 +311,5 @@ def register_and_promote(
         "registry.champion_ne": champion_ne,
         "registry.previous_champion": None if current is None else int(current.version),
         "registry.eval_ds": eval_ds,
+        "registry.init_from": lineage["recd.init_from"],
     }

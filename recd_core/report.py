@@ -73,6 +73,8 @@ def print_summary(title: str, summary: dict, skip_prefixes: tuple[str, ...] = ()
         # nested sections (per-layout or per-workload figures) stay in the JSON summary
         if key.startswith(skip_prefixes) or (isinstance(value, dict) and "." not in key):
             continue
+        if ".history" in key:  # curves: MLflow plots them (metric history)
+            continue
         table.add_row(key, _fmt(key, value))
     Console().print(table)
 

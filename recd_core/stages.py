@@ -64,6 +64,9 @@ class StageArgs(BaseModel):
     parent_run_id: str | None = None
     pipeline: str = "recd"  # the parent run's name
     register_run_id: str | None = None  # register: the train run that logs the model
+    # train: the model to start from (a model directory, `<warehouse>/models/<run>` or
+    # `models:/<name>@<alias>`); default: the champion when the config's train.warm_start
+    init_from: str | None = None
 
     def training_days(self) -> list[str]:
         first = dt.date.fromisoformat(self.ds)
@@ -178,30 +181,43 @@ def _preprocess(args: StageArgs) -> dict:
 
 
 def _train(args: StageArgs) -> dict:
+    """Train each day, warm-started from `init_from` (default: the champion, when the
+    config's `train.warm_start` is on and there is one)."""
+    from recd_core.pipeline import warm_start
+    from recd_core.registry import init_model
     from recd_core.train import train
 
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
     tc = cfg.train.model_copy(update={"mode": args.mode})
-    out = _per_day(args, lambda day: train(wh, day, tc))
+    tracker = args.tracker()
+    init = (
+        init_model(tracker, args.init_from, cfg.registry.model_name)
+        if args.init_from
+        else warm_start(tracker, cfg)
+    )
+    with init as (init_dir, label):
+        out = _per_day(args, lambda day: train(wh, day, tc, init_from=init_dir, init_label=label))
     uris = [s["train.model_uri"] for s in (out["days"].values() if "days" in out else [out])]
     return {**out, "train.model_uris": ";".join(uris)}
 
 
 def _evaluate(args: StageArgs) -> dict:
     from recd_core.evaluate import evaluate
+    from recd_core.pipeline import oracle_figures
 
     if not args.model_uri:
         raise StageFailed("no --model-uri given")
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
     uris = dict(zip(args.training_days(), args.model_uri.split(";"), strict=True))
-    out = _per_day(
+    logs = Path(args.logs) if args.logs else None
+    return _per_day(
         args,
         lambda day: {
             "train.mode": args.mode,
             **evaluate(wh, uris[day], args.eval_day(day), cfg.registry.eval_batch_size),
+            **oracle_figures(logs, args.eval_day(day)),
         },
     )
-    return out
 
 
 def _register(args: StageArgs) -> dict:

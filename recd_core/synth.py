@@ -23,6 +23,12 @@ The generator is generic over a `FeatureSet` by (side, kind):
 
 Output: `OUT/ds=YYYY-MM-DD/events-NNNNN.jsonl.gz`, one JSON object per line (docs/events.md).
 The same (config, seed) always yields the same bytes.
+
+The workload's optimum: every label is drawn from a known click probability, so the best
+any model can do on a day is to predict exactly those. `OUT/ds=D/_oracle.json` holds that
+oracle's NE, AUC and log loss on the day's labels (ingest skips `_` files); `recd run` and
+the evaluate stage show it next to a model's next-day NE, so the gap to the optimum is in
+the record.
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ from pathlib import Path
 
 import numpy as np
 
+from recd_core import metrics
 from recd_core.config import ConfigError, FeatureSet, FeatureSpec, SynthConfig
 
 ROWS_PER_FILE = 50_000
+ORACLE_FILE = "_oracle.json"
 HISTORY_SIDE_KINDS = {("user", "sequence")}
 
 
@@ -212,8 +220,39 @@ def _fragments(key: str, tables: dict, specs: list[FeatureSpec]) -> Callable[[in
 IDS_PER_DAY = 10**8  # event and session ids of a day start at ordinal * this
 
 
-def generate_day(world: _World, day: dt.date):
-    """One day's impression lines (as str) and its session count.
+@dataclass(frozen=True)
+class Day:
+    """One synthesized day: its JSON lines, session count, labels and the true click
+    probabilities the labels were drawn from."""
+
+    lines: list[str]
+    sessions: int
+    labels: np.ndarray
+    click_prob: np.ndarray
+
+
+def oracle_figures(labels: np.ndarray, click_prob: np.ndarray) -> dict[str, float]:
+    """NE, AUC and log loss of the true click probabilities: the best a model can do."""
+    return {
+        "ne": metrics.normalized_entropy(labels, click_prob),
+        "auc": metrics.auc(labels, click_prob),
+        "logloss": metrics.logloss(labels, click_prob),
+        "ctr": float(np.mean(labels)) if labels.size else float("nan"),
+        "rows": int(labels.size),
+    }
+
+
+def read_oracle(logs_day: str | Path) -> dict[str, float] | None:
+    """The oracle figures synth wrote for a day's logs directory, or None (real logs)."""
+    path = Path(logs_day) / ORACLE_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def generate_day(world: _World, day: dt.date) -> Day:
+    """One day's impression lines (as str), sessions, labels and true click probabilities.
 
     The day's randomness and ids derive from its date, not from its place in a run, so a day
     synthesized alone (the daily pipeline) equals the same day synthesized in a range."""
@@ -247,7 +286,8 @@ def generate_day(world: _World, day: dt.date):
         + world.item_bias[items]
         - 0.02 * position
     )
-    labels = (rng.random(n) < 1.0 / (1.0 + np.exp(-logit))).astype(np.int64)
+    click_prob = 1.0 / (1.0 + np.exp(-logit))
+    labels = (rng.random(n) < click_prob).astype(np.int64)
 
     user_specs = [s for s in fs.by_side("user") if s.name != fs.user_key]
     static_user = [s for s in user_specs if (s.side, s.kind) not in HISTORY_SIDE_KINDS]
@@ -287,7 +327,7 @@ def generate_day(world: _World, day: dt.date):
             clicked = items[lo:hi][labels[lo:hi] == 1]
             if clicked.size:
                 world.history[u] = (world.history[u] + clicked.tolist())[-world.history_len :]
-    return lines, n_sessions
+    return Day(lines, n_sessions, labels, click_prob)
 
 
 def _within_session_offsets(gaps: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -304,18 +344,28 @@ def synthesize(
     out_dir: str | Path,
     progress: Callable[[str, int], None] | None = None,
 ) -> dict[str, float]:
-    """Write `cfg.days` days of logs under `out_dir/ds=YYYY-MM-DD/`; return the figures."""
+    """Write `cfg.days` days of logs under `out_dir/ds=YYYY-MM-DD/`; return the figures,
+    the oracle's per day (`synth.oracle_ne.<day>`) and pooled over the days."""
     out = Path(out_dir)
     world = _World(features, cfg)
     total_rows = total_bytes = total_sessions = 0
+    oracle: dict[str, float] = {}
+    all_labels, all_probs = [], []
     for k in range(cfg.days):
         day = cfg.start_date + dt.timedelta(days=k)
-        lines, sessions = generate_day(world, day)
+        generated = generate_day(world, day)
+        lines, sessions = generated.lines, generated.sessions
         total_sessions += sessions
         part = out / f"ds={day.isoformat()}"
         part.mkdir(parents=True, exist_ok=True)
         for old in part.glob("events-*.jsonl.gz"):
             old.unlink()
+        figures = oracle_figures(generated.labels, generated.click_prob)
+        (part / ORACLE_FILE).write_text(json.dumps({"ds": day.isoformat(), **figures}, indent=1))
+        oracle[f"synth.oracle_ne.{day}"] = figures["ne"]
+        oracle[f"synth.oracle_auc.{day}"] = figures["auc"]
+        all_labels.append(generated.labels)
+        all_probs.append(generated.click_prob)
         for f, lo in enumerate(range(0, len(lines), ROWS_PER_FILE)):
             path = part / f"events-{f:05d}.jsonl.gz"
             data = ("\n".join(lines[lo : lo + ROWS_PER_FILE]) + "\n").encode("utf-8")
@@ -331,4 +381,13 @@ def synthesize(
         "synth.sessions": total_sessions,
         "synth.bytes_gz": total_bytes,
         "synth.mean_session_length": total_rows / max(total_sessions, 1),
+        **_pooled_oracle(all_labels, all_probs),
+        **oracle,
     }
+
+
+def _pooled_oracle(labels: list[np.ndarray], probs: list[np.ndarray]) -> dict[str, float]:
+    if not labels:
+        return {}
+    pooled = oracle_figures(np.concatenate(labels), np.concatenate(probs))
+    return {"synth.oracle_ne": pooled["ne"], "synth.oracle_auc": pooled["auc"]}

@@ -114,6 +114,9 @@ class Tracker:
             tags += [RunTag(k, str(v)) for k, v in late.items() if v and not known.get(k)]
             now = int(time.time() * 1000)
             metrics = [Metric(k, v, now, 0) for k, v in numeric(summary).items()]
+            metrics += [
+                Metric(k, v, now, step) for k, step, v in histories(summary) if math.isfinite(v)
+            ]
             for lo in range(0, max(len(metrics), 1), 900):  # MLflow caps a batch at 1000
                 client.log_batch(
                     run_id, metrics=metrics[lo : lo + 900], tags=tags if lo == 0 else []
@@ -158,6 +161,17 @@ class RunHandle:
         run_id = self.tracker.start(stage, params, parent_id=self.run_id)
         self.tracker.finish(run_id, summary)
         return run_id
+
+
+def histories(summary: dict) -> list[tuple[str, int, float]]:
+    """Curves a summary carries under `<stage>.history` ({metric: [[step, value], ...]}),
+    as (metric, step, value): MLflow keeps each as the metric's history, plotted by step."""
+    out = []
+    for key, curves in summary.items():
+        if key.endswith(".history") and isinstance(curves, dict):
+            for name, points in curves.items():
+                out += [(name, int(p[0]), float(p[1])) for p in points if len(p) >= 2]
+    return out
 
 
 def numeric(summary: dict, prefix: str = "") -> dict[str, float]:

@@ -2,8 +2,18 @@
 
 Both modes see the same batches in the same order (contiguous rows of the clustered layout,
 batch order seeded per epoch); they differ only in how the batch is represented, so their
-losses and weights agree to float tolerance. Embedding tables train with Adagrad on sparse
-gradients, everything else with Adam.
+losses and weights agree to float tolerance. Embedding tables train with row-wise Adagrad
+on sparse gradients (optim.py), everything else with Adam.
+
+Validation and early stopping: DPP holds out the day's latest rows (dpp.py); training
+validates on them `validations_per_epoch` times a pass (and once before the first step),
+keeps the state with the best validation NE and stops after `patience` validations without
+a better one, at most `epochs` passes. The curve is in the summary (`train.history`), which
+MLflow records as metric history.
+
+Warm start: `init_from` names a saved model (the pipelines pass the champion); its weights
+are the starting point when its feature set and model config equal this run's, else
+training starts from scratch and `train.init_reason` says why.
 
 Checkpoints (`<warehouse>/checkpoints/<run>/step-NNNNNNNN.pt`, written atomically) hold the
 model, both optimizers and the position in the data; a run resumes from its latest one, so
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime as dt
 import hashlib
 import io
 import json
@@ -43,6 +54,7 @@ from recd_core.batching import epoch_order
 from recd_core.config import FeatureSet, TrainConfig
 from recd_core.dpp import Prepared, batch_ranges, encode_batch
 from recd_core.model import DLRM
+from recd_core.optim import RowWiseAdagrad
 from recd_core.warehouse import Warehouse
 
 
@@ -158,7 +170,11 @@ def _peak_mem(device: torch.device) -> int:
 
 
 def make_optimizers(model: DLRM, cfg: TrainConfig):
-    sparse = torch.optim.Adagrad(model.sparse_parameters(), lr=cfg.lr_sparse)
+    sparse = RowWiseAdagrad(
+        model.sparse_parameters(),
+        lr=cfg.lr_sparse,
+        initial_accumulator=cfg.adagrad_initial_accumulator,
+    )
     dense = torch.optim.Adam(model.dense_parameters(), lr=cfg.lr_dense)
     return dense, sparse
 
@@ -177,7 +193,14 @@ def train_step(model, batch, opt_dense, opt_sparse, amp: bool) -> float:
 
 
 def _train_worker(
-    rank: int, world: int, wh_uri: str, ds: str, cfg: TrainConfig, result_path: str | None
+    rank: int,
+    world: int,
+    wh_uri: str,
+    ds: str,
+    cfg: TrainConfig,
+    result_path: str | None,
+    init_from: str | None = None,
+    init_label: str | None = None,
 ) -> dict:
     distributed = world > 1
     device = resolve_device(cfg.device)
@@ -200,31 +223,50 @@ def _train_worker(
             f"{store.manifest['batch_size']}, the training config asks for {cfg.batch_size}: "
             f"re-run `recd preprocess --batch-size {cfg.batch_size}` or train with that size"
         )
+    days = add_window(wh, store, ds, cfg)
+    valid = BatchStore(wh, ds, cfg.mode, split="validation")
     features = store.model_features
     model = DLRM(features, cfg.model)
-    model.init_output_bias(store.click_rate())
+    init = initial_state(init_from, features, cfg, init_label)
+    if init.state is not None:
+        model.load_state_dict(init.state)
+    else:
+        model.init_output_bias(store.click_rate())
     model = model.to(device)
     opt_dense, opt_sparse = make_optimizers(model, cfg)
-    name = run_name(ds, cfg, batches_id(wh, ds, cfg.mode))
+    name = run_name(ds, cfg, batches_id(wh, ds, cfg.mode) + (init.uri or ""))
     ckpts = Checkpoints(wh, name, cfg.keep_checkpoints)
     step = 0
+    early = EarlyStopping(cfg.patience)
     state = ckpts.latest()
     if state is not None:
         model.load_state_dict(state["model"])
         opt_dense.load_state_dict(state["opt_dense"])
         opt_sparse.load_state_dict(state["opt_sparse"])
         step = int(state["step"])
+        early = EarlyStopping.from_state(cfg.patience, state.get("early"))
     net = DistributedDataParallel(model) if distributed else model
     n_batches = len(store)
-    per_epoch = len(range(rank, n_batches, world))
+    # every rank takes the same number of steps (DDP all-reduces each one): the batches
+    # past the last full round of `world` are left out of that epoch (a different set each
+    # epoch, the order being seeded per epoch)
+    per_epoch = n_batches // world if world > 1 else n_batches
+    if per_epoch == 0:
+        raise BatchMismatch(
+            f"batches/mode={cfg.mode}/ds={ds} holds {n_batches} batches for {world} processes"
+        )
     total = per_epoch * cfg.epochs
     if cfg.max_steps:
         total = min(total, cfg.max_steps)
+    every = max(1, per_epoch // cfg.validations_per_epoch)
     resumed_at = step
     losses: list[float] = []
     samples = 0
-    t0 = time.perf_counter()
-    while step < total:
+    seconds = 0.0
+    if len(valid) and step == 0:
+        early.update(0, validate(model, valid, device), model)
+    while step < total and not early.stop:
+        t0 = time.perf_counter()
         epoch, k = divmod(step, per_epoch)
         b = int(epoch_order(n_batches, cfg.seed, epoch)[rank::world][k])
         batch = store[b].to(device)
@@ -233,15 +275,21 @@ def _train_worker(
         )
         samples += batch.size
         step += 1
-        if rank == 0 and (step % cfg.checkpoint_every == 0 or step == total):
-            ckpts.save(_checkpoint_state(model, opt_dense, opt_sparse, step, cfg))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - t0
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds += time.perf_counter() - t0
+        early.losses.append([step, float(losses[-1])])
+        if len(valid) and (step % every == 0 or step == total):
+            early.update(step, validate(model, valid, device), model)
+        if rank == 0 and (step % cfg.checkpoint_every == 0 or step == total or early.stop):
+            ckpts.save(_checkpoint_state(model, opt_dense, opt_sparse, step, cfg, early))
+    if early.best_state is not None and early.best_step != step:
+        model.load_state_dict(early.best_state)  # the best validated state, not the last
     summary = {
         "train.mode": cfg.mode,
         "train.run": name,
         "train.steps": step,
+        "train.steps_per_epoch": per_epoch,
         "train.resumed_from_step": resumed_at,
         "train.samples": samples * world,
         "train.samples_per_s": samples * world / seconds if seconds > 0 and samples else 0.0,
@@ -252,6 +300,10 @@ def _train_worker(
         "train.world_size": world,
         "train.dedup_groups": {g: len(fs) for g, fs in store.groups.items()},
         "train.batch_size": store.manifest["batch_size"],
+        "train.days": days,
+        "train.init_from": init.uri or "",
+        "train.init_reason": init.reason,
+        **early.summary(),
     }
     if rank == 0:
         summary["train.model_uri"] = save_model(
@@ -266,17 +318,154 @@ def _train_worker(
     return summary
 
 
+def add_window(wh: Warehouse, store: BatchStore, ds: str, cfg: TrainConfig) -> list[str]:
+    """Prepend the batches of the `window_days - 1` days before `ds` that were preprocessed
+    alike (same model features and dedup groups), oldest first; the days trained on."""
+    days = [ds]
+    first = dt.date.fromisoformat(ds)
+    for back in range(1, cfg.window_days):
+        day = (first - dt.timedelta(days=back)).isoformat()
+        if not wh.exists("batches", day, mode=cfg.mode):
+            continue
+        older = BatchStore(wh, day, cfg.mode)
+        same = older.model_features == store.model_features and older.groups == store.groups
+        if same and older.manifest["batch_size"] == store.manifest["batch_size"]:
+            store.records = older.records + store.records
+            days.insert(0, day)
+    return days
+
+
+def validate(model: DLRM, valid: BatchStore, device: torch.device) -> dict[str, float]:
+    """NE, AUC and calibration of the current weights on the day's validation batches."""
+    from recd_core.evaluate import StreamingMetrics
+
+    acc = StreamingMetrics()
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for batch in valid:
+            probs = torch.sigmoid(model(batch.to(device)).float())
+            acc.update(batch.labels.numpy(), probs.cpu().numpy())
+    model.train(was_training)
+    return acc.result()
+
+
+@dataclass
+class EarlyStopping:
+    """Keeps the best state by validation NE; stops after `patience` validations in a row
+    without a better one. Its history is what MLflow shows as the training curve."""
+
+    patience: int
+    best_ne: float = float("inf")
+    best_step: int = -1
+    bad: int = 0
+    stop: bool = False
+    best_state: dict | None = None
+    history: list[list[float]] = dataclasses.field(default_factory=list)  # step, NE, AUC
+    losses: list[list[float]] = dataclasses.field(default_factory=list)  # step, loss
+
+    def update(self, step: int, figures: dict, model: DLRM) -> None:
+        # plain floats: the checkpoint is loaded with weights_only=True (no numpy scalars)
+        ne = float(figures["eval.ne"])
+        self.history.append([int(step), ne, float(figures["eval.auc"])])
+        if ne < self.best_ne - 1e-6:
+            self.best_ne, self.best_step, self.bad = ne, step, 0
+            self.best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        else:
+            self.bad += 1
+            self.stop = self.bad >= self.patience
+
+    def state(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "patience"}
+
+    @classmethod
+    def from_state(cls, patience: int, state: dict | None) -> EarlyStopping:
+        return cls(patience, **state) if state else cls(patience)
+
+    def summary(self) -> dict:
+        if not self.history:
+            return {"train.validated": False}
+        return {
+            "train.validated": True,
+            "train.val_ne": self.best_ne,
+            "train.val_auc": next(a for s, n, a in self.history if s == self.best_step),
+            "train.best_step": self.best_step,
+            "train.stopped_early": self.stop,
+            "train.history": {
+                "train.val_ne": [[int(s), n] for s, n, _ in self.history],
+                "train.val_auc": [[int(s), a] for s, _, a in self.history],
+                "train.batch_loss": [[int(s), v] for s, v in self.losses],
+            },
+        }
+
+
+@dataclass(frozen=True)
+class Init:
+    """Where training starts: a saved model's weights (warm start) or scratch, and why."""
+
+    state: dict | None
+    uri: str | None
+    reason: str
+
+
+def initial_state(
+    init_from: str | None, features: FeatureSet, cfg: TrainConfig, label: str | None = None
+) -> Init:
+    """The weights of the model at `init_from` (a `<warehouse>/models/<run>` URI or a local
+    directory with model.pt + model.json) when it was trained on the same model features
+    with the same model config; otherwise scratch, with the reason. `label` names the
+    model in the record (e.g. `models:/recd-dlrm/3` for a registry copy)."""
+    if not init_from:
+        return Init(None, None, label or "from scratch: no model to start from")
+    try:
+        meta, weights, where = _read_saved(init_from)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"--init-from {init_from}: not a recd model ({e})") from None
+    theirs = FeatureSet.model_validate(meta["features"])
+    their_model = TrainConfig.model_validate(meta["train"]).model
+    if theirs != features:
+        changed = sorted(
+            {f.name for f in theirs.features} ^ {f.name for f in features.features}
+        ) or [a.name for a, b in zip(theirs.features, features.features, strict=False) if a != b]
+        return Init(None, None, f"from scratch: the feature set changed ({', '.join(changed)})")
+    if their_model != cfg.model:
+        a, b = their_model.model_dump(), cfg.model.model_dump()
+        changed = [k for k in a if a[k] != b[k]]
+        return Init(None, None, f"from scratch: the model config changed ({', '.join(changed)})")
+    name = label or init_from
+    return Init(_torch_load(weights, where), name, f"warm start from {name}")
+
+
+def _read_saved(location: str) -> tuple[dict, bytes, str]:
+    """model.json (parsed) and model.pt (bytes) of a saved model, local or in a warehouse."""
+    path = Path(location)
+    if path.is_dir():
+        return (
+            json.loads((path / "model.json").read_text()),
+            (path / "model.pt").read_bytes(),
+            str(path / "model.pt"),
+        )
+    if "/models/" not in location:
+        raise ValueError("expected a model directory or <warehouse>/models/<run>")
+    wh, base = _model_location(location)
+    meta = json.loads(_read_bytes(wh, f"{base}/model.json"))
+    return meta, _read_bytes(wh, f"{base}/model.pt"), f"{base}/model.pt"
+
+
 def batches_id(wh: Warehouse, ds: str, mode: str) -> str:
     return str(wh.manifest("batches", ds, mode=mode).get("write_id", ""))
 
 
-def _checkpoint_state(model, opt_dense, opt_sparse, step: int, cfg: TrainConfig) -> dict:
+def _checkpoint_state(
+    model, opt_dense, opt_sparse, step: int, cfg: TrainConfig, early: EarlyStopping
+) -> dict:
     return {
         "model": model.state_dict(),
         "opt_dense": opt_dense.state_dict(),
         "opt_sparse": opt_sparse.state_dict(),
         "step": step,
         "config": cfg.model_dump_json(),
+        "early": early.state(),
     }
 
 
@@ -305,17 +494,10 @@ def _model_location(uri: str) -> tuple[Warehouse, str]:
 
 
 def load_model(uri: str) -> tuple[DLRM, dict]:
-    """A saved model (state dict + model.json) at `<warehouse>/models/<run>`, for scoring."""
-    wh, base = _model_location(uri)
-    meta = json.loads(_read_bytes(wh, f"{base}/model.json"))
-    return model_from(meta, _read_bytes(wh, f"{base}/model.pt"), f"{base}/model.pt"), meta
-
-
-def load_model_dir(path: str | Path) -> tuple[DLRM, dict]:
-    """The same two files from a local directory (a copy, e.g. MLflow's model artifacts)."""
-    path = Path(path)
-    meta = json.loads((path / "model.json").read_text())
-    return model_from(meta, (path / "model.pt").read_bytes(), str(path / "model.pt")), meta
+    """A saved model (state dict + model.json) at `<warehouse>/models/<run>` or in a local
+    directory (a copy, e.g. MLflow's model artifacts), for scoring."""
+    meta, weights, where = _read_saved(str(uri))
+    return model_from(meta, weights, where), meta
 
 
 @contextlib.contextmanager
@@ -329,6 +511,12 @@ def model_dir(uri: str):
         for name in ("model.pt", "model.json"):
             (Path(tmp) / name).write_bytes(_read_bytes(wh, f"{base}/{name}"))
         yield Path(tmp)
+
+
+def saved_summary(uri: str) -> dict:
+    """The training summary stored in a saved model's model.json."""
+    wh, base = _model_location(uri)
+    return json.loads(_read_bytes(wh, f"{base}/model.json")).get("summary", {})
 
 
 def model_from(meta: dict, weights: bytes, where: str) -> DLRM:
@@ -345,20 +533,29 @@ def _free_port() -> int:
 
 
 def _spawn_entry(
-    rank: int, world: int, wh_uri: str, ds: str, cfg_json: str, result_path: str
+    rank: int, world: int, wh_uri: str, ds: str, cfg_json: str, result_path: str, init: tuple
 ) -> None:
-    _train_worker(rank, world, wh_uri, ds, TrainConfig.model_validate_json(cfg_json), result_path)
+    cfg = TrainConfig.model_validate_json(cfg_json)
+    _train_worker(rank, world, wh_uri, ds, cfg, result_path, *init)
 
 
-def train(warehouse: Warehouse, ds: str, cfg: TrainConfig, nproc: int = 1) -> dict:
-    """Train (resuming from the run's latest checkpoint); returns rank 0's summary."""
+def train(
+    warehouse: Warehouse,
+    ds: str,
+    cfg: TrainConfig,
+    nproc: int = 1,
+    init_from: str | None = None,
+    init_label: str | None = None,
+) -> dict:
+    """Train (resuming from the run's latest checkpoint); returns rank 0's summary.
+    `init_from`: a saved model to start from (warm start) instead of a fresh init; without
+    one, `init_label` may say why (it goes into `train.init_reason`)."""
     warehouse.info("batches", ds, mode=cfg.mode)  # fail early, naming the partition
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
-        return _train_worker(
-            int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), warehouse.uri, ds, cfg, None
-        )
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return _train_worker(rank, world, warehouse.uri, ds, cfg, None, init_from, init_label)
     if nproc <= 1:
-        return _train_worker(0, 1, warehouse.uri, ds, cfg, None)
+        return _train_worker(0, 1, warehouse.uri, ds, cfg, None, init_from, init_label)
     import tempfile
 
     import torch.multiprocessing as mp
@@ -369,7 +566,7 @@ def train(warehouse: Warehouse, ds: str, cfg: TrainConfig, nproc: int = 1) -> di
         os.environ["MASTER_PORT"] = str(_free_port())
         mp.start_processes(
             _spawn_entry,
-            args=(nproc, warehouse.uri, ds, cfg.model_dump_json(), result),
+            args=(nproc, warehouse.uri, ds, cfg.model_dump_json(), result, (init_from, init_label)),
             nprocs=nproc,
             start_method="spawn",
         )

@@ -130,3 +130,80 @@ def test_compare_fails_loudly_when_the_arms_differ_beyond_tolerance(daily, tmp_p
     )
     assert runs[0].info.status == "FAILED"
     assert len(MlflowClient(tracking_uri=uri).search_model_versions("name='recd-dlrm'")) == 2
+
+
+def test_the_next_day_warm_starts_from_the_champion_and_its_version_records_the_lineage(daily):
+    root, uri, _ = daily
+    day1 = json.loads((root / "day1.json").read_text())
+    day2 = json.loads((root / "day2.json").read_text())
+    client = MlflowClient(tracking_uri=uri)
+    v1, v2 = (client.get_model_version("recd-dlrm", v) for v in ("1", "2"))
+    # the first model trains from scratch and says why; the next starts from the champion
+    assert day1["train.init_from"] == "" and v1.tags["recd.init_from"] == ""
+    assert "no champion yet" in day1["train.init_reason"] == v1.tags["recd.init_reason"]
+    assert day2["train.init_from"] == "models:/recd-dlrm/1" == v2.tags["recd.init_from"]
+    assert v2.tags["recd.trained_on"] == NEXT
+    # the workload's optimum next to the model's NE, in the summary and in the arm's run
+    assert 0.5 < day1["eval.oracle_ne"] < day1["eval.ne"]
+    arm = client.get_run(day1["mlflow.run_id.dedup"])
+    assert arm.data.metrics["eval.oracle_ne"] == pytest.approx(day1["eval.oracle_ne"])
+    # the validation curve is a metric history, one point per validation
+    curve = client.get_metric_history(arm.info.run_id, "train.val_ne")
+    assert len(curve) >= 3 and sorted(p.step for p in curve)[0] == 0
+    assert min(p.value for p in curve) == pytest.approx(day1["train.val_ne"])
+
+
+def test_mlflow_models_serve_answers_the_champions_own_serving_example(daily, tmp_path):
+    """A real scoring server (`mlflow models serve`, local env) on loopback."""
+    import os
+    import socket
+    import time
+    import urllib.request
+
+    import mlflow.artifacts
+
+    root, uri, _ = daily
+    client = MlflowClient(tracking_uri=uri)
+    champion = client.get_model_version_by_alias("recd-dlrm", "champion")
+    local = mlflow.artifacts.download_artifacts(
+        artifact_uri=champion.source, dst_path=str(tmp_path), tracking_uri=uri
+    )
+    example = (Path(local) / "serving_input_example.json").read_bytes()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bin_dir = Path(sys.executable).parent  # the server execs `uvicorn` from PATH
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    mlflow_bin = bin_dir / "mlflow"
+    server = subprocess.Popen(
+        [str(mlflow_bin), "models", "serve", "-m", "models:/recd-dlrm@champion",
+         "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(
+                        "scoring server did not start: " + server.stderr.read().decode()[-2000:]
+                    )
+                time.sleep(1)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/invocations",
+            data=example,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as r:
+            assert r.status == 200
+            predictions = json.loads(r.read())["predictions"]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    rows = json.loads(example)["dataframe_split"]["data"]
+    assert len(predictions) == len(rows) > 0
+    assert all(0.0 < p < 1.0 for p in predictions)

@@ -1,0 +1,254 @@
+"""`recd bench`'s quality part: our model next to a reference on the same data, never alone.
+
+Two workloads:
+
+  MovieLens-100k, split by time   the first 80% of ratings (by timestamp) train, the last 20%
+                                  test. Ours: DPP + training (its validation is the latest
+                                  10% of the training part) + evaluation. Reference: a
+                                  logistic regression (scikit-learn) on a one-hot encoding
+                                  of the very same features (multi-hot for id lists and the
+                                  history), fit on the whole training part.
+  synthetic, a week               each day trained on, warm-started from the previous day's
+                                  model (the daily DAG starts from the champion), evaluated
+                                  on the next day, against the oracle: the true click
+                                  probabilities the generator drew the labels from. The first
+                                  day is also trained by the baseline arm: both arms must
+                                  reach the same quality.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from recd_core import metrics
+from recd_core.config import (
+    FeatureSet,
+    GenerateConfig,
+    IngestConfig,
+    PipelineConfig,
+    TrainConfig,
+    load_feature_set,
+    synth_config,
+)
+from recd_core.warehouse import Warehouse
+
+ML_ALL, ML_TRAIN, ML_TEST = "2026-10-01", "2026-10-02", "2026-10-03"
+WEEK_START = "2026-11-01"
+
+
+def _day(ds: str, k: int) -> str:
+    return (dt.date.fromisoformat(ds) + dt.timedelta(days=k)).isoformat()
+
+
+# -- the reference: one-hot logistic regression --------------------------------------------------
+def one_hot(table: pa.Table, features: FeatureSet):
+    """A sparse design matrix: one column per (feature, id) for id features and id lists
+    (multi-hot, each list's ids weighted 1/length), dense features as they are (scaled)."""
+    from scipy import sparse
+
+    blocks = []
+    for f in features.features:
+        col = table[f.name].combine_chunks()
+        if f.kind == "dense":
+            flat = col.flatten() if pa.types.is_list(col.type) else col
+            x = np.asarray(flat.fill_null(0), np.float64).reshape(table.num_rows, f.dim)
+            blocks.append(sparse.csr_matrix(x))
+            continue
+        if pa.types.is_list(col.type):
+            lengths = np.asarray(pc.list_value_length(col).fill_null(0), np.int64)
+            ids = np.asarray(col.flatten().fill_null(0), np.int64)
+        else:
+            lengths = np.ones(table.num_rows, np.int64)
+            ids = np.asarray(col.fill_null(0), np.int64)
+        rows = np.repeat(np.arange(table.num_rows), lengths)
+        size = f.table_size or 1
+        weights = 1.0 / np.maximum(np.repeat(lengths, lengths), 1)
+        blocks.append(
+            sparse.csr_matrix((weights, (rows, ids % size)), shape=(table.num_rows, size))
+        )
+    return sparse.hstack(blocks, format="csr")
+
+
+LR_C = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+
+
+def logistic_regression(
+    train: pa.Table, test: pa.Table, features: FeatureSet, per_user: bool = True
+) -> dict:
+    """NE and AUC on `test` of an L2 logistic regression on one-hot features, its strength
+    chosen like our early stopping: fit on the earlier 90% of `train` by time (per user, as
+    the split), the C with the best NE on the latest 10%, then refit on all of `train`. A
+    tuned reference, so a gain over it is real."""
+    from sklearn.linear_model import LogisticRegression
+
+    late = time_split(train, 0.9, per_user)
+    fit_rows, val_rows = train.filter(pc.invert(late)), train.filter(late)
+    x_all = one_hot(pa.concat_tables([train, test]), features)
+    scale = np.maximum(abs(x_all).max(axis=0).toarray().ravel(), 1e-12)
+    design = lambda t: one_hot(t, features).multiply(1.0 / scale).tocsr()  # noqa: E731
+    labels = lambda t: np.asarray(t["label"], np.float64)  # noqa: E731
+
+    def fit(rows: pa.Table, c: float):
+        return LogisticRegression(C=c, max_iter=3000).fit(design(rows), labels(rows))
+
+    x_val, y_val = design(val_rows), labels(val_rows)
+    val_ne = {
+        c: metrics.normalized_entropy(y_val, fit(fit_rows, c).predict_proba(x_val)[:, 1])
+        for c in LR_C
+    }
+    best = min(val_ne, key=val_ne.get)
+    p = fit(train, best).predict_proba(design(test))[:, 1]
+    y = labels(test)
+    return {"ne": metrics.normalized_entropy(y, p), "auc": metrics.auc(y, p), "c": best}
+
+
+# -- MovieLens split by time ------------------------------------------------------------------------
+def _write_samples(wh: Warehouse, ds: str, table: pa.Table, gen: GenerateConfig) -> None:
+    with wh.writing("samples", ds, layout="clustered") as w:
+        w.write(table, row_group_size=gen.row_group_size, compression=gen.compression)
+
+
+def time_split(samples: pa.Table, train_share: float, per_user: bool) -> pa.Array:
+    """The test rows of a split by time: the latest `1 - train_share` of all rows, or with
+    `per_user` of each user's rows (every user is in both parts, as in RecBole's
+    time-ordered split grouped by user)."""
+    ts = np.asarray(samples["ts"], np.int64)
+    if not per_user:
+        cut = np.sort(ts)[int(ts.size * train_share)]
+        return pa.array(ts >= cut)
+    users = np.asarray(samples["user_id"], np.int64)
+    order = np.lexsort((np.asarray(samples["event_id"], np.int64), ts, users))
+    starts = np.flatnonzero(np.r_[True, users[order][1:] != users[order][:-1]])
+    counts = np.diff(np.r_[starts, users.size])
+    rank = np.arange(users.size) - np.repeat(starts, counts)  # position in the user's timeline
+    test = np.zeros(users.size, bool)
+    test[order] = rank >= np.repeat(np.floor(counts * train_share), counts)
+    return pa.array(test)
+
+
+def movielens_quality(
+    source: Path, out: Path, train_cfg: TrainConfig | None = None, per_user: bool = True
+) -> dict:
+    """Ours vs logistic regression on MovieLens ratings split by time (80/20)."""
+    from recd_core.datagen import generate
+    from recd_core.dpp import preprocess
+    from recd_core.evaluate import evaluate
+    from recd_core.ingest import ingest
+    from recd_core.train import train
+
+    wh = Warehouse(_fresh(out / "movielens-quality"))
+    pipeline = PipelineConfig(features=load_feature_set("movielens"))
+    ingest(
+        source, wh, ML_ALL, pipeline.features, IngestConfig(format="movielens"), pipeline.generate
+    )
+    generate(wh, ML_ALL, pipeline.generate, layouts=("clustered",))
+    samples = wh.read("samples", ML_ALL, layout="clustered")
+    late = time_split(samples, 0.8, per_user)
+    train_rows, test_rows = samples.filter(pc.invert(late)), samples.filter(late)
+    _write_samples(wh, ML_TRAIN, train_rows, pipeline.generate)
+    _write_samples(wh, ML_TEST, test_rows, pipeline.generate)
+    cfg = train_cfg or movielens_train_config(pipeline.train)
+    by = "user" if per_user else "time"  # validate like the test split
+    prep = pipeline.preprocess.model_copy(
+        update={"batch_size": cfg.batch_size, "validation_by": by}
+    )
+    preprocess(wh, ML_TRAIN, prep)
+    trained = train(wh, ML_TRAIN, cfg)
+    ours = evaluate(wh, trained["train.model_uri"], ML_TEST)
+    lr = logistic_regression(train_rows, test_rows, pipeline.features, per_user)
+    return {
+        "bench.quality.movielens.ne": ours["eval.ne"],
+        "bench.quality.movielens.auc": ours["eval.auc"],
+        "bench.quality.movielens.lr_ne": lr["ne"],
+        "bench.quality.movielens.lr_auc": lr["auc"],
+        "bench.quality.movielens.lr_c": lr["c"],
+        "bench.quality.movielens.auc_gain": ours["eval.auc"] - lr["auc"],
+        "bench.quality.movielens.ne_gain": lr["ne"] - ours["eval.ne"],
+        "movielens_quality": {
+            "train_rows": train_rows.num_rows,
+            "test_rows": test_rows.num_rows,
+            "test_ctr": ours["eval.ctr"],
+            "epochs_trained": trained["train.steps"] / max(trained["train.steps_per_epoch"], 1),
+            "best_step": trained.get("train.best_step"),
+            "val_ne": trained.get("train.val_ne"),
+        },
+    }
+
+
+def movielens_train_config(base: TrainConfig) -> TrainConfig:
+    """MovieLens-100k is one small table (80k training ratings): several passes, stopped by
+    validation, instead of the daily retrain's one or two."""
+    return base.model_copy(update={"epochs": 20, "patience": 8, "batch_size": 256})
+
+
+# -- a synthetic week, warm-started day after day ----------------------------------------------------
+def synthetic_week(
+    out: Path, preset: str = "standard", days: int = 7, both_arms: bool = True
+) -> dict:
+    """`days` daily runs, each warm-started from the previous day's model, each evaluated on
+    its next day next to the oracle; the first day also by the baseline arm."""
+    from recd_core.datagen import generate
+    from recd_core.dpp import preprocess
+    from recd_core.evaluate import evaluate
+    from recd_core.pipeline import ensure_logs, ingest_day, oracle_figures
+    from recd_core.train import train
+
+    root = _fresh(out / "week")
+    wh, logs = Warehouse(root / "warehouse"), root / "logs"
+    pipeline = PipelineConfig(features=load_feature_set("synthetic"), synth=synth_config(preset))
+    all_days = [_day(WEEK_START, k) for k in range(days + 1)]
+    ensure_logs(logs, all_days, pipeline)
+    for day in all_days:
+        ingest_day(wh, logs, day, pipeline)
+        generate(wh, day, pipeline.generate, layouts=("clustered",))
+    rows, previous = [], None
+    for day, eval_day in zip(all_days[:-1], all_days[1:], strict=True):
+        preprocess(wh, day, pipeline.preprocess)
+        trained = train(wh, day, pipeline.train, init_from=previous)
+        scored = evaluate(wh, trained["train.model_uri"], eval_day)
+        oracle = oracle_figures(logs, eval_day)
+        rows.append(
+            {
+                "day": day,
+                "eval_day": eval_day,
+                "init": "warm" if trained["train.init_from"] else "scratch",
+                "ne": scored["eval.ne"],
+                "auc": scored["eval.auc"],
+                "oracle_ne": oracle["eval.oracle_ne"],
+                "oracle_auc": oracle["eval.oracle_auc"],
+                "gap": scored["eval.ne"] - oracle["eval.oracle_ne"],
+                "steps": trained["train.steps"],
+                "best_step": trained.get("train.best_step"),
+            }
+        )
+        previous = trained["train.model_uri"]
+    result = {
+        "bench.quality.week.first_ne": rows[0]["ne"],
+        "bench.quality.week.first_gap": rows[0]["gap"],
+        "bench.quality.week.last_ne": rows[-1]["ne"],
+        "bench.quality.week.last_gap": rows[-1]["gap"],
+        "bench.quality.week.last_oracle_ne": rows[-1]["oracle_ne"],
+        "week": rows,
+    }
+    if both_arms:
+        day, eval_day = all_days[0], all_days[1]
+        base_prep = pipeline.preprocess.model_copy(update={"mode": "baseline"})
+        preprocess(wh, day, base_prep)
+        base = train(wh, day, pipeline.train.model_copy(update={"mode": "baseline"}))
+        base_ne = evaluate(wh, base["train.model_uri"], eval_day)["eval.ne"]
+        result["bench.quality.week.baseline_first_ne"] = base_ne
+        result["bench.quality.week.arms_ne_gap"] = abs(base_ne - rows[0]["ne"])
+    return result
+
+
+def _fresh(path: Path) -> Path:
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
