@@ -1,9 +1,10 @@
 """`recd bench`: the headline ratios, measured side by side in one run on one workload.
 
-Today (the data plane): storage of the shuffled (baseline) vs the session-clustered (RecD)
-layout, the clustered bytes against the storage lower bound, the dedup profile, and the
-ingestion rate. The DPP and training ratios join with their stages. Results go to
-`OUT/bench.json` (the `bench.*` keys) and `OUT/bench.md` (a table for docs/benchmarks.md).
+Storage of the shuffled (baseline) vs the session-clustered (RecD) layout against the
+storage lower bound, the dedup profile, ingestion, DPP and training throughput of both
+arms, and model quality next to references on the same data (bench_quality.py: a logistic
+regression on MovieLens, the oracle on a synthetic week). Results go to `OUT/bench.json`
+(the `bench.*` keys), `OUT/bench.md` (the tables for docs/benchmarks.md) and a chart.
 """
 
 from __future__ import annotations
@@ -61,7 +62,14 @@ def _train_figures(wh: Warehouse, ds: str, out: Path, repeats: int = 7) -> dict:
     return figures
 
 
-def run_bench(preset: str, out: Path, movielens: Path | None = None, train: bool = True) -> dict:
+def run_bench(
+    preset: str,
+    out: Path,
+    movielens: Path | None = None,
+    train: bool = True,
+    quality: bool = True,
+    quality_days: int = 7,
+) -> dict:
     out = Path(out)
     if (out / "warehouse").exists():
         shutil.rmtree(out / "warehouse")
@@ -104,6 +112,12 @@ def run_bench(preset: str, out: Path, movielens: Path | None = None, train: bool
             "ingest_rows": ml_ing["ingest.rows_in"],
             "ingest_quarantined": ml_ing["ingest.rows_quarantined"],
         }
+    if quality:
+        from recd_core.bench_quality import movielens_quality, synthetic_week
+
+        if movielens is not None:
+            result.update(movielens_quality(movielens, out))
+        result.update(synthetic_week(out, preset, days=quality_days))
     (out / "bench.md").write_text(markdown(result))
     result["artifacts"] = [str(out / "bench.md"), str(chart(result, out / "bench.png"))]
     return result
@@ -203,11 +217,46 @@ def markdown(r: dict) -> str:
                 f"| peak memory | {human_bytes(r['train.peak_mem_bytes.dedup'])} | "
                 f"{human_bytes(r['train.peak_mem_bytes.baseline'])} | |"
             )
+    rows += quality_markdown(r)
     if "embedding.step_ms.ours_dedup" in r:
         rows += ["", "| embedding bags only (fwd+bwd+sparse Adagrad) | step |", "|---|---|"]
         for k in ("torchrec_kjt", "torchrec_vbe", "ours_all_rows", "ours_dedup"):
             rows.append(f"| {k} | {r['embedding.step_ms.' + k]:.1f} ms |")
     return "\n".join(rows) + "\n"
+
+
+def quality_markdown(r: dict) -> list[str]:
+    """The model-quality tables: ours next to a reference on the same data."""
+    rows: list[str] = []
+    if "bench.quality.movielens.auc" in r:
+        q = "bench.quality.movielens."
+        rows += [
+            "",
+            "| MovieLens-100k, split by time per user (80/20) | NE | AUC |",
+            "|---|---|---|",
+            f"| logistic regression, one-hot (C={r[q + 'lr_c']}) | {r[q + 'lr_ne']:.4f} | {r[q + 'lr_auc']:.4f} |",
+            f"| recd DLRM | {r[q + 'ne']:.4f} | {r[q + 'auc']:.4f} |",
+            f"| gain over the reference | {r[q + 'ne_gain']:+.4f} | {r[q + 'auc_gain']:+.4f} |",
+        ]
+    if r.get("week"):
+        rows += [
+            "",
+            f"| synthetic ({r['bench.preset']}), day trained -> evaluated | start | next-day NE | AUC | oracle NE | gap to the oracle |",
+            "|---|---|---|---|---|---|",
+        ]
+        for w in r["week"]:
+            rows.append(
+                f"| {w['day']} -> {w['eval_day']} | {w['init']} | {w['ne']:.4f} | {w['auc']:.4f} | "
+                f"{w['oracle_ne']:.4f} | {w['gap']:+.4f} |"
+            )
+        if "bench.quality.week.baseline_first_ne" in r:
+            rows += [
+                "",
+                f"First day, both arms: dedup NE {r['week'][0]['ne']:.4f}, baseline NE "
+                f"{r['bench.quality.week.baseline_first_ne']:.4f} "
+                f"(|gap| {r['bench.quality.week.arms_ne_gap']:.4f}).",
+            ]
+    return rows
 
 
 def dpp_figures(wh: Warehouse, ds: str, repeats: int = 3) -> dict:

@@ -41,6 +41,7 @@ DsOpt = Annotated[str, typer.Option(help="the partition date, YYYY-MM-DD")]
 
 class Preset(StrEnum):
     small = "small"
+    default = "default"
     standard = "standard"
 
 
@@ -523,13 +524,18 @@ def bench_cmd(
     movielens: Annotated[
         Path | None, typer.Option(help="MovieLens directory to benchmark too")
     ] = None,
+    quality: Annotated[
+        bool, typer.Option(help="model quality next to references (LR, the oracle)")
+    ] = True,
+    quality_days: Annotated[int, typer.Option(min=1, help="days of the warm-started week")] = 7,
     summary: SummaryOpt = None,
 ):
-    """The headline ratios measured side by side (today: storage and ingestion)."""
+    """The headline ratios measured side by side (storage, ingestion, DPP, training) and the
+    model's quality next to references on the same data."""
     from recd_core.bench import run_bench
 
     def body():
-        return run_bench(preset.value, out, movielens)
+        return run_bench(preset.value, out, movielens, quality=quality, quality_days=quality_days)
 
     _run(ctx, "bench", summary or out / "bench.json", body)
 

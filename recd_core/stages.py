@@ -55,7 +55,8 @@ class StageArgs(BaseModel):
     logs: str | None = None  # raw JSON-lines logs root; missing days synthesized if `synthesize`
     synthesize: bool = True
     config: str | None = None  # pipeline YAML; the built-in synthetic config if unset
-    preset: Literal["small", "standard"] | None = None  # overrides the config's synth preset
+    # overrides the config's synth preset
+    preset: Literal["small", "default", "standard"] | None = None
     batch_size: int | None = Field(default=None, gt=0)  # overrides DPP's and training's
     mode: Literal["dedup", "baseline"] = "dedup"
     model_uri: str | None = None  # evaluate: the trained model(s), ';'-joined over days

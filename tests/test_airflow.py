@@ -57,6 +57,7 @@ def _env(home: Path, root: Path, **recd) -> dict:
         "RECD_LOGS": str(root / "logs"),
         "RECD_COMPARE_ROOT": str(root / "compare"),
         "RECD_TRACKING_URI": f"sqlite:///{root}/mlflow.db",
+        "RECD_CONFIG": str(REPO / "tests/configs/small.yaml"),  # days of seconds
     }
     env.update({f"RECD_{k.upper()}": str(v) for k, v in recd.items()})
     return env

@@ -58,8 +58,8 @@ def test_recd_bench_writes_and_logs_its_report(tmp_path):
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     exe = Path(sys.executable).parent / "recd"
-    r = subprocess.run([exe, "--tracking-uri", uri, "bench", "--preset", "small", "--out", tmp_path / "b"],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run([exe, "--tracking-uri", uri, "bench", "--preset", "small", "--out", tmp_path / "b",
+                        "--quality-days", "2"], capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "b/bench.json").read_text())
     for key in (
@@ -70,9 +70,37 @@ def test_recd_bench_writes_and_logs_its_report(tmp_path):
     ):
         assert result[key] > 0, key
     assert (tmp_path / "b/bench.png").read_bytes()[:4] == b"\x89PNG"
+    # the quality part: two warm-started days against the oracle, the first by both arms
+    week = result["week"]
+    assert [w["init"] for w in week] == ["scratch", "warm"]
+    assert all(0 < w["oracle_ne"] < w["ne"] for w in week)
+    assert result["bench.quality.week.arms_ne_gap"] < 0.01
+    assert "gap to the oracle" in (tmp_path / "b/bench.md").read_text()
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(result["mlflow.run_id"])
     assert run.data.metrics["bench.storage_ratio"] == pytest.approx(result["bench.storage_ratio"])
     assert {"bench.md", "bench.png", "summary.json"} <= {
         a.path for a in client.list_artifacts(run.info.run_id)
     }
+
+
+def test_the_logistic_regression_reference_and_the_split_by_time_per_user(fresh_warehouse):
+    import numpy as np
+    import pyarrow.compute as pc
+
+    from recd_core.bench_quality import logistic_regression, time_split
+    from recd_core.schema import feature_set_of
+
+    samples = fresh_warehouse.read("samples", "2026-11-01", layout="clustered")
+    test = np.asarray(time_split(samples, 0.8, per_user=True))
+    users, ts = np.asarray(samples["user_id"]), np.asarray(samples["ts"])
+    for u in np.unique(users)[:50]:  # each user's latest rows are the test rows
+        mine = users == u
+        if test[mine].any() and (~test[mine]).any():
+            assert ts[mine][~test[mine]].max() <= ts[mine][test[mine]].min()
+    assert 0.15 < test.mean() < 0.3
+    mask = time_split(samples, 0.8, per_user=False)
+    assert np.asarray(samples["ts"])[np.asarray(mask)].min() >= ts[~np.asarray(mask)].max()
+    train, held = samples.filter(pc.invert(mask)), samples.filter(mask)
+    lr = logistic_regression(train, held, feature_set_of(samples.schema), per_user=False)
+    assert 0.5 < lr["auc"] < 1 and 0 < lr["ne"] < 1.2 and lr["c"] > 0

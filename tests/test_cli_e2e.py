@@ -10,6 +10,7 @@ import pytest
 
 RECD = Path(sys.executable).parent / "recd"  # the console script installed beside python
 DAY = "2026-11-01"
+SMALL_CONFIG = Path(__file__).parent / "configs/small.yaml"  # days of seconds
 
 
 def recd(*args, check=True):
@@ -90,7 +91,8 @@ def test_synth_ingest_generate_with_contract_summaries(tmp_path: Path):
 
 @pytest.mark.slow
 def test_run_is_idempotent_for_a_day(tmp_path: Path):
-    args = ("run", "--warehouse", tmp_path / "wh", "--logs", tmp_path / "logs", "--ds", DAY)
+    args = ("run", "--warehouse", tmp_path / "wh", "--logs", tmp_path / "logs", "--ds", DAY,
+            "--config", SMALL_CONFIG)  # fmt: skip
     recd(*args, "--summary", tmp_path / "a.json")
     first = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "wh").rglob("*.parquet")}
     recd(*args, "--summary", tmp_path / "b.json")

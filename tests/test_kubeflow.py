@@ -53,7 +53,7 @@ def test_the_lightweight_pipeline_runs_end_to_end_locally(tmp_path, monkeypatch)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))
     task = recd_pipeline.lightweight_pipeline(
         warehouse=str(tmp_path / "wh"), ds="2026-11-01", logs=str(tmp_path / "logs"),
-        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", config=str(REPO / "tests/configs/small.yaml"),
     )  # fmt: skip
     assert task is not None
     outputs = [

@@ -40,7 +40,8 @@ def daily(tmp_path_factory):
     """Two days of `recd run`: day one with both arms, day two the dedup arm."""
     root = tmp_path_factory.mktemp("daily")
     uri = f"sqlite:///{root}/mlflow.db"
-    common = ("--warehouse", root / "wh", "--logs", root / "logs", "--out", root / "out")
+    common = ("--warehouse", root / "wh", "--logs", root / "logs", "--out", root / "out",
+              "--config", Path(__file__).parent / "configs/small.yaml")  # fmt: skip
     first = recd("--tracking-uri", uri, "run", *common, "--ds", DAY, "--mode", "both",
                  "--summary", root / "day1.json")  # fmt: skip
     recd("--tracking-uri", uri, "run", *common, "--ds", NEXT, "--summary", root / "day2.json")

@@ -4,6 +4,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 
 from recd_core.config import synth_config
 from recd_core.synth import synthesize
@@ -77,3 +78,34 @@ def test_a_day_synthesized_alone_equals_that_day_within_a_range(tmp_path, featur
     assert alone == [[r[k] for k in keys] for r in _rows(tmp_path / "range/ds=2026-11-02")]
     first = {r["event_id"] for r in _rows(tmp_path / "range/ds=2026-11-01")}
     assert first.isdisjoint(r[0] for r in alone)
+
+
+def test_the_oracle_figures_equal_a_direct_computation(tmp_path, features):
+    """synth records the NE/AUC of the true click probabilities it drew the labels from."""
+    import datetime as dt
+    import json
+
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    from recd_core.config import SynthConfig
+    from recd_core.synth import _World, generate_day, read_oracle, synthesize
+
+    cfg = SynthConfig(users=50, items=200, samples_per_day=600, days=2)
+    summary = synthesize(features, cfg, tmp_path)
+    day = generate_day(_World(features, cfg), cfg.start_date)  # the first day, again
+    y, p = day.labels, day.click_prob
+    ctr = y.mean()
+    ne = log_loss(y, p) / -(ctr * np.log(ctr) + (1 - ctr) * np.log(1 - ctr))
+    first = cfg.start_date.isoformat()
+    oracle = read_oracle(tmp_path / f"ds={first}")
+    assert oracle["ne"] == pytest.approx(ne, rel=1e-9)
+    assert oracle["auc"] == pytest.approx(roc_auc_score(y, p), rel=1e-9)
+    assert oracle["rows"] == len(day.lines) == y.size
+    assert summary[f"synth.oracle_ne.{first}"] == pytest.approx(ne, rel=1e-9)
+    second = (cfg.start_date + dt.timedelta(days=1)).isoformat()
+    assert summary[f"synth.oracle_auc.{second}"] == read_oracle(tmp_path / f"ds={second}")["auc"]
+    assert (
+        0 < summary["synth.oracle_ne"] < 1
+        and json.loads((tmp_path / f"ds={first}" / "_oracle.json").read_text())["ds"] == first
+    )
+    assert read_oracle(tmp_path / "ds=1999-01-01") is None  # real logs: no oracle

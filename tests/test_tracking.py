@@ -126,7 +126,8 @@ def test_commands_log_to_a_real_mlflow_server(mlflow_server, tmp_path):
     assert len(runs) == 1 and runs[0].data.metrics["synth.rows"] > 1000
     # the daily run registers its model through the server and names a champion
     recd("--tracking-uri", mlflow_server, "run", "--warehouse", tmp_path / "wh",
-         "--logs", tmp_path / "logs", "--ds", "2026-11-01", "--summary", tmp_path / "run.json")  # fmt: skip
+         "--logs", tmp_path / "logs", "--ds", "2026-11-01", "--summary", tmp_path / "run.json",
+         "--config", Path(__file__).parent / "configs/small.yaml")  # fmt: skip
     summary = json.loads((tmp_path / "run.json").read_text())
     client = MlflowClient(tracking_uri=mlflow_server)
     champion = client.get_model_version_by_alias("recd-dlrm", "champion")

@@ -225,3 +225,58 @@ def test_training_refuses_batches_of_another_size(fresh_warehouse):
         BatchMismatch, match=r"preprocessed with batch size 512, the training config asks for 256"
     ):
         train(fresh_warehouse, DAY, TrainConfig(batch_size=256, model=SMALL_MODEL))
+
+
+def test_early_stopping_keeps_the_best_validated_state(fresh_warehouse):
+    """Trained well past its best (several passes, small batches): the saved model is the
+    state with the best validation NE, not the last one, and the curve says where that was."""
+    from recd_core.batch_store import BatchStore
+    from recd_core.train import validate
+
+    cfg = TrainConfig(batch_size=128, epochs=4, patience=3, model=SMALL_MODEL, lr_sparse=0.3)
+    s = fit(fresh_warehouse, cfg)
+    curve = s["train.history"]["train.val_ne"]
+    assert curve[0][0] == 0 and len(curve) >= 4  # validated before the first step, then often
+    best_step, best_ne = min(curve, key=lambda p: p[1])
+    assert (s["train.best_step"], s["train.val_ne"]) == (best_step, pytest.approx(best_ne))
+    if s["train.stopped_early"]:
+        assert s["train.steps"] < s["train.steps_per_epoch"] * cfg.epochs
+        assert all(ne >= best_ne for step, ne in curve if step > best_step)
+    model, _ = load_model(s["train.model_uri"])
+    valid = BatchStore(fresh_warehouse, DAY, "dedup", split="validation")
+    assert validate(model, valid, torch.device("cpu"))["eval.ne"] == pytest.approx(
+        best_ne, rel=1e-5
+    )
+
+
+def test_validation_rows_are_the_latest_and_never_trained_on(fresh_warehouse):
+    preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=256))
+    m = fresh_warehouse.manifest("batches", DAY, mode="dedup")
+    n = fresh_warehouse.info("samples", DAY, layout="clustered").rows
+    assert m["samples"] + m["validation"]["samples"] == n
+    assert m["validation"]["samples"] == pytest.approx(0.1 * n, abs=2)
+    assert any(f.startswith("valid-") for f in m["files"])
+
+
+def test_warm_start_loads_the_given_models_weights_or_says_why_it_cannot(fresh_warehouse):
+    from recd_core.batch_store import BatchStore
+    from recd_core.train import validate
+
+    first = fit(fresh_warehouse, TrainConfig(batch_size=256, max_steps=6, model=SMALL_MODEL))
+    model, _ = load_model(first["train.model_uri"])
+    valid = BatchStore(fresh_warehouse, DAY, "dedup", split="validation")
+    start_ne = validate(model, valid, torch.device("cpu"))["eval.ne"]
+    cfg = TrainConfig(batch_size=256, max_steps=2, model=SMALL_MODEL)
+    warm = train(fresh_warehouse, DAY, cfg, init_from=first["train.model_uri"])
+    assert warm["train.init_from"] == first["train.model_uri"]
+    assert warm["train.init_reason"].startswith("warm start from")
+    # its curve starts where the given model ended: the same weights
+    assert warm["train.history"]["train.val_ne"][0][1] == pytest.approx(start_ne, rel=1e-6)
+    other = TrainConfig(
+        batch_size=256, max_steps=2, model=SMALL_MODEL.model_copy(update={"embedding_dim": 8})
+    )
+    scratch = train(fresh_warehouse, DAY, other, init_from=first["train.model_uri"])
+    assert scratch["train.init_from"] == ""
+    assert "model config changed (embedding_dim)" in scratch["train.init_reason"]
+    with pytest.raises(CheckpointError, match="not a recd model"):
+        train(fresh_warehouse, DAY, cfg, init_from=str(fresh_warehouse.root) + "/models/nothing")

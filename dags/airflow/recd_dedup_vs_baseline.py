@@ -31,7 +31,9 @@ LOGS = f"{SETTINGS.logs}/_compare/{PRESET}"  # raw logs stay files (the logs vol
     params={
         "ds": Param("2026-11-01", type="string", format="date", description="first training day"),
         "days": Param(1, type="integer", minimum=1, maximum=31, description="training days"),
-        "preset": Param("small", enum=["small", "standard"], description="synthetic workload"),
+        "preset": Param(
+            "small", enum=["small", "default", "standard"], description="synthetic workload"
+        ),
         "batch_size": Param(512, type="integer", minimum=1, description="DPP and training"),
     },
 )
