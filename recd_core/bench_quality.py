@@ -79,7 +79,11 @@ LR_C = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 
 
 def logistic_regression(
-    train: pa.Table, test: pa.Table, features: FeatureSet, per_user: bool = True
+    train: pa.Table,
+    test: pa.Table,
+    features: FeatureSet,
+    per_user: bool = True,
+    strengths: tuple[float, ...] = LR_C,
 ) -> dict:
     """NE and AUC on `test` of an L2 logistic regression on one-hot features, its strength
     chosen like our early stopping: fit on the earlier 90% of `train` by time (per user, as
@@ -100,7 +104,7 @@ def logistic_regression(
     x_val, y_val = design(val_rows), labels(val_rows)
     val_ne = {
         c: metrics.normalized_entropy(y_val, fit(fit_rows, c).predict_proba(x_val)[:, 1])
-        for c in LR_C
+        for c in strengths
     }
     best = min(val_ne, key=val_ne.get)
     p = fit(train, best).predict_proba(design(test))[:, 1]

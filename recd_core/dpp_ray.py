@@ -39,4 +39,4 @@ def run_on_ray(args: list[tuple], workers: int) -> list[dict]:
         if started:
             ray.shutdown()
     rows.sort(key=lambda r: r["split"])
-    return [{k: r[k] for k in ("batches", "samples", "seconds")} for r in rows]
+    return [{k: v for k, v in r.items() if k != "split"} for r in rows]

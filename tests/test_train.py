@@ -280,3 +280,16 @@ def test_warm_start_loads_the_given_models_weights_or_says_why_it_cannot(fresh_w
     assert "model config changed (embedding_dim)" in scratch["train.init_reason"]
     with pytest.raises(CheckpointError, match="not a recd model"):
         train(fresh_warehouse, DAY, cfg, init_from=str(fresh_warehouse.root) + "/models/nothing")
+
+
+def test_a_training_window_trains_on_the_days_before_too(fresh_warehouse):
+    prep = PreprocessConfig(batch_size=256)
+    for day in (DAY, NEXT):
+        preprocess(fresh_warehouse, day, prep)
+    per_day = {
+        d: fresh_warehouse.manifest("batches", d, mode="dedup")["batches"] for d in (DAY, NEXT)
+    }
+    cfg = TrainConfig(batch_size=256, epochs=1, window_days=3, model=SMALL_MODEL)
+    s = train(fresh_warehouse, NEXT, cfg)
+    assert s["train.days"] == [DAY, NEXT]  # the day before NEXT-2 has no batches: skipped
+    assert s["train.steps_per_epoch"] == per_day[DAY] + per_day[NEXT]

@@ -88,15 +88,20 @@ def print_summary(dag_id: str, day: dt.date, state: str, tracking_uri: str | Non
         return
     m, t = runs[0].data.metrics, runs[0].data.tags
     keep = ("storage.bytes", "storage.ratio", "dpp.samples_per_s", "train.samples_per_s",
-            "train.steps", "eval.ne", "eval.auc", "eval.calibration", "registry.version",
+            "train.steps", "train.val_ne", "eval.ne", "eval.oracle_ne", "eval.auc",
+            "eval.oracle_auc", "eval.calibration", "registry.version",
             "registry.challenger_ne", "registry.champion_ne")  # fmt: skip
-    trained = t.get("ds") or "?"
-    show(f"{dag_id} {day}: {state}", {"trained on": trained, **{k: m[k] for k in keep if k in m}})
     try:
         path = client.download_artifacts(runs[0].info.run_id, "summary.json")
         summary = json.loads(Path(path).read_text())
     except Exception:  # noqa: BLE001 - a run that failed before writing it
         summary = {}
+    started = summary.get("train.init_from") or "scratch"
+    trained = t.get("ds") or "?"
+    show(
+        f"{dag_id} {day}: {state}",
+        {"trained on": trained, "started from": started, **{k: m[k] for k in keep if k in m}},
+    )
     if state != "success":
         console.print(f"[red]failed:[/red] {summary.get('error', 'see the task log above')}")
     elif "registry.decision" in summary:

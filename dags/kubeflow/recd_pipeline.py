@@ -125,12 +125,14 @@ def build_pipeline(image: str = IMAGE):
 
 
 @dsl.pipeline(name="recd-daily-retrain-lightweight")
-def lightweight_pipeline(warehouse: str, ds: str, logs: str, tracking_uri: str = ""):
+def lightweight_pipeline(
+    warehouse: str, ds: str, logs: str, tracking_uri: str = "", config: str = ""
+):
     def op(name, **inputs):
         return recd_stage(name=name, **inputs).set_display_name(name)
 
     graph(op, {"warehouse": warehouse, "ds": ds, "logs": logs, "tracking_uri": tracking_uri,
-               "pipeline": "recd kubeflow (local)"})  # fmt: skip
+               "config": config, "pipeline": "recd kubeflow (local)"})  # fmt: skip
 
 
 def compile_pipeline(out: Path, image: str = IMAGE) -> Path:
