@@ -236,8 +236,10 @@ class TrainConfig(_Strict):
     epochs: int = Field(default=2, gt=0)
     max_steps: int | None = Field(default=None, gt=0)
     validations_per_epoch: int = Field(default=4, gt=0)
-    # stop after this many validations in a row without a better validation NE
-    patience: int = Field(default=4, gt=0)
+    # stop after this many validations in a row without a better validation NE (on a daily
+    # day the best state is about the end of the first pass: two more validations, half of
+    # a second pass, confirm it)
+    patience: int = Field(default=2, gt=0)
     lr_dense: float = Field(default=1e-3, gt=0)
     # embedding tables: row-wise Adagrad (optim.py); its per-row accumulator starts here
     lr_sparse: float = Field(default=0.1, gt=0)

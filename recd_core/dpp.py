@@ -39,7 +39,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
@@ -224,10 +223,10 @@ def encode_batch(rows: pa.Table, prep: Prepared) -> pa.RecordBatch:
         cols[f"ids.{f.name}.values"] = _one(values, _I64)
         cols[f"ids.{f.name}.lengths"] = _one(lengths.astype(np.int32), _I32)
     for g, keys in prep.groups.items():
-        raw_parts = [_list_parts(rows[k]) for k in keys]
-        if prep.dedup_method == "session":
+        if prep.dedup_method == "session":  # no value of the group is read
             first, inverse = unique_sessions(np.asarray(rows["session_id"]))
         else:
+            raw_parts = [_list_parts(rows[k]) for k in keys]
             find = unique_runs if prep.dedup_method == "runs" else unique_rows
             first, inverse = find([p[0] for p in raw_parts], [p[1] for p in raw_parts])
         uniq = rows.select(keys).take(pa.array(first))
@@ -285,31 +284,51 @@ def process_split(
     prep = Prepared.from_json(prep_json)
     wh = Warehouse(wh_uri)
     rows = wh.read_range("samples", ds, lo, hi, layout="clustered")
-    valid = None
+    mask = np.zeros(rows.num_rows, bool)
     if valid_path is not None and valid_rows is not None:
-        mask = pa.array(np.asarray(valid_rows, bool))
-        valid, rows = rows.filter(mask), rows.filter(pc.invert(mask))
-    n_batches = _write_batches(wh, out_path, rows, prep)
-    n_valid = _write_batches(wh, valid_path, valid, prep) if valid is not None else 0
+        mask = np.asarray(valid_rows, bool)
+    n_batches = _write_batches(wh, out_path, rows, ~mask, prep)
+    n_valid = _write_batches(wh, valid_path, rows, mask, prep) if mask.any() else 0
     return {
         "batches": n_batches,
-        "samples": rows.num_rows,
+        "samples": int((~mask).sum()),
         "valid_batches": n_valid,
-        "valid_samples": valid.num_rows if valid is not None else 0,
+        "valid_samples": int(mask.sum()),
         "seconds": time.perf_counter() - t0,
     }
 
 
-def _write_batches(wh: Warehouse, path: str, rows: pa.Table, prep: Prepared) -> int:
-    """Encode `rows` batch by batch into one Arrow IPC file; the number of batches."""
+def selected_batches(rows: pa.Table, keep: np.ndarray, batch_size: int):
+    """Batches of `batch_size` of the rows where `keep`, in order, without copying: each
+    batch is the zero-copy slices of its runs of kept rows (a filter would copy every row,
+    duplicates included, before dedup could skip them)."""
+    edges = np.flatnonzero(np.diff(np.r_[0, keep.astype(np.int8), 0]))
+    runs = list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))  # [start, end)
+    parts, size = [], 0
+    for start, end in runs:
+        while start < end:
+            take = min(end - start, batch_size - size)
+            parts.append(rows.slice(start, take))
+            size, start = size + take, start + take
+            if size == batch_size:
+                yield parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+                parts, size = [], 0
+    if parts:
+        yield parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+
+
+def _write_batches(
+    wh: Warehouse, path: str, rows: pa.Table, keep: np.ndarray, prep: Prepared
+) -> int:
+    """Encode the kept rows batch by batch into one Arrow IPC file; the number of batches."""
     opts = ipc.IpcWriteOptions(
         compression=None if prep.cfg.compression == "none" else prep.cfg.compression
     )
     n_batches = 0
     with wh.fs.open_output_stream(path) as sink:
         writer = None
-        for a, b in batch_ranges(rows.num_rows, prep.cfg.batch_size):
-            rb = encode_batch(rows.slice(a, b - a), prep)
+        for batch in selected_batches(rows, keep, prep.cfg.batch_size):
+            rb = encode_batch(batch, prep)
             if writer is None:
                 writer = ipc.new_file(sink, rb.schema, options=opts)
             writer.write_batch(rb)
