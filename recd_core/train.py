@@ -229,8 +229,15 @@ def _train_worker(
     model = DLRM(features, cfg.model)
     init = initial_state(init_from, features, cfg, init_label)
     if init.state is not None:
-        model.load_state_dict(init.state)
-    else:
+        try:
+            model.load_state_dict(init.state)
+        except RuntimeError as e:  # saved by an older version of the model code
+            first = (str(e).strip().splitlines() or [""])[0][:120]
+            init = Init(
+                None, None, f"from scratch: the saved weights do not fit this model ({first})"
+            )
+            model = DLRM(features, cfg.model)
+    if init.state is None:
         model.init_output_bias(store.click_rate())
     model = model.to(device)
     opt_dense, opt_sparse = make_optimizers(model, cfg)
