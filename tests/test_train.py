@@ -74,7 +74,7 @@ def _state(uri):
 
 def test_n_steps_end_at_the_same_loss_and_weights(fresh_warehouse):
     cfgs = [
-        TrainConfig(mode=m, batch_size=256, max_steps=24, model=SMALL_MODEL)
+        TrainConfig(mode=m, batch_size=256, max_steps=24, patience=100, model=SMALL_MODEL)
         for m in ("dedup", "baseline")
     ]
     d, b = (fit(fresh_warehouse, c) for c in cfgs)
@@ -205,7 +205,7 @@ def test_training_needs_its_partition(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_data_parallel_on_gloo(fresh_warehouse):
-    cfg = TrainConfig(batch_size=256, epochs=1, model=SMALL_MODEL, threads=1)
+    cfg = TrainConfig(batch_size=256, epochs=1, patience=100, model=SMALL_MODEL, threads=1)
     s = fit(fresh_warehouse, cfg, nproc=2)
     n = fresh_warehouse.info("samples", DAY, layout="clustered").rows
     assert s["train.world_size"] == 2
