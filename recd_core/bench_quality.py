@@ -29,7 +29,6 @@ import pyarrow.compute as pc
 from recd_core import metrics
 from recd_core.config import (
     FeatureSet,
-    GenerateConfig,
     IngestConfig,
     PipelineConfig,
     TrainConfig,
@@ -113,11 +112,6 @@ def logistic_regression(
 
 
 # -- MovieLens split by time ------------------------------------------------------------------------
-def _write_samples(wh: Warehouse, ds: str, table: pa.Table, gen: GenerateConfig) -> None:
-    with wh.writing("samples", ds, layout="clustered") as w:
-        w.write(table, row_group_size=gen.row_group_size, compression=gen.compression)
-
-
 def time_split(samples: pa.Table, train_share: float, per_user: bool) -> pa.Array:
     """The test rows of a split by time: the latest `1 - train_share` of all rows, or with
     `per_user` of each user's rows (every user is in both parts, as in RecBole's
@@ -140,7 +134,7 @@ def movielens_quality(
     source: Path, out: Path, train_cfg: TrainConfig | None = None, per_user: bool = True
 ) -> dict:
     """Ours vs logistic regression on MovieLens ratings split by time (80/20)."""
-    from recd_core.datagen import generate
+    from recd_core.datagen import generate, write_samples
     from recd_core.dpp import preprocess
     from recd_core.evaluate import evaluate
     from recd_core.ingest import ingest
@@ -155,8 +149,8 @@ def movielens_quality(
     samples = wh.read("samples", ML_ALL, layout="clustered")
     late = time_split(samples, 0.8, per_user)
     train_rows, test_rows = samples.filter(pc.invert(late)), samples.filter(late)
-    _write_samples(wh, ML_TRAIN, train_rows, pipeline.generate)
-    _write_samples(wh, ML_TEST, test_rows, pipeline.generate)
+    write_samples(wh, ML_TRAIN, "clustered", train_rows, pipeline.generate)
+    write_samples(wh, ML_TEST, "clustered", test_rows, pipeline.generate)
     cfg = train_cfg or movielens_train_config(pipeline.train)
     by = "user" if per_user else "time"  # validate like the test split
     prep = pipeline.preprocess.model_copy(

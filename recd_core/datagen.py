@@ -52,6 +52,17 @@ def layout_order(table: pa.Table, features: FeatureSet, layout: str, seed: int) 
     raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
 
 
+def write_samples(
+    warehouse: Warehouse, ds: str, layout: str, samples: pa.Table, cfg: GenerateConfig
+):
+    """Publish `samples/layout=<layout>/ds=<ds>` with the layout's Parquet options; the
+    committed writer (its `info`: files, rows, bytes)."""
+    opts = parquet_options(cfg, samples.schema, layout)
+    with warehouse.writing("samples", ds, layout=layout) as w:
+        w.write(samples, max_rows_per_file=cfg.max_rows_per_file, **opts)
+    return w
+
+
 def parquet_options(cfg: GenerateConfig, schema: pa.Schema, layout: str) -> dict:
     list_dict = cfg.list_dictionary if cfg.list_dictionary is not None else layout != "clustered"
     is_list = [pa.types.is_list(f.type) for f in schema]
@@ -110,9 +121,7 @@ def generate(
         if layout == "clustered":
             clustered_order = order
         samples = events.take(pa.array(order))
-        opts = parquet_options(cfg, samples.schema, layout)
-        with warehouse.writing("samples", ds, layout=layout) as w:
-            w.write(samples, max_rows_per_file=cfg.max_rows_per_file, **opts)
+        w = write_samples(warehouse, ds, layout, samples, cfg)
         profile = dedup_profile(samples, [f.name for f in features.features], cfg.batch_size)
         user_group = float(batch_factors(group_hashes(samples, user_cols), cfg.batch_size).mean())
         stats = {

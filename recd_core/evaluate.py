@@ -65,24 +65,36 @@ def evaluate(warehouse: Warehouse, model_uri: str, ds: str, batch_size: int = 40
     return {**out, "eval.model_uri": model_uri, "eval.seconds": time.perf_counter() - t0}
 
 
-def score_day(warehouse: Warehouse, model, meta: dict, ds: str, batch_size: int = 4096) -> dict:
-    """NE, AUC, log loss and calibration of a loaded model on a day's samples."""
+def score_batches(model, batches, device="cpu") -> dict[str, float]:
+    """The metrics of a model (in eval mode for the call) over decoded batches: a day being
+    evaluated, or training's validation batches."""
     import torch
 
+    acc = StreamingMetrics()
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for batch in batches:
+            probs = torch.sigmoid(model(batch.to(device)).float())
+            acc.update(batch.labels.numpy(), probs.cpu().numpy())
+    model.train(was_training)
+    return acc.result()
+
+
+def score_day(warehouse: Warehouse, model, meta: dict, ds: str, batch_size: int = 4096) -> dict:
+    """NE, AUC, log loss and calibration of a loaded model on a day's samples."""
     from recd_core.batch_store import decode_batch
     from recd_core.dpp import Prepared, batch_ranges, encode_batch
 
     t0 = time.perf_counter()
     prep = Prepared.from_json(json.dumps(meta["prepared"]))
     table = warehouse.read("samples", ds, layout="clustered")
-    acc = StreamingMetrics()
-    with torch.no_grad():
-        for lo, hi in batch_ranges(table.num_rows, batch_size):
-            rows = table.slice(lo, hi - lo)
-            batch = decode_batch(encode_batch(rows, prep), prep.model, prep.groups)
-            acc.update(batch.labels.numpy(), torch.sigmoid(model(batch)).numpy())
+    batches = (
+        decode_batch(encode_batch(table.slice(lo, hi - lo), prep), prep.model, prep.groups)
+        for lo, hi in batch_ranges(table.num_rows, batch_size)
+    )
     return {
-        **acc.result(),
+        **score_batches(model, batches),
         "eval.ds": ds,
         "eval.trained_on": meta["summary"].get("train.run"),
         "eval.seconds": time.perf_counter() - t0,

@@ -149,14 +149,14 @@ def run_arm(
     return out
 
 
-def warm_start(tracker, pipeline: PipelineConfig):
+def warm_start(tracker, pipeline: PipelineConfig, init_from: str | None = None):
     """Where the pipelines' training starts (a context: a registry copy is downloaded):
-    the champion when `train.warm_start` and there is one, else scratch with the reason."""
+    `init_from` when given, else the champion when `train.warm_start` and there is one,
+    else scratch with the reason."""
     from recd_core.registry import init_model
 
-    return init_model(
-        tracker, "champion" if pipeline.train.warm_start else None, pipeline.registry.model_name
-    )
+    default = "champion" if pipeline.train.warm_start else None
+    return init_model(tracker, init_from or default, pipeline.registry.model_name)
 
 
 def oracle_figures(logs: Path | None, eval_ds: str) -> dict:

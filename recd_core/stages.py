@@ -185,18 +185,11 @@ def _train(args: StageArgs) -> dict:
     """Train each day, warm-started from `init_from` (default: the champion, when the
     config's `train.warm_start` is on and there is one)."""
     from recd_core.pipeline import warm_start
-    from recd_core.registry import init_model
     from recd_core.train import train
 
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
     tc = cfg.train.model_copy(update={"mode": args.mode})
-    tracker = args.tracker()
-    init = (
-        init_model(tracker, args.init_from, cfg.registry.model_name)
-        if args.init_from
-        else warm_start(tracker, cfg)
-    )
-    with init as (init_dir, label):
+    with warm_start(args.tracker(), cfg, args.init_from) as (init_dir, label):
         out = _per_day(args, lambda day: train(wh, day, tc, init_from=init_dir, init_label=label))
     uris = [s["train.model_uri"] for s in (out["days"].values() if "days" in out else [out])]
     return {**out, "train.model_uris": ";".join(uris)}

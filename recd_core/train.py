@@ -344,17 +344,9 @@ def add_window(wh: Warehouse, store: BatchStore, ds: str, cfg: TrainConfig) -> l
 
 def validate(model: DLRM, valid: BatchStore, device: torch.device) -> dict[str, float]:
     """NE, AUC and calibration of the current weights on the day's validation batches."""
-    from recd_core.evaluate import StreamingMetrics
+    from recd_core.evaluate import score_batches
 
-    acc = StreamingMetrics()
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for batch in valid:
-            probs = torch.sigmoid(model(batch.to(device)).float())
-            acc.update(batch.labels.numpy(), probs.cpu().numpy())
-    model.train(was_training)
-    return acc.result()
+    return score_batches(model, valid, device)
 
 
 @dataclass
