@@ -1,4 +1,4 @@
-"""`recd`: one command per stage (DESIGN.md section 4). I/O and argument parsing live here;
+"""`recd`: one command per stage. I/O and argument parsing live here;
 the work is done by the stage modules. Every command prints a readable summary, writes
 `--summary PATH` JSON with the contract keys, records an MLflow run when a tracking URI is
 set (`recd --tracking-uri URI <command>` or MLFLOW_TRACKING_URI), and exits non-zero with a

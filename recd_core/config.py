@@ -134,7 +134,7 @@ ENVELOPE_COLUMNS = ("event_id", "ts", "session_id", "label")
 
 
 class SynthConfig(_Strict):
-    """The synthetic workload (DESIGN.md section 6). Presets live in `SYNTH_PRESETS`."""
+    """The synthetic workload (synth.py). Presets live in `SYNTH_PRESETS`."""
 
     users: int = Field(gt=0)
     items: int = Field(gt=1)

@@ -9,7 +9,7 @@ given ratings file):
   RecBole   <name>.inter, <name>.user, <name>.item (tab-separated with a typed header line;
             how the `recbole` wheel ships ml-100k), UTF-8
 
-Samples (DESIGN.md section 6): label = rating >= 4; a session is one user's ratings with
+Samples: label = rating >= 4; a session is one user's ratings with
 gaps under 30 minutes; `user_history` is the items the user rated before the session
 started (most recent last, at most `max_length`); `event_id` is the rating's line number.
 Rating lines are validated column-wise; a bad line, or a rating whose user or movie is not

@@ -1,6 +1,6 @@
 """One day of the pipeline, in-process: the stages in order, each through its public function.
 
-Stages talk only through the warehouse and their summaries (DESIGN.md section 1):
+Stages talk only through the warehouse and their summaries:
 
     logs(D), logs(D+1)   synthesized when absent (the embedded default)
     ingest D, D+1        events + quarantine

@@ -1,4 +1,4 @@
-"""`recd synth`: raw impression logs with the structure RecD exploits (DESIGN.md section 6).
+"""`recd synth`: raw impression logs with the structure RecD exploits.
 
 Users open sessions; a session shows several items (heavy-tailed count, mean
 `mean_session_length`, capped). User-side features are snapshotted at session start, so
