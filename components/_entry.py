@@ -1,7 +1,7 @@
 """What every component entrypoint does: typed arguments (generated from `StageArgs`, so the
 orchestrators and the library cannot drift apart), one stage call, the stage's summary
 written as the output-metadata file the orchestrator reads, and a one-line reason with the
-stage's exit code (2 bad input, 3 quality gate, 4 tracking) on failure."""
+exit code of `recd_core.errors` (2 bad input, 3 quality gate, 4 tracking) on failure."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import json
 import sys
 from pathlib import Path
 
-from recd_core.stages import StageArgs, StageFailed, run_stage, with_upstream
+from recd_core.errors import RecdError
+from recd_core.graph import PULLED_FROM
+from recd_core.stages import StageArgs, run_stage, with_upstream
 
 
 def parser(stage: str) -> argparse.ArgumentParser:
@@ -23,8 +25,8 @@ def parser(stage: str) -> argparse.ArgumentParser:
         p.add_argument(flag, dest=name, required=required, default=None,
                        help=(field.description or "") + ("" if required else f" (default: {field.default})"))  # fmt: skip
     p.add_argument("--args-json", help="further arguments as one JSON object (flags win)")
-    p.add_argument("--start-json", help="start's summary: the pipeline's MLflow run")
-    p.add_argument("--train-json", help="train's summary: the model(s) and the train run")
+    for source in PULLED_FROM:  # the summaries stages take arguments from (graph.Pull)
+        p.add_argument(f"--{source}-json", help=f"{source}'s summary (JSON)")
     p.add_argument("--upstream-item", action="append", default=[],
                    help="finish, compare: one upstream stage's summary (repeatable)")  # fmt: skip
     p.add_argument("--upstream-json", help="finish, compare: upstream summaries, a JSON list")
@@ -35,26 +37,25 @@ def parser(stage: str) -> argparse.ArgumentParser:
 def main(stage: str, argv: list[str] | None = None) -> int:
     ns = vars(parser(stage).parse_args(argv))
     out, upstream = ns.pop("output_metadata"), ns.pop("upstream_json")
-    extra, start, train = ns.pop("args_json"), ns.pop("start_json"), ns.pop("train_json")
+    extra = ns.pop("args_json")
+    sources = {source: ns.pop(f"{source}_json") for source in PULLED_FROM}
     items = [json.loads(i) for i in ns.pop("upstream_item") if i and i != "{}"]
     args = {
         **json.loads(extra or "{}"),
         **{k: v for k, v in ns.items() if v not in (None, "", "None")},
     }
-    args = with_upstream(args, start, train)
+    args = with_upstream(stage, args, sources)
     try:
         ups = (json.loads(upstream) if upstream else []) + items
         summary = run_stage(stage, args, ups or None)
-    except StageFailed as e:
+    except RecdError as e:
         print(f"recd {stage}: error: {e}", file=sys.stderr)
-        return e.code
+        return e.exit_code
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(summary, indent=1, default=str))
-    keys = [
-        k
-        for k in summary
-        if k.split(".")[0] in ("ingest", "storage", "dpp", "train", "eval", "registry")
+    figures = [
+        k for k, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)
     ]
-    print(f"recd {stage}: ok " + ", ".join(f"{k}={summary[k]}" for k in keys[:8]))
+    print(f"recd {stage}: ok " + ", ".join(f"{k}={summary[k]}" for k in figures[:8]))
     return 0

@@ -1,11 +1,14 @@
-"""Preprocessed batches (DPP's Arrow IPC format, see dpp.py) -> training tensors.
+"""The batch format: `Batch`, what the model consumes, and DPP's preprocessed Arrow IPC
+batches (see dpp.py) decoded into it.
 
-Kept apart from dpp.py so DPP workers never import torch.
+Kept apart from dpp.py so DPP workers never import torch, and from model.py so the format
+does not depend on the network.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -13,9 +16,38 @@ import pyarrow.ipc as ipc
 import torch
 
 from recd_core.config import FeatureSet
-from recd_core.model import Batch
 from recd_core.sparse import InverseKeyedJaggedTensor, KeyedJaggedTensor
 from recd_core.warehouse import Warehouse
+
+
+@dataclass
+class Batch:
+    """One training batch. `kjt`: per-sample id features; `groups`: deduplicated ones."""
+
+    dense: torch.Tensor  # [B, D] float32
+    kjt: KeyedJaggedTensor | None
+    labels: torch.Tensor  # [B] float32
+    groups: dict[str, InverseKeyedJaggedTensor] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.labels.numel()
+
+    def to(self, device, non_blocking: bool = False) -> Batch:
+        return Batch(
+            self.dense.to(device, non_blocking=non_blocking),
+            self.kjt.to(device, non_blocking) if self.kjt is not None else None,
+            self.labels.to(device, non_blocking=non_blocking),
+            {g: ik.to(device, non_blocking) for g, ik in self.groups.items()},
+        )
+
+    def pin_memory(self) -> Batch:
+        return Batch(
+            self.dense.pin_memory(),
+            self.kjt.pin_memory() if self.kjt is not None else None,
+            self.labels.pin_memory(),
+            {g: ik.pin_memory() for g, ik in self.groups.items()},
+        )
 
 
 def _tensor(rb: pa.RecordBatch, name: str, dtype=None) -> torch.Tensor:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from recd_core.batch_store import Batch
 from recd_core.config import DedupConfig, FeatureSet
 from recd_core.dedup import DedupPlan, id_features, plan_dedup  # noqa: F401 (re-exported)
-from recd_core.model import Batch
 
 
 def make_batch(rows: pa.Table, features: FeatureSet, plan: DedupPlan | None) -> Batch:

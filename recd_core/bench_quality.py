@@ -194,23 +194,25 @@ def synthetic_week(
     from recd_core.datagen import generate
     from recd_core.dpp import preprocess
     from recd_core.evaluate import evaluate
-    from recd_core.pipeline import ensure_logs, ingest_day, oracle_figures
+    from recd_core.ingest import ingest
+    from recd_core.synth import eval_oracle, logs_for_day, synthesize_missing
     from recd_core.train import train
 
     root = _fresh(out / "week")
     wh, logs = Warehouse(root / "warehouse"), root / "logs"
     pipeline = PipelineConfig(features=load_feature_set("synthetic"), synth=synth_config(preset))
     all_days = [_day(WEEK_START, k) for k in range(days + 1)]
-    ensure_logs(logs, all_days, pipeline)
+    synthesize_missing(logs, all_days, pipeline.features, pipeline.synth)
     for day in all_days:
-        ingest_day(wh, logs, day, pipeline)
+        ingest(logs_for_day(logs, day), wh, day, pipeline.features, pipeline.ingest,
+               pipeline.generate)  # fmt: skip
         generate(wh, day, pipeline.generate, layouts=("clustered",))
     rows, previous = [], None
     for day, eval_day in zip(all_days[:-1], all_days[1:], strict=True):
         preprocess(wh, day, pipeline.preprocess)
         trained = train(wh, day, pipeline.train, init_from=previous)
         scored = evaluate(wh, trained["train.model_uri"], eval_day)
-        oracle = oracle_figures(logs, eval_day)
+        oracle = eval_oracle(logs, eval_day)
         rows.append(
             {
                 "day": day,

@@ -23,10 +23,11 @@ from collections.abc import Callable
 import pyarrow as pa
 import torch
 
+from recd_core.batch_store import Batch
 from recd_core.batching import make_batch, plan_dedup
 from recd_core.config import TrainConfig
 from recd_core.dpp import batch_ranges
-from recd_core.model import DLRM, Batch
+from recd_core.model import DLRM
 from recd_core.optim import RowWiseAdagrad
 from recd_core.schema import feature_set_of
 from recd_core.train import _peak_mem, make_optimizers, train_step

@@ -2,7 +2,8 @@
 the work is done by the stage modules. Every command prints a readable summary, writes
 `--summary PATH` JSON with the contract keys, records an MLflow run when a tracking URI is
 set (`recd --tracking-uri URI <command>` or MLFLOW_TRACKING_URI), and exits non-zero with a
-one-line reason on bad input (2), a failed quality gate (3) or an unusable tracking server (4).
+one-line reason and the exit code of `recd_core.errors` (2 bad input, 3 a failed quality
+gate, 4 an unusable tracking server).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Annotated
 import typer
 
 from recd_core.config import (
-    ConfigError,
     GenerateConfig,
     IngestConfig,
     PipelineConfig,
@@ -27,8 +27,8 @@ from recd_core.config import (
     load_pipeline_config,
     synth_config,
 )
+from recd_core.errors import BadInput, GateFailed, TrackingError, classify
 from recd_core.report import console, print_summary, progress, write_summary
-from recd_core.sources import SourceError
 from recd_core.warehouse import PartitionNotFound, Warehouse
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
@@ -54,18 +54,6 @@ class LayoutChoice(StrEnum):
     clustered = "clustered"
     shuffled = "shuffled"
     both = "both"
-
-
-class BadInput(Exception):
-    pass
-
-
-class GateFailed(Exception):
-    """A quality gate failed (exit 3); `summary` holds the figures that failed it."""
-
-    def __init__(self, message: str, summary: dict | None = None):
-        super().__init__(message)
-        self.summary = summary or {}
 
 
 def _fail(command: str, message: str, code: int) -> None:
@@ -102,8 +90,7 @@ def _run(
     record the run in MLflow when a tracking URI is set: opened before the work (so a
     pipeline's stages nest under it: `tracked=True` hands the body a `RunHandle`), closed
     FINISHED or FAILED with the summary's figures and its `artifacts` files."""
-    from recd_core.ingest import QuarantineExceeded
-    from recd_core.tracking import RunHandle, TrackingError
+    from recd_core.tracking import RunHandle
 
     tracker = ctx.find_root().obj
     params = {k: v for k, v in ctx.params.items() if k != "summary"}
@@ -113,7 +100,7 @@ def _run(
             tracker.check()
             run_id = tracker.start(command, params)
         except TrackingError as e:
-            _fail(command, str(e), 4)
+            _fail(command, str(e), e.exit_code)
 
     def failed(summary: dict, message: str, code: int) -> None:
         write_summary(summary_path, summary)
@@ -125,14 +112,11 @@ def _run(
     handle = RunHandle(tracker, run_id) if run_id is not None else None
     try:
         summary = fn(handle) if tracked else fn()
-    except (ConfigError, SourceError, PartitionNotFound, BadInput) as e:
-        failed({"status": "failed", "error": str(e)}, str(e).strip(), 2)
-    except (QuarantineExceeded, GateFailed) as e:
-        failed({**getattr(e, "summary", {}), "status": "failed", "error": str(e)}, str(e), 3)
-    except TrackingError as e:
-        failed({"status": "failed", "error": str(e)}, str(e), 4)
-    except ValueError as e:  # e.g. a malformed --ds
-        failed({"status": "failed", "error": str(e)}, str(e), 2)
+    except Exception as e:  # noqa: BLE001 - the taxonomy decides; the rest re-raised
+        err = classify(e)
+        if err is None:
+            raise
+        failed({**err.summary, "status": "failed", "error": str(err)}, str(err), err.exit_code)
     summary = {"status": "ok", **summary}
     if run_id is not None:
         summary["mlflow.run_id"] = run_id
@@ -277,7 +261,7 @@ def preprocess_cmd(
 ):
     """DPP: transform samples/layout=clustered/ds=D into batches/mode=<mode>/ds=D; in dedup
     mode once per unique value (IKJT)."""
-    from recd_core.dpp import PreprocessError, preprocess
+    from recd_core.dpp import preprocess
 
     def body():
         base = _pipeline(config).preprocess
@@ -289,13 +273,10 @@ def preprocess_cmd(
             "executor": "thread" if threads else None,
         }
         cfg = base.model_copy(update={k: v for k, v in overrides.items() if v is not None})
-        try:
-            with progress("preprocess", None) as advance:
-                return preprocess(
-                    Warehouse(warehouse), ds, cfg, stats_from=stats_from, progress=advance
-                )
-        except PreprocessError as e:
-            raise BadInput(str(e)) from None
+        with progress("preprocess", None) as advance:
+            return preprocess(
+                Warehouse(warehouse), ds, cfg, stats_from=stats_from, progress=advance
+            )
 
     _run(ctx, "preprocess", summary, body)
 
@@ -338,7 +319,7 @@ def train_cmd(
     """Train the DLRM on the preprocessed batches/mode=<mode>/ds=D (dedup: IKJT, baseline:
     KJT); resumes from the run's latest checkpoint. --batch-size must match preprocessing."""
     from recd_core.config import TrainConfig, load_yaml, parse_config
-    from recd_core.train import BatchMismatch, CheckpointError, train
+    from recd_core.train import train
 
     def body():
         base = (
@@ -356,16 +337,11 @@ def train_cmd(
         from recd_core.registry import init_model
 
         tracker = ctx.find_root().obj
-        try:
-            with init_model(tracker, init_from, _pipeline(config).registry.model_name) as (
-                init_dir,
-                label,
-            ):
-                return train(
-                    Warehouse(warehouse), ds, cfg, nproc=nproc, init_from=init_dir, init_label=label
-                )
-        except (CheckpointError, BatchMismatch) as e:
-            raise BadInput(str(e)) from None
+        model_name = _pipeline(config).registry.model_name
+        with init_model(tracker, init_from, model_name) as (init_dir, label):
+            return train(
+                Warehouse(warehouse), ds, cfg, nproc=nproc, init_from=init_dir, init_label=label
+            )
 
     _run(ctx, "train", summary, body)
 
@@ -404,38 +380,42 @@ EvalDsOpt = Annotated[
 LogsOpt = Annotated[Path, typer.Option(help="raw logs root; days without logs are synthesized")]
 
 
-def _run_pipeline(
-    warehouse, ds, eval_ds, logs, modes, pipeline: PipelineConfig, handle, out: Path | None,
-    register: bool = True, synthesize: bool = True,
-):  # fmt: skip
-    from recd_core.pipeline import run_day
+def _run_graph(
+    graph, warehouse: str, ds: str | None, eval_ds: str | None, logs: Path,
+    config: Path | None, handle, synthesize: bool = True,
+) -> dict:  # fmt: skip
+    """`graph` run in this process by the local runner; the result: finish's merged summary
+    (every stage's contract keys; an arm's suffixed with its mode)."""
+    from recd_core.runner import run_graph
 
     if handle is not None:
-        handle.tracker.log_config(handle.run_id, pipeline)
-    with progress("run", 3 + len(modes)) as advance:
-        result = run_day(
-            Warehouse(warehouse),
-            _day_or_yesterday(ds),
-            logs,
-            pipeline,
-            modes,
-            advance,
-            handle,
-            eval_ds,
-            register,
-            synthesize,
-        )
-    if len(modes) > 1:
-        from recd_core.compare import chart
+        handle.tracker.log_config(handle.run_id, _pipeline(config))
+    args = {
+        "warehouse": warehouse, "ds": _day_or_yesterday(ds), "eval_ds": eval_ds,
+        "logs": str(logs), "config": str(config) if config else None, "synthesize": synthesize,
+        "tracking_uri": handle.tracker.uri if handle else None, "pipeline": graph.name,
+        **({"experiment": handle.tracker.experiment} if handle else {}),
+    }  # fmt: skip
+    with progress("run", len(graph.tasks)) as advance:
+        done = run_graph(graph, args, handle.run_id if handle else None, advance)
+    return {k: v for k, v in done["finish"].items() if k != "status"}
 
-        png = chart(result, (out or Path("build/compare")) / f"compare-{result['run.ds']}.png")
-        result["artifacts"] = [str(png)]
-        result["compare.chart"] = str(png)
-    return result
+
+def _copy_chart(result: dict, out: Path | None) -> None:
+    """The compare stage's chart (in the warehouse) also under `out`, when asked."""
+    import pyarrow.fs as pafs
+
+    src = result.get("compare.chart")
+    if not src or out is None:
+        return
+    fs, path = pafs.FileSystem.from_uri(src if "://" in src else Path(src).resolve().as_uri())
+    out.mkdir(parents=True, exist_ok=True)
+    with fs.open_input_stream(path) as f:
+        (out / Path(path).name).write_bytes(f.read())
 
 
 def _print_decision(result: dict) -> None:
-    if "registry.decision" not in result:
+    if "registry.version" not in result:
         console.print("model registry: off (no tracking URI)")
         return
     champ = result["registry.champion_ne"]
@@ -456,23 +436,31 @@ def run_cmd(
     logs: LogsOpt = Path("data/default/logs"),
     mode: Annotated[str, typer.Option(help="training arm(s): dedup, baseline or both")] = "dedup",
     config: ConfigOpt = None,
-    out: Annotated[Path | None, typer.Option(help="where plots go")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="also copy the comparison chart here (--mode both)")
+    ] = None,
     synthesize: Annotated[
         bool, typer.Option(help="synthesize logs for days without any (embedded default)")
     ] = True,
     summary: SummaryOpt = None,
 ):
-    """All stages for one day in-process: ingest, generate, DPP, train, evaluate on the next
-    day; with a tracking URI also register the model and decide the champion by NE."""
+    """The daily graph in-process: ingest, generate, DPP, train, evaluate on the next day;
+    with a tracking URI also register the model and decide the champion by NE. `--mode both`
+    runs both arms on the same samples and compares them (exit 3 when they differ)."""
+    from recd_core.graph import ARMS, pipeline_graph
 
     def body(handle):
         if mode not in ("dedup", "baseline", "both"):
             raise BadInput(f"--mode must be dedup, baseline or both, got {mode!r}")
-        modes = ("dedup", "baseline") if mode == "both" else (mode,)
-        return _run_pipeline(
-            warehouse, ds, eval_ds, logs, modes, _pipeline(config), handle, out,
-            synthesize=synthesize,
-        )  # fmt: skip
+        arms = ARMS if mode == "both" else (mode,)
+        graph = pipeline_graph(arms, register=True, compare=mode == "both", name="recd run")
+        try:
+            result = _run_graph(graph, warehouse, ds, eval_ds, logs, config, handle, synthesize)
+        except GateFailed as e:
+            _copy_chart(e.summary, out)
+            raise
+        _copy_chart(result, out)
+        return result
 
     result = _run(ctx, "run", summary, body, tracked=True)
     if mode == "both":
@@ -490,25 +478,22 @@ def compare_cmd(
     eval_ds: EvalDsOpt = None,
     logs: LogsOpt = Path("data/compare/logs"),
     config: ConfigOpt = None,
-    out: Annotated[Path, typer.Option(help="where the chart goes")] = Path("build/compare"),
+    out: Annotated[Path, typer.Option(help="also copy the chart here")] = Path("build/compare"),
     summary: SummaryOpt = None,
 ):
-    """Both arms on the same data: a table, a PNG chart (logged to MLflow), and exit 3 when
-    the arms' next-day NE or AUC differ beyond the configured tolerance."""
-    from recd_core.compare import print_table, quality_gap
+    """The comparison graph in-process (the `recd_dedup_vs_baseline` DAG): both arms on the
+    same data, a table, a PNG chart (the warehouse's reports/compare/, MLflow, --out), and
+    exit 3 when the arms' next-day NE or AUC differ beyond the configured tolerance."""
+    from recd_core.compare import print_table
+    from recd_core.graph import COMPARISON
 
     def body(handle):
-        pipeline = _pipeline(config)
-        result = _run_pipeline(
-            warehouse, ds, eval_ds, logs, ("dedup", "baseline"), pipeline, handle, out,
-            register=False,
-        )  # fmt: skip
-        reg = pipeline.registry
-        gap = quality_gap(result, reg.compare_ne_tolerance, reg.compare_auc_tolerance)
-        result["compare.quality_ok"] = gap is None
-        if gap:
-            print_table(result, console)
-            raise GateFailed(gap, result)
+        try:
+            result = _run_graph(COMPARISON, warehouse, ds, eval_ds, logs, config, handle)
+        except GateFailed as e:
+            _copy_chart(e.summary, out)
+            raise
+        _copy_chart(result, out)
         return result
 
     print_table(_run(ctx, "compare", summary, body, tracked=True), console)

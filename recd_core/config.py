@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from recd_core.errors import BadInput
+
 PACKAGE_CONFIGS = Path(__file__).parent / "configs"
 
 Side = Literal["user", "item", "context"]
@@ -22,7 +24,7 @@ M = TypeVar("M", bound=BaseModel)
 Identifier = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$", max_length=64)]
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput, ValueError):
     """A configuration file or object that does not validate; the message names the field."""
 
 
@@ -185,7 +187,6 @@ class IngestConfig(_Strict):
 class GenerateConfig(_Strict):
     """How samples are laid out and written (Parquet) and how dedup is profiled."""
 
-    layout: Literal["clustered", "shuffled"] = "clustered"
     batch_size: int = Field(default=4096, gt=0)
     row_group_size: int = Field(default=65_536, gt=0)
     max_rows_per_file: int = Field(default=1_000_000, gt=0)

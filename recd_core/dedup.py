@@ -1,4 +1,7 @@
-"""Duplicate profiling: how many distinct values a feature takes within a training batch.
+"""Finding duplicates, the core of RecD: exact unique rows of a (list) column, unique runs
+and sessions (DPP builds its IKJTs from these), the dedup plan (which features to group and
+dedup, `plan_dedup`), and the profile of how many distinct values a feature takes within a
+training batch.
 
 `dedup.factor.<feature>` = samples in a batch / distinct values of the feature in that
 batch, averaged over the batches of a layout at a batch size. A factor of 12 means the

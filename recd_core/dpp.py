@@ -45,6 +45,7 @@ import pyarrow.parquet as pq
 from recd_core.config import FeatureSet, PreprocessConfig
 from recd_core.dedup import list_parts as _list_parts
 from recd_core.dedup import unique_rows, unique_runs, unique_sessions
+from recd_core.errors import BadInput
 from recd_core.schema import events_schema, feature_set_of, sessions_checked
 from recd_core.transforms import (
     dense_stats,
@@ -60,7 +61,7 @@ _I64 = pa.list_(pa.int64())
 _I32 = pa.list_(pa.int32())
 
 
-class PreprocessError(ValueError):
+class PreprocessError(BadInput, ValueError):
     """A samples partition or config DPP cannot work with (names the file and column)."""
 
 

@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 
 from recd_core.config import ENVELOPE_COLUMNS, FeatureSet, GenerateConfig, IngestConfig
 from recd_core.dedup import rows_equal_to
+from recd_core.errors import GateFailed
 from recd_core.schema import events_schema, mark_sessions_checked
 from recd_core.sources import (
     Parsed,
@@ -42,12 +43,9 @@ from recd_core.warehouse import Warehouse, validate_ds
 EVENT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson", ".ndjson.gz", ".parquet")
 
 
-class QuarantineExceeded(Exception):
-    """Too many rows were rejected: the events partition was not published."""
-
-    def __init__(self, message: str, summary: dict | None = None):
-        super().__init__(message)
-        self.summary = summary or {}
+class QuarantineExceeded(GateFailed):
+    """Too many rows were rejected: the events partition was not published; `summary` holds
+    the day's counts."""
 
 
 @dataclass

@@ -21,7 +21,7 @@ one space, learned from both uses. The shown item attends over the encoded histo
 attention, as in DIN): the history's encoder runs once per unique user row, only the
 attention runs per sample.
 
-A `Batch` carries per-sample features in a KeyedJaggedTensor and each deduplicated feature
+A `Batch` (batch_store.py) carries per-sample features in a KeyedJaggedTensor and each deduplicated feature
 group in an InverseKeyedJaggedTensor. Modules that see only a group's features (embedding
 bags, the history encoder) run on the group's unique rows; their outputs are expanded with
 `index_select(0, inverse_indices)`. Autograd sums the gradients of duplicates, so a dedup
@@ -32,45 +32,14 @@ costs more than dedup saves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from recd_core.batch_store import Batch
 from recd_core.config import FeatureSet, FeatureSpec, ModelConfig
-from recd_core.sparse import InverseKeyedJaggedTensor, JaggedError, JaggedTensor, KeyedJaggedTensor
-
-
-@dataclass
-class Batch:
-    """One training batch. `kjt`: per-sample id features; `groups`: deduplicated ones."""
-
-    dense: torch.Tensor  # [B, D] float32
-    kjt: KeyedJaggedTensor | None
-    labels: torch.Tensor  # [B] float32
-    groups: dict[str, InverseKeyedJaggedTensor] = field(default_factory=dict)
-
-    @property
-    def size(self) -> int:
-        return self.labels.numel()
-
-    def to(self, device, non_blocking: bool = False) -> Batch:
-        return Batch(
-            self.dense.to(device, non_blocking=non_blocking),
-            self.kjt.to(device, non_blocking) if self.kjt is not None else None,
-            self.labels.to(device, non_blocking=non_blocking),
-            {g: ik.to(device, non_blocking) for g, ik in self.groups.items()},
-        )
-
-    def pin_memory(self) -> Batch:
-        return Batch(
-            self.dense.pin_memory(),
-            self.kjt.pin_memory() if self.kjt is not None else None,
-            self.labels.pin_memory(),
-            {g: ik.pin_memory() for g, ik in self.groups.items()},
-        )
+from recd_core.sparse import JaggedError, JaggedTensor
 
 
 def mlp(sizes: list[int], last_relu: bool = True) -> nn.Sequential:

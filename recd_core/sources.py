@@ -26,6 +26,8 @@ import pyarrow as pa
 import pyarrow.json as pj
 import pyarrow.parquet as pq
 
+from recd_core.errors import BadInput
+
 QUARANTINE_SCHEMA = pa.schema(
     [
         pa.field("source", pa.string()),
@@ -38,7 +40,7 @@ QUARANTINE_SCHEMA = pa.schema(
 CHUNK_LINES = 16384
 
 
-class SourceError(Exception):
+class SourceError(BadInput):
     """A source that cannot be read at all (missing, unreadable, not the expected format)."""
 
 

@@ -35,9 +35,10 @@ import torch
 
 from recd_core.dedup import list_parts as _list_parts
 from recd_core.dedup import unique_rows
+from recd_core.errors import BadInput
 
 
-class JaggedError(ValueError):
+class JaggedError(BadInput, ValueError):
     """A jagged tensor whose parts do not fit together."""
 
 

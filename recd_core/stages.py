@@ -1,15 +1,12 @@
-"""The pipeline's stages as orchestrator tasks: one definition, run in-process by an Airflow
-worker, as a pod of the components image (Airflow's KubernetesPodOperator, Kubeflow), or by
-hand (`python -m components.<stage>`).
+"""The pipeline's stages: one function each, run the same way by every runner (the local
+runner behind `recd run`, an Airflow worker in-process, a pod of the components image for
+Airflow's KubernetesPodOperator or Kubeflow, or by hand: `python -m components.<stage>`).
+Which stages exist and how they connect is `recd_core.graph`; this module is what they do.
 
 Every stage takes one `StageArgs` (plain values an orchestrator can template) and returns
 a JSON-safe summary (the contract keys), which becomes the task's XCom / output metadata.
 Stages talk only through the warehouse and these summaries. With a tracking URI, `start`
 opens the pipeline's MLflow run and every stage records a child run under it.
-
-    start -> synth -> ingest -> generate -> preprocess(arm) -> train(arm) -> evaluate(arm)
-          -> register (first arm: challenger, champion by NE) -> finish
-          or, with both arms, -> compare (table, chart, quality gate) -> finish
 
 `days` > 1 (the comparison DAG) runs each stage over consecutive training days
 ds .. ds+days-1, each evaluated on its next day.
@@ -28,57 +25,77 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from recd_core.config import PipelineConfig, load_pipeline_config
+from recd_core.errors import BadInput, GateFailed, TrackingError, classify
+from recd_core.graph import ARM_LAYOUT
+from recd_core.graph import STAGES as GRAPH_STAGES
 from recd_core.tracking import Tracker
 from recd_core.warehouse import Warehouse
 
-STAGES = (
-    "start",
-    "synth",
-    "ingest",
-    "generate",
-    "preprocess",
-    "train",
-    "evaluate",
-    "register",
-    "finish",
-)
+STAGES = tuple(GRAPH_STAGES)
 
 
 class StageArgs(BaseModel):
-    """One stage invocation. Strings from templates are coerced (`days: "2"` -> 2)."""
+    """One stage invocation. Strings from templates are coerced (`days: "2"` -> 2); the
+    descriptions are the components' `--help`."""
 
     model_config = ConfigDict(extra="forbid")
 
-    warehouse: str
-    ds: str = Field(pattern=r"^\d{4}-\d{2}-\d{2}$")  # the (first) training day
-    days: int = Field(default=1, ge=1, le=31)
-    logs: str | None = None  # raw JSON-lines logs root; missing days synthesized if `synthesize`
-    synthesize: bool = True
-    config: str | None = None  # pipeline YAML; the built-in synthetic config if unset
-    # overrides the config's synth preset
-    preset: Literal["small", "default", "standard"] | None = None
-    batch_size: int | None = Field(default=None, gt=0)  # overrides DPP's and training's
-    mode: Literal["dedup", "baseline"] = "dedup"
-    model_uri: str | None = None  # evaluate: the trained model(s), ';'-joined over days
-    tracking_uri: str | None = None
-    experiment: str = "recd"
-    parent_run_id: str | None = None
-    pipeline: str = "recd"  # the parent run's name
-    register_run_id: str | None = None  # register: the train run that logs the model
-    # train: the model to start from (a model directory, `<warehouse>/models/<run>` or
-    # `models:/<name>@<alias>`); default: the champion when the config's train.warm_start
-    init_from: str | None = None
+    warehouse: str = Field(description="warehouse root: a directory or a URI (s3://...)")
+    ds: str = Field(pattern=r"^\d{4}-\d{2}-\d{2}$", description="the (first) training day")
+    days: int = Field(default=1, ge=1, le=31, description="consecutive training days")
+    eval_ds: str | None = Field(
+        default=None,
+        pattern=r"^\d{4}-\d{2}-\d{2}$",
+        description="the evaluation day of a one-day run (default: the day after each training day)",
+    )
+    logs: str | None = Field(
+        default=None, description="raw JSON-lines logs root (<logs>/ds=YYYY-MM-DD/)"
+    )
+    synthesize: bool = Field(
+        default=True, description="synthesize logs for days without any (embedded default)"
+    )
+    config: str | None = Field(
+        default=None, description="pipeline config YAML (default: the built-in synthetic one)"
+    )
+    preset: Literal["small", "default", "standard"] | None = Field(
+        default=None, description="synthetic workload size; overrides the config's synth preset"
+    )
+    batch_size: int | None = Field(
+        default=None, gt=0, description="overrides DPP's and training's batch size"
+    )
+    mode: Literal["dedup", "baseline"] = Field(
+        default="dedup", description="the training arm: dedup (IKJT) or baseline (KJT)"
+    )
+    model_uri: str | None = Field(
+        default=None, description="evaluate, register: the trained model(s), ';'-joined over days"
+    )
+    tracking_uri: str | None = Field(default=None, description="MLflow tracking URI; off if unset")
+    experiment: str = Field(default="recd", description="MLflow experiment")
+    parent_run_id: str | None = Field(
+        default=None, description="the pipeline's MLflow run (start's mlflow.run_id)"
+    )
+    pipeline: str = Field(default="recd", description="the pipeline run's name in MLflow")
+    register_run_id: str | None = Field(
+        default=None, description="register: the train stage's MLflow run, which logs the model"
+    )
+    init_from: str | None = Field(
+        default=None,
+        description="train: the model to start from (a model directory, <warehouse>/models/<run> "
+        "or models:/<name>@<alias>); default: the champion when the config's train.warm_start",
+    )
 
     def training_days(self) -> list[str]:
         first = dt.date.fromisoformat(self.ds)
         return [(first + dt.timedelta(days=k)).isoformat() for k in range(self.days)]
 
     def eval_day(self, day: str) -> str:
+        if self.eval_ds and self.days == 1:
+            return self.eval_ds
         return (dt.date.fromisoformat(day) + dt.timedelta(days=1)).isoformat()
 
     def all_days(self) -> list[str]:
         days = self.training_days()
-        return [*days, self.eval_day(days[-1])]
+        return [*days, *(self.eval_day(d) for d in days if self.eval_day(d) not in days)]
 
     def pipeline_config(self) -> PipelineConfig:
         from recd_core.config import SYNTH_PRESETS, SynthConfig
@@ -96,15 +113,6 @@ class StageArgs(BaseModel):
 
     def tracker(self) -> Tracker | None:
         return Tracker(self.tracking_uri, self.experiment) if self.tracking_uri else None
-
-
-class StageFailed(Exception):
-    """A stage could not do its work for a reason the input explains (bad input, a failed
-    quality gate): retrying will not help. `code` is the CLI's exit code for it."""
-
-    def __init__(self, message: str, code: int = 2):
-        super().__init__(message)
-        self.code = code
 
 
 def _per_day(args: StageArgs, fn: Callable[[str], dict]) -> dict:
@@ -135,41 +143,60 @@ def _start(args: StageArgs) -> dict:
     return {"mlflow.run_id": run_id}
 
 
-def _synth(args: StageArgs) -> dict:
-    from recd_core.pipeline import ensure_logs
-
+def _logs(args: StageArgs) -> str:
+    """The raw logs root: a local path (a mounted volume in pods), never a URI."""
     if not args.logs:
-        raise StageFailed("no --logs root given")
+        raise BadInput("no --logs root given")
+    if "://" in args.logs:
+        raise BadInput(f"--logs {args.logs}: raw logs are read as files; mount them (a volume) "
+                       "and give the path")  # fmt: skip
+    return args.logs
+
+
+def _synth(args: StageArgs) -> dict:
+    from recd_core.synth import synthesize_missing
+
+    logs = _logs(args)
     if not args.synthesize:
         return {"synth.days": 0, "synth.rows": 0}
-    return ensure_logs(Path(args.logs), args.all_days(), args.pipeline_config())
+    cfg = args.pipeline_config()
+    return synthesize_missing(logs, args.all_days(), cfg.features, cfg.synth)
 
 
 def _ingest(args: StageArgs) -> dict:
-    from recd_core.pipeline import ingest_day
+    """Every day the run needs: the training days and their evaluation days."""
+    from recd_core.ingest import ingest
+    from recd_core.synth import logs_for_day
 
-    if not args.logs:
-        raise StageFailed("no --logs root given")
+    logs = _logs(args)
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
-    out = {day: ingest_day(wh, Path(args.logs), day, cfg) for day in args.all_days()}
+    out = {
+        day: ingest(logs_for_day(logs, day), wh, day, cfg.features, cfg.ingest, cfg.generate)
+        for day in args.all_days()
+    }
     first = out[args.ds]
     return {**first, "ingest.days": {d: s["ingest.rows_ok"] for d, s in out.items()}}
 
 
 def _generate(args: StageArgs) -> dict:
-    from recd_core.pipeline import generate_eval_day, generate_training_day
+    """Training days in both layouts (each arm's, and the storage figure); evaluation days
+    clustered only (every model scores the same rows)."""
+    from recd_core.datagen import generate
 
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
+    both = tuple(ARM_LAYOUT[arm] for arm in ("dedup", "baseline"))
 
     def one(day: str) -> dict:
-        s = generate_training_day(wh, day, cfg)
+        s = generate(wh, day, cfg.generate, layouts=both)
         layouts = s.pop("layouts")
-        s["storage.bytes.dedup"] = layouts["clustered"]["storage.bytes"]
-        s["storage.bytes.baseline"] = layouts["shuffled"]["storage.bytes"]
+        for arm, layout in ARM_LAYOUT.items():
+            s[f"storage.bytes.{arm}"] = layouts[layout]["storage.bytes"]
         return s
 
     out = _per_day(args, one)
-    generate_eval_day(wh, args.eval_day(args.training_days()[-1]), cfg)
+    for day in args.all_days():
+        if day not in args.training_days():
+            generate(wh, day, cfg.generate, layouts=(ARM_LAYOUT["dedup"],))
     return out
 
 
@@ -184,12 +211,13 @@ def _preprocess(args: StageArgs) -> dict:
 def _train(args: StageArgs) -> dict:
     """Train each day, warm-started from `init_from` (default: the champion, when the
     config's `train.warm_start` is on and there is one)."""
-    from recd_core.pipeline import warm_start
+    from recd_core.registry import init_model
     from recd_core.train import train
 
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
     tc = cfg.train.model_copy(update={"mode": args.mode})
-    with warm_start(args.tracker(), cfg, args.init_from) as (init_dir, label):
+    start = args.init_from or ("champion" if cfg.train.warm_start else None)
+    with init_model(args.tracker(), start, cfg.registry.model_name) as (init_dir, label):
         out = _per_day(args, lambda day: train(wh, day, tc, init_from=init_dir, init_label=label))
     uris = [s["train.model_uri"] for s in (out["days"].values() if "days" in out else [out])]
     return {**out, "train.model_uris": ";".join(uris)}
@@ -197,19 +225,18 @@ def _train(args: StageArgs) -> dict:
 
 def _evaluate(args: StageArgs) -> dict:
     from recd_core.evaluate import evaluate
-    from recd_core.pipeline import oracle_figures
+    from recd_core.synth import eval_oracle
 
     if not args.model_uri:
-        raise StageFailed("no --model-uri given")
+        raise BadInput("no --model-uri given")
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
     uris = dict(zip(args.training_days(), args.model_uri.split(";"), strict=True))
-    logs = Path(args.logs) if args.logs else None
     return _per_day(
         args,
         lambda day: {
             "train.mode": args.mode,
             **evaluate(wh, uris[day], args.eval_day(day), cfg.registry.eval_batch_size),
-            **oracle_figures(logs, args.eval_day(day)),
+            **eval_oracle(args.logs, args.eval_day(day)),
         },
     )
 
@@ -223,7 +250,7 @@ def _register(args: StageArgs) -> dict:
     if tracker is None:
         return {"registry.decision": "off (no tracking URI)"}
     if not args.model_uri or not args.register_run_id:
-        raise StageFailed("--model-uri and --register-run-id are required")
+        raise BadInput("--model-uri and --register-run-id are required")
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
     eval_ds, uri = args.eval_day(args.training_days()[-1]), args.model_uri.split(";")[-1]
     # scored here again (seconds), so the stage needs only the train stage's outputs
@@ -244,7 +271,7 @@ def _compare(args: StageArgs, upstream: list[dict]) -> dict:
     )
     missing = [k for k in ("eval.ne.dedup", "eval.ne.baseline") if k not in summary]
     if missing:
-        raise StageFailed(f"upstream summaries lack {', '.join(missing)}")
+        raise BadInput(f"upstream summaries lack {', '.join(missing)}")
     for label, d, b, gain in table_rows(summary):
         print(f"{label:<26} dedup {d:>14,.4f}   baseline {b:>14,.4f}   {gain}")
     wh = Warehouse(args.warehouse)
@@ -266,13 +293,22 @@ def _compare(args: StageArgs, upstream: list[dict]) -> dict:
         **ratios(summary),
     }
     if gap:
-        raise StageFailed(gap, 3)
+        raise GateFailed(gap, out)
     return out
 
 
 def _finish(args: StageArgs, upstream: list[dict]) -> dict:
-    """Close the pipeline run. Its summary: the stages' figures, merged (see `merge`)."""
-    return merge(upstream, {"pipeline.ds": args.ds, "pipeline.days": args.days})
+    """Close the pipeline run. Its summary: the stages' figures, merged (see `merge`), and
+    with both arms their ratios."""
+    from recd_core.compare import ratios
+
+    last = args.training_days()[-1]
+    summary = merge(upstream, {"pipeline.ds": args.ds, "pipeline.days": args.days,
+                               "run.ds": args.ds, "run.eval_ds": args.eval_day(last),
+                               "run.warehouse": args.warehouse})  # fmt: skip
+    if all(f"eval.ne.{arm}" in summary for arm in ARM_LAYOUT):
+        summary.update(ratios(summary))
+    return summary
 
 
 IMPLS: dict[str, Callable[[StageArgs], dict]] = {
@@ -292,45 +328,34 @@ UPSTREAM_IMPLS: dict[str, Callable[[StageArgs, list[dict]], dict]] = {
 }
 
 
-def with_upstream(
-    args: dict, start: str | dict | None = None, train: str | dict | None = None
-) -> dict:
-    """Fill the arguments that come from upstream summaries (orchestrators that pass whole
-    outputs, e.g. Kubeflow): the pipeline's MLflow run from `start`'s, the trained model(s)
-    and the train run from `train`'s."""
+def with_upstream(stage: str, args: dict, summaries: dict[str, str | dict | None]) -> dict:
+    """Fill the arguments `stage` takes from upstream summaries (`graph.Stage.pulls`), given
+    as {upstream stage: its summary, a dict or JSON}: e.g. the pipeline's MLflow run from
+    start's, the trained model(s) and the train run from train's. Given arguments win."""
     out = dict(args)
-    s = json.loads(start) if isinstance(start, str) and start else (start or {})
-    t = json.loads(train) if isinstance(train, str) and train else (train or {})
-    if s.get("mlflow.run_id"):
-        out.setdefault("parent_run_id", s["mlflow.run_id"])
-    if t.get("train.model_uris"):
-        out.setdefault("model_uri", t["train.model_uris"])
-        if t.get("mlflow.run_id"):
-            out.setdefault("register_run_id", t["mlflow.run_id"])
+    for pull in GRAPH_STAGES[stage].pulls if stage in GRAPH_STAGES else ():
+        raw = summaries.get(pull.stage)
+        summary = json.loads(raw) if isinstance(raw, str) and raw else (raw or {})
+        if summary.get(pull.key) is not None:
+            out.setdefault(pull.arg, summary[pull.key])
     return out
 
 
 def run_stage(name: str, args: StageArgs | dict, upstream: list[dict] | None = None) -> dict:
     """Run one stage and record it (a child of the pipeline run); return its summary.
 
-    Errors a retry cannot fix (bad input, quality gate, unknown partition) become
-    `StageFailed` with a one-line reason; the stage's MLflow run and the pipeline's run are
-    closed FAILED. `upstream` (compare, finish): the other stages' summaries."""
-    from recd_core.config import ConfigError
-    from recd_core.ingest import QuarantineExceeded
-    from recd_core.sources import SourceError
-    from recd_core.tracking import TrackingError
-    from recd_core.warehouse import PartitionNotFound
-
-    if name not in IMPLS and name not in UPSTREAM_IMPLS:
-        raise StageFailed(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    A failure the taxonomy knows (`recd_core.errors`) is raised as that `RecdError`, with a
+    one-line reason; the stage's MLflow run and the pipeline's run are closed FAILED.
+    `upstream` (compare, finish): the other stages' summaries."""
+    if name not in STAGES:
+        raise BadInput(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
     if isinstance(args, dict):
         # templated values an orchestrator could not fill arrive as "" or "None": unset
         args = {k: v for k, v in args.items() if v not in (None, "", "None")}
         try:
             args = StageArgs.model_validate(args)
         except ValueError as e:
-            raise StageFailed(f"bad arguments: {e}") from None
+            raise BadInput(f"bad arguments: {e}") from None
     tracker = args.tracker()
     run_id = None
     if tracker is not None and name not in ("start", "finish") and args.parent_run_id:
@@ -344,21 +369,16 @@ def run_stage(name: str, args: StageArgs | dict, upstream: list[dict] | None = N
         else:
             summary = IMPLS[name](args)
     except Exception as e:
-        failure = _failure(
-            e,
-            (ConfigError, SourceError, PartitionNotFound, ValueError),
-            QuarantineExceeded,
-            TrackingError,
-        )
+        err = classify(e)
         if tracker is not None:
             for rid in (run_id, args.parent_run_id):
                 if rid:
                     with contextlib.suppress(TrackingError):
-                        tracker.finish(rid, {"status": "failed", "error": f"{name}: {failure}"})
-        if isinstance(failure, StageFailed):
-            raise failure from None
+                        tracker.finish(rid, {"status": "failed", "error": f"{name}: {err or e}"})
+        if err is not None and err is not e:
+            raise err from None
         raise
-    summary = {"status": "ok", **_json_safe(summary)}
+    summary = {"status": "ok", "stage": name, **_json_safe(summary)}
     if tracker is not None:
         if name == "finish" and args.parent_run_id:
             tracker.finish(args.parent_run_id, summary)
@@ -369,28 +389,19 @@ def run_stage(name: str, args: StageArgs | dict, upstream: list[dict] | None = N
     return summary
 
 
-def _failure(e: Exception, bad_input: tuple, gate: type, tracking: type) -> Exception:
-    if isinstance(e, StageFailed):
-        return e
-    if isinstance(e, gate):
-        return StageFailed(str(e), 3)
-    if isinstance(e, tracking):
-        return StageFailed(str(e), 4)
-    if isinstance(e, bad_input):
-        return StageFailed(str(e).strip(), 2)
-    return e
-
-
 def merge(upstream: list[dict], base: dict) -> dict:
     """The pipeline run's summary: each stage's contract keys; an arm's keys suffixed with
-    its mode (`train.samples_per_s.dedup`), the first (dedup) arm's also unsuffixed."""
+    its mode (`train.samples_per_s.dedup`), the first (dedup) arm's also unsuffixed; each
+    stage's MLflow run as `mlflow.run_id.<stage>[.<mode>]`."""
     out = dict(base)
     for s in upstream:
         if not s:
             continue
         mode = s.get("train.mode") or s.get("dpp.mode")
+        if s.get("stage") and s.get("mlflow.run_id"):
+            out[f"mlflow.run_id.{s['stage']}" + (f".{mode}" if mode else "")] = s["mlflow.run_id"]
         for k, v in s.items():
-            if k in ("status", "mlflow.run_id") or isinstance(v, dict):
+            if k in ("status", "stage", "mlflow.run_id") or isinstance(v, dict):
                 continue
             if mode:
                 out[f"{k}.{mode}"] = v

@@ -391,3 +391,41 @@ def _pooled_oracle(labels: list[np.ndarray], probs: list[np.ndarray]) -> dict[st
         return {}
     pooled = oracle_figures(np.concatenate(labels), np.concatenate(probs))
     return {"synth.oracle_ne": pooled["ne"], "synth.oracle_auc": pooled["auc"]}
+
+
+def logs_for_day(logs: str | Path, ds: str) -> Path:
+    """A day's directory under a logs root: `<logs>/ds=YYYY-MM-DD`."""
+    return Path(logs) / f"ds={ds}"
+
+
+def synthesize_missing(
+    logs: str | Path, days: list[str], features: FeatureSet, cfg: SynthConfig
+) -> dict:
+    """Synthesize the days that have no logs yet; consecutive missing days in one run, so
+    the users' click histories carry over from one day to the next."""
+    missing = sorted(
+        d
+        for d in set(days)
+        if not (logs_for_day(logs, d).is_dir() and any(logs_for_day(logs, d).iterdir()))
+    )
+    runs: list[list[dt.date]] = []
+    for d in map(dt.date.fromisoformat, missing):
+        if runs and (d - runs[-1][-1]).days == 1:
+            runs[-1].append(d)
+        else:
+            runs.append([d])
+    rows = 0
+    for run in runs:
+        one = cfg.model_copy(update={"start_date": run[0], "days": len(run)})
+        rows += synthesize(features, one, Path(logs))["synth.rows"]
+    return {"synth.days": len(missing), "synth.rows": rows}
+
+
+def eval_oracle(logs: str | Path | None, ds: str) -> dict:
+    """`eval.oracle_ne` / `eval.oracle_auc` for an evaluation day: the optimum when the day is
+    synthetic (the true click probabilities its labels were drawn from); nothing for real
+    logs."""
+    oracle = read_oracle(logs_for_day(logs, ds)) if logs is not None else None
+    if not oracle:
+        return {}
+    return {"eval.oracle_ne": oracle["ne"], "eval.oracle_auc": oracle["auc"]}

@@ -20,11 +20,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from recd_core.errors import TrackingError
+
 MAX_PARAM = 500
-
-
-class TrackingError(Exception):
-    """The tracking server cannot be reached or refuses the run."""
 
 
 @dataclass(frozen=True)

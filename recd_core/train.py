@@ -53,16 +53,17 @@ from recd_core.batch_store import BatchStore, decode_batch
 from recd_core.batching import epoch_order
 from recd_core.config import FeatureSet, TrainConfig
 from recd_core.dpp import Prepared, batch_ranges, encode_batch
+from recd_core.errors import BadInput
 from recd_core.model import DLRM
 from recd_core.optim import RowWiseAdagrad
 from recd_core.warehouse import Warehouse
 
 
-class BatchMismatch(ValueError):
+class BatchMismatch(BadInput, ValueError):
     """The preprocessed batches are not what the training config asks for."""
 
 
-class CheckpointError(Exception):
+class CheckpointError(BadInput):
     """A checkpoint that cannot be read: named, with what to do about it."""
 
 

@@ -36,11 +36,13 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from recd_core.errors import BadInput
+
 MANIFEST = "_manifest.json"
 
 
-class PartitionNotFound(FileNotFoundError):
-    pass
+class PartitionNotFound(BadInput, FileNotFoundError):
+    """A partition a stage reads does not exist (yet): run the stage that writes it."""
 
 
 @dataclass(frozen=True)

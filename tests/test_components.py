@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from recd_core.stages import STAGES, StageFailed, run_stage, with_upstream
+from recd_core.errors import BadInput
+from recd_core.stages import STAGES, run_stage, with_upstream
 
 REPO = Path(__file__).resolve().parents[1]
 DAY = "2026-11-01"
@@ -47,12 +48,14 @@ def test_a_component_fails_with_one_line_and_the_stage_exit_code(tmp_path):
 
 
 def test_upstream_summaries_fill_the_run_and_model_arguments():
-    args = with_upstream({"warehouse": "w", "ds": DAY}, '{"mlflow.run_id": "p1"}',
-                         {"train.model_uris": "w/models/x", "mlflow.run_id": "t1"})  # fmt: skip
+    ups = {"start": '{"mlflow.run_id": "p1"}',
+           "train": {"train.model_uris": "w/models/x", "mlflow.run_id": "t1"}}  # fmt: skip
+    args = with_upstream("register", {"warehouse": "w", "ds": DAY}, ups)
     assert args["parent_run_id"] == "p1" and args["model_uri"] == "w/models/x"
     assert args["register_run_id"] == "t1"
-    assert with_upstream({"ds": DAY}, "{}", "{}") == {"ds": DAY}
-    with pytest.raises(StageFailed, match="unknown stage"):
+    assert "register_run_id" not in with_upstream("evaluate", {"ds": DAY}, ups)  # its pulls only
+    assert with_upstream("register", {"ds": DAY}, {"start": "{}", "train": "{}"}) == {"ds": DAY}
+    with pytest.raises(BadInput, match="unknown stage"):
         run_stage("deploy", {"warehouse": "w", "ds": DAY})
 
 

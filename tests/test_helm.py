@@ -161,6 +161,14 @@ def test_the_airflow_chart_values_mount_our_dags_and_use_our_image():
     values = yaml.safe_load((REPO / "helm" / "airflow-values.yaml").read_text())
     assert values["dags"]["gitSync"]["enabled"] is True
     assert values["dags"]["gitSync"]["subPath"] == "dags/airflow"
+    # the DAGs import the graph from the synced checkout; it needs nothing but the stdlib
+    assert {"name": "PYTHONPATH", "value": "/opt/airflow/dags/repo"} in values["env"]
+    graph_imports = [
+        line.split()[1]
+        for line in (REPO / "recd_core" / "graph.py").read_text().splitlines()
+        if line.startswith(("import ", "from "))
+    ]
+    assert graph_imports == ["__future__", "dataclasses"]
     env_from = yaml.safe_load(values["extraEnvFrom"])  # the official chart takes a string
     assert env_from == [{"configMapRef": {"name": "recd-recd-pipeline"}}]
     assert values["workers"]["serviceAccount"] == {

@@ -58,16 +58,21 @@ def test_a_run_with_both_arms_records_each_arm_and_registers_a_champion(daily):
     children = client.search_runs(
         [exp], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
-    by_mode = {r.data.tags["mode"]: r for r in children}
-    assert set(by_mode) == {"dedup", "baseline"}
-    for mode, run in by_mode.items():
-        for key in ARM_KEYS:
+    # one child run per stage, as under Airflow; an arm's stages tagged with its mode
+    runs = {(r.data.tags["recd.stage"], r.data.tags.get("mode", "")): r for r in children}
+    for mode in ("dedup", "baseline"):
+        assert {"preprocess", "train", "evaluate"} <= {s for s, m in runs if m == mode}
+        for key, stage in zip(
+            ARM_KEYS[1:], ("preprocess", "train", "evaluate", "evaluate"), strict=True
+        ):
+            run = runs[(stage, mode)]
             assert run.data.metrics[key] == pytest.approx(summary[f"{key}.{mode}"]), (mode, key)
+            assert summary[f"mlflow.run_id.{stage}.{mode}"] == run.info.run_id
+    generate = runs[("generate", "")].data.metrics
+    for mode in ("dedup", "baseline"):
+        assert generate[f"storage.bytes.{mode}"] == summary[f"storage.bytes.{mode}"]
     # the arms: clustered storage is smaller, the same next-day quality
-    assert (
-        by_mode["dedup"].data.metrics["storage.bytes"]
-        < by_mode["baseline"].data.metrics["storage.bytes"]
-    )
+    assert summary["storage.bytes.dedup"] < summary["storage.bytes.baseline"]
     assert abs(summary["eval.ne.dedup"] - summary["eval.ne.baseline"]) < 0.01
     assert summary["run.eval_ds"] == NEXT
     assert "dedup vs baseline" in stderr and "next-day NE" in stderr  # the comparison table
@@ -75,7 +80,7 @@ def test_a_run_with_both_arms_records_each_arm_and_registers_a_champion(daily):
     assert f"compare-{DAY}.png" in artifacts and "config.yaml" in artifacts
     assert (root / "out" / f"compare-{DAY}.png").read_bytes()[:4] == b"\x89PNG"
     v1 = client.get_model_version("recd-dlrm", "1")
-    assert v1.run_id == by_mode["dedup"].info.run_id
+    assert v1.run_id == runs[("train", "dedup")].info.run_id  # the model lives with its run
     assert v1.tags["recd.decision"] == "promoted" and v1.tags["recd.champion_ne"] == ""
 
 
@@ -146,10 +151,10 @@ def test_the_next_day_warm_starts_from_the_champion_and_its_version_records_the_
     assert v2.tags["recd.trained_on"] == NEXT
     # the workload's optimum next to the model's NE, in the summary and in the arm's run
     assert 0.5 < day1["eval.oracle_ne"] < day1["eval.ne"]
-    arm = client.get_run(day1["mlflow.run_id.dedup"])
-    assert arm.data.metrics["eval.oracle_ne"] == pytest.approx(day1["eval.oracle_ne"])
+    scored = client.get_run(day1["mlflow.run_id.evaluate.dedup"])
+    assert scored.data.metrics["eval.oracle_ne"] == pytest.approx(day1["eval.oracle_ne"])
     # the validation curve is a metric history, one point per validation
-    curve = client.get_metric_history(arm.info.run_id, "train.val_ne")
+    curve = client.get_metric_history(day1["mlflow.run_id.train.dedup"], "train.val_ne")
     assert len(curve) >= 3 and sorted(p.step for p in curve)[0] == 0
     assert min(p.value for p in curve) == pytest.approx(day1["train.val_ne"])
 

@@ -2,7 +2,7 @@
 ### recd_daily_retrain
 
 Every day, once the day's logs are complete, retrain the DLRM on the previous day and judge
-it on this one:
+it on this one (the graph `recd_core.graph.DAILY`; `recd run` runs the same one locally):
 
 | task | does | writes |
 |---|---|---|
@@ -20,15 +20,17 @@ Keyed by the data interval: the run for interval [D, D+1) trains on D-1 and eval
 so re-running a day replaces that day's partitions (idempotent) and records a new MLflow run.
 """
 
-from airflow.sdk import chain, dag
-from recd_tasks import SETTINGS, default_args, stage, xcom
+from airflow.sdk import dag
+from recd_tasks import SETTINGS, build, default_args
+
+from recd_core.graph import DAILY
 
 TRAIN_DAY = "{{ macros.ds_add(ds, -1) }}"
 
 
 @dag(
-    dag_id="recd_daily_retrain",
-    schedule=SETTINGS.schedule,
+    dag_id=DAILY.name,
+    schedule=SETTINGS.schedule or None,
     start_date=SETTINGS.start,
     catchup=False,
     max_active_runs=1,
@@ -37,33 +39,18 @@ TRAIN_DAY = "{{ macros.ds_add(ds, -1) }}"
     doc_md=__doc__,
 )
 def recd_daily_retrain():
-    base = {
-        "warehouse": SETTINGS.warehouse,
-        "logs": SETTINGS.logs,
-        "ds": TRAIN_DAY,
-        "config": SETTINGS.config,
-        "synthesize": SETTINGS.synthesize,
-        "tracking_uri": SETTINGS.tracking_uri,
-        "pipeline": "recd_daily_retrain {{ ds }}",
-    }
-    start = stage("start", base)
-    args = {**base, "parent_run_id": xcom("start", "mlflow.run_id"), "mode": "dedup"}
-    synth = stage("synth", args)
-    ingest = stage("ingest", args)
-    generate = stage("generate", args)
-    preprocess = stage("preprocess", args)
-    train = stage("train", args)
-    evaluate = stage("evaluate", {**args, "model_uri": xcom("train", "train.model_uris")})
-    register = stage(
-        "register",
-        {**args, "model_uri": xcom("train", "train.model_uris"),
-         "register_run_id": xcom("train", "mlflow.run_id")},
-    )  # fmt: skip
-    finish = stage(
-        "finish", args,
-        upstream=["ingest", "generate", "preprocess", "train", "evaluate", "register"],
-    )  # fmt: skip
-    chain(start, synth, ingest, generate, preprocess, train, evaluate, register, finish)
+    build(
+        DAILY,
+        {
+            "warehouse": SETTINGS.warehouse,
+            "logs": SETTINGS.logs,
+            "ds": TRAIN_DAY,
+            "config": SETTINGS.config,
+            "synthesize": SETTINGS.synthesize,
+            "tracking_uri": SETTINGS.tracking_uri,
+            "pipeline": "recd_daily_retrain {{ ds }}",
+        },
+    )
 
 
 recd_daily_retrain()

@@ -1,7 +1,8 @@
 """
 ### recd_dedup_vs_baseline
 
-Triggered by hand. Both arms on the same data: the same samples, preprocessed as IKJT
+Triggered by hand (`recd compare` runs the same graph, `recd_core.graph.COMPARISON`,
+locally). Both arms on the same data: the same samples, preprocessed as IKJT
 (dedup) and KJT (baseline), trained, and evaluated on the next day; `compare` prints the
 table, stores the chart (MLflow and `reports/compare/` in the warehouse) and fails when the
 arms' NE or AUC differ beyond the configured tolerance.
@@ -12,8 +13,10 @@ Each preset gets its own warehouse under the compare root (`RECD_COMPARE_ROOT`) 
 logs under `<logs>/_compare/`, so runs never mix workloads or touch the daily partitions.
 """
 
-from airflow.sdk import Param, chain, dag
-from recd_tasks import SETTINGS, default_args, stage, xcom
+from airflow.sdk import Param, dag
+from recd_tasks import SETTINGS, build, default_args
+
+from recd_core.graph import COMPARISON
 
 PRESET = "{{ params.preset }}"
 ROOT = f"{SETTINGS.compare_root}/{PRESET}"
@@ -21,7 +24,7 @@ LOGS = f"{SETTINGS.logs}/_compare/{PRESET}"  # raw logs stay files (the logs vol
 
 
 @dag(
-    dag_id="recd_dedup_vs_baseline",
+    dag_id=COMPARISON.name,
     schedule=None,
     start_date=SETTINGS.start,
     catchup=False,
@@ -50,29 +53,8 @@ def recd_dedup_vs_baseline():
         "tracking_uri": SETTINGS.tracking_uri,
         "pipeline": "recd_dedup_vs_baseline {{ params.ds }} x{{ params.days }} {{ params.preset }}",
     }
-    wh = f"{SETTINGS.compare_root}/warehouse"
-    start = stage("start", base)
-    args = {**base, "parent_run_id": xcom("start", "mlflow.run_id")}
-    data = [stage(s, args, warehouse=wh) for s in ("synth", "ingest", "generate")]
-    arms = []
-    for mode in ("dedup", "baseline"):
-        a = {**args, "mode": mode}
-        prep = stage("preprocess", a, task_id=f"preprocess_{mode}", warehouse=wh)
-        train = stage("train", a, task_id=f"train_{mode}", warehouse=wh)
-        model = xcom(f"train_{mode}", "train.model_uris")
-        evaluate = stage("evaluate", {**a, "model_uri": model}, task_id=f"evaluate_{mode}")
-        chain(prep, train, evaluate)
-        arms.append((prep, evaluate))
-    ids = ["generate"] + [
-        f"{s}_{m}" for m in ("dedup", "baseline") for s in ("preprocess", "train", "evaluate")
-    ]
-    compare = stage("compare", args, upstream=ids)
-    finish = stage("finish", args, upstream=["ingest", *ids, "compare"])
-    chain(start, *data)
-    for prep, evaluate in arms:
-        data[-1] >> prep
-        evaluate >> compare
-    compare >> finish
+    # the warehouse is per preset (a template): no Asset can name it, and no consumer needs it
+    build(COMPARISON, base, assets=False)
 
 
 recd_dedup_vs_baseline()

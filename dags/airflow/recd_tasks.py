@@ -1,5 +1,6 @@
-"""Shared by the recd DAGs: where the pipeline runs (settings) and one factory that turns a
-stage of `recd_core.stages` into an Airflow task, either
+"""Shared by the recd DAGs: where the pipeline runs (settings) and the factory that turns a
+graph of `recd_core.graph` into Airflow tasks (`build`), each stage of `recd_core.stages`
+either
 
     inprocess   a TaskFlow task calling `run_stage` on the Airflow worker (the embedded
                 default: `make run`, one machine)
@@ -23,6 +24,8 @@ from typing import Literal
 from airflow.sdk import Asset, task
 from pydantic import BaseModel, ConfigDict
 
+from recd_core.graph import STAGES, Graph
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -40,7 +43,7 @@ class Settings(BaseModel):
     config: str | None = None
     # fabricate logs for days without any: the embedded default only, never in production
     synthesize: bool = True
-    schedule: str = "@daily"
+    schedule: str = "@daily"  # empty: no schedule (runs are triggered)
     start_date: dt.date = dt.date(2026, 11, 1)
     retries: int = 2
     # kubernetes executor
@@ -85,24 +88,30 @@ def xcoms_json(task_ids: list[str]) -> str:
 def asset(table: str, warehouse: str = SETTINGS.warehouse) -> Asset:
     """The Asset a stage produces: one warehouse table (partitions per ds in the event extra)."""
     uri = warehouse if "://" in warehouse else Path(warehouse).resolve().as_uri()
-    # named by its URI: two warehouses (e.g. daily and comparison) are two assets
+    # named by its URI: two warehouses are two assets
     return Asset(uri=f"{uri.rstrip('/')}/{table}", group="recd")
 
 
-OUTLETS = {
-    "ingest": ("events", "quarantine"),
-    "generate": ("samples",),
-    "preprocess": ("batches",),
-    "train": ("models",),
-}
+def build(graph: Graph, args: dict, assets: bool = True) -> dict:
+    """`graph` as this DAG's tasks, in its declared order: each task's arguments are `args`
+    plus its arm and the values it pulls from upstream summaries (XCom templates), its
+    upstream tasks its edges. With `assets`, the tables a stage writes in `args`'s warehouse
+    are its outlets (a warehouse path with templates cannot name an Asset)."""
+    tasks: dict = {}
+    for t in graph.order():
+        targs = {**args, **({"mode": t.mode} if t.mode else {})}
+        targs |= {pull.arg: xcom(src, pull.key) for pull, src in graph.pulls(t)}
+        tables = [w for w in STAGES[t.stage].writes if w != "logs"] if assets else []
+        tasks[t.id] = stage(t.stage, targs, t.id, list(t.gathers), tables)
+        for upstream in t.after:
+            tasks[upstream] >> tasks[t.id]
+    return tasks
 
 
-def stage(name: str, args: dict, task_id: str | None = None, upstream: list[str] | None = None,
-          warehouse: str | None = None):  # fmt: skip
+def stage(name: str, args: dict, task_id: str, upstream: list[str], tables: list[str]):
     """The task running stage `name` with (templated) `args`; `upstream`: task ids whose
-    summaries the stage needs (finish, compare)."""
-    task_id = task_id or name
-    outlets = [asset(t, warehouse or SETTINGS.warehouse) for t in OUTLETS.get(name, ())]
+    summaries the stage needs (finish, compare); `tables`: the Assets it updates."""
+    outlets = [asset(t, args["warehouse"]) for t in tables]
     upstream_json = xcoms_json(upstream) if upstream else None
     if SETTINGS.executor == "kubernetes":
         return _pod(name, task_id, args, outlets, upstream_json)
@@ -111,13 +120,16 @@ def stage(name: str, args: dict, task_id: str | None = None, upstream: list[str]
     def run(stage_args: dict, upstream_json: str | None = None, **context) -> dict:
         from airflow.sdk.exceptions import AirflowFailException
 
-        from recd_core.stages import StageFailed, run_stage
+        from recd_core.errors import RecdError
+        from recd_core.stages import run_stage
 
         try:
             summary = run_stage(
                 name, stage_args, json.loads(upstream_json) if upstream_json else None
             )
-        except StageFailed as e:  # bad input or a failed gate: retrying cannot help
+        except RecdError as e:
+            if e.retryable:  # e.g. the tracking server: the task's retries apply
+                raise
             raise AirflowFailException(f"recd {name}: {e}") from None
         for out in outlets:
             context["outlet_events"][out].extra = {"ds": stage_args["ds"]}
@@ -164,7 +176,7 @@ def _pod(name: str, task_id: str, args: dict, outlets: list, upstream_json: str 
     if upstream_json:
         argv += ["--upstream-json", upstream_json]
     argv += ["--output-metadata", "/airflow/xcom/return.json"]
-    gpus = SETTINGS.train_gpus if name == "train" else 0
+    gpus = SETTINGS.train_gpus if STAGES[name].accelerated else 0
     limits = {"nvidia.com/gpu": str(gpus)} if gpus else {}
     return _pod_operator()(
         task_id=task_id,

@@ -1,5 +1,6 @@
-"""The recd daily pipeline for Kubeflow Pipelines (kfp 2.x): the same stages as the Airflow
-DAG, each a container component of the components image (`python -m components.<stage>`).
+"""The recd daily pipeline for Kubeflow Pipelines (kfp 2.x): `recd_core.graph.DAILY`, the
+graph the Airflow DAG runs too, each stage a container component of the components image
+(`python -m components.<stage>`).
 
     python dags/kubeflow/recd_pipeline.py [--image IMG] [--out build/kfp/recd_pipeline.yaml]
 
@@ -14,96 +15,94 @@ summaries `finish` merges), and its own summary as the output string.
 """
 
 import argparse
+import inspect
 from pathlib import Path
 
 from kfp import compiler, dsl
 
+from recd_core.graph import DAILY, PULLED_FROM, STAGES
+
 IMAGE = "ghcr.io/recd-project/recd-components:0.1.0"
-UPSTREAM = ("ingest", "generate", "preprocess", "train", "evaluate", "register")
+# the summaries finish merges, one input each (`u_<task>`): KFP components have fixed inputs
+UPSTREAM = DAILY.gathered()
+
+
+def _with_inputs(fn, variadic):
+    """`fn` with its upstream inputs in place of its variadic parameter (KFP reads a
+    component's inputs from its signature): one JSON summary per stage arguments are pulled
+    from (`start`, `train`: `graph.PULLED_FROM`), one `u_<task>` per summary finish merges."""
+    params = [p for p in inspect.signature(fn).parameters.values() if p.kind != variadic]
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    names = [*PULLED_FROM, *(f"u_{t}" for t in UPSTREAM)]
+    params += [inspect.Parameter(n, kind, default="{}", annotation=str) for n in names]
+    ret = inspect.signature(fn).return_annotation
+    fn.__signature__ = inspect.Signature(params, return_annotation=ret)
+    return fn
 
 
 def container_stage(name: str, image: str = IMAGE):
     """The container component of one stage."""
 
-    def stage(
-        args: dict,
-        metadata: dsl.OutputPath(str),
-        start: str = "{}",
-        train: str = "{}",
-        u_ingest: str = "{}",
-        u_generate: str = "{}",
-        u_preprocess: str = "{}",
-        u_train: str = "{}",
-        u_evaluate: str = "{}",
-        u_register: str = "{}",
-    ):
-        ups = [u_ingest, u_generate, u_preprocess, u_train, u_evaluate, u_register]
+    def stage(args: dict, metadata: dsl.OutputPath(str), *inputs: str):
+        sources, upstream = inputs[: len(PULLED_FROM)], inputs[len(PULLED_FROM) :]
         return dsl.ContainerSpec(
             image=image,
             command=["python", "-m", f"components.{name}"],
-            args=["--args-json", args, "--start-json", start, "--train-json", train,
-                  *[x for u in ups for x in ("--upstream-item", u)],
+            args=["--args-json", args,
+                  *[x for s, v in zip(PULLED_FROM, sources, strict=True) for x in (f"--{s}-json", v)],
+                  *[x for u in upstream for x in ("--upstream-item", u)],
                   "--output-metadata", metadata],
         )  # fmt: skip
 
     stage.__name__ = f"recd_{name}"
     stage.__doc__ = f"recd stage `{name}` (recd_core.stages)."
-    return dsl.container_component(stage)
+    return dsl.container_component(_with_inputs(stage, inspect.Parameter.VAR_POSITIONAL))
 
 
-@dsl.component(base_image=IMAGE)
 def recd_stage(
-    name: str,
-    args: dict,
-    start: str = "{}",
-    train: str = "{}",
-    u_ingest: str = "{}",
-    u_generate: str = "{}",
-    u_preprocess: str = "{}",
-    u_train: str = "{}",
-    u_evaluate: str = "{}",
-    u_register: str = "{}",
-) -> str:
-    """Lightweight twin of the container components: the same call, in this environment."""
+    name: str, args: dict, start: str = "{}", train: str = "{}", u_synth: str = "{}",
+    u_ingest: str = "{}", u_generate: str = "{}", u_preprocess: str = "{}", u_train: str = "{}",
+    u_evaluate: str = "{}", u_register: str = "{}",
+) -> str:  # fmt: skip
+    """Lightweight twin of the container components: the same call, in this environment.
+    (KFP runs a lightweight component from its source, so its inputs are spelled out; the
+    check below keeps them equal to the graph's.)"""
     import json
 
+    from recd_core.graph import PULLED_FROM
     from recd_core.stages import run_stage, with_upstream
 
-    ups = [u_ingest, u_generate, u_preprocess, u_train, u_evaluate, u_register]
-    items = [json.loads(u) for u in ups if u and u != "{}"]
-    return json.dumps(run_stage(name, with_upstream(args, start, train), items or None))
+    inputs = dict(locals())
+    sources = {s: inputs[s] for s in PULLED_FROM}
+    items = [json.loads(v) for k, v in inputs.items() if k.startswith("u_") and v != "{}"]
+    return json.dumps(run_stage(name, with_upstream(name, args, sources), items or None))
+
+
+_EXPECTED = [*PULLED_FROM, *(f"u_{t}" for t in UPSTREAM)]
+if list(inspect.signature(recd_stage).parameters)[2:] != _EXPECTED:
+    raise RuntimeError(f"recd_stage's inputs must be {_EXPECTED} (recd_core/graph.py changed)")
+recd_stage = dsl.component(base_image=IMAGE)(recd_stage)
 
 
 def graph(op, args: dict) -> None:
-    """start -> synth -> ingest -> generate -> preprocess -> train -> evaluate -> register ->
-    finish; `op(name, **inputs)` makes one stage's task."""
-    start = op("start", args=args)
-    s = {"args": args, "start": start.output}
-    synth = op("synth", **s)
-    ingest = op("ingest", **s).after(synth)
-    generate = op("generate", **s).after(ingest)
-    preprocess = op("preprocess", **s).after(generate)
-    train = op("train", **s).after(preprocess)
-    evaluate = op("evaluate", **s, train=train.output)
-    register = op("register", **s, train=train.output).after(evaluate)
-    tasks = dict(
-        zip(UPSTREAM, (ingest, generate, preprocess, train, evaluate, register), strict=True)
-    )
-    op("finish", **s, **{f"u_{k}": t.output for k, t in tasks.items()})
-
-
-def _args(warehouse, ds, logs, tracking_uri, config, synthesize) -> dict:
-    return {"warehouse": warehouse, "ds": ds, "logs": logs, "tracking_uri": tracking_uri,
-            "config": config, "synthesize": synthesize, "pipeline": "recd kubeflow " + ds}  # fmt: skip
+    """`DAILY` as KFP tasks; `op(stage, **inputs)` makes one. A stage's upstream summaries
+    arrive as inputs named after the stage they come from (`start`, `train`) or, for the
+    summaries finish merges, `u_<task>`; the declared order becomes `.after()`."""
+    tasks: dict = {}
+    for task in DAILY.order():
+        inputs = {"args": {**args, **({"mode": task.mode} if task.mode else {})}}
+        inputs |= {p.stage: tasks[src].output for p, src in DAILY.pulls(task)}
+        inputs |= {f"u_{t}": tasks[t].output for t in task.gathers}
+        tasks[task.id] = op(task.stage, **inputs).after(*(tasks[a] for a in task.after))
 
 
 def build_pipeline(image: str = IMAGE):
-    components = {n: container_stage(n, image) for n in ("start", "synth", *UPSTREAM, "finish")}
+    components = {t.stage: container_stage(t.stage, image) for t in DAILY.tasks}
 
     def op(name, **inputs):
         task = components[name](**inputs)
         task.set_display_name(name)
-        if name == "train":
+        if STAGES[name].accelerated:
             task.set_cpu_request("2").set_memory_request("8G").set_memory_limit("16G")
         return task
 
@@ -112,8 +111,8 @@ def build_pipeline(image: str = IMAGE):
     )
     def recd_pipeline(
         ds: str,
+        logs: str,  # raw logs are files: a path on a volume mounted into the stage pods
         warehouse: str = "s3://recd/warehouse",
-        logs: str = "s3://recd/logs",
         tracking_uri: str = "http://recd-mlflow:5000",
         config: str = "",
         synthesize: bool = False,

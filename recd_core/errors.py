@@ -1,0 +1,72 @@
+"""The error taxonomy: every failure recd expects is a `RecdError`, which carries its exit
+code and whether a retry can fix it. The CLI, the components and the Airflow task factory
+read these two attributes and nothing else, so a failure means the same everywhere.
+
+    RecdError                       exit 1, retryable   (base; not raised itself)
+    ├── BadInput                    exit 2, final       input, config, arguments, a missing
+    │   ├── ConfigError                                 partition, an unreadable model or
+    │   ├── SourceError                                 checkpoint: the same input fails again
+    │   ├── PartitionNotFound
+    │   ├── PreprocessError, BatchMismatch, JaggedError
+    │   └── CheckpointError
+    ├── GateFailed                  exit 3, final       the work ran; its result failed a gate
+    │   └── QuarantineExceeded                          (too many bad rows, arms differ)
+    └── TrackingError               exit 4, retryable   the tracking server is unreachable or
+                                                        refuses the run
+
+Anything else (a bug, a full disk, a killed worker) keeps its traceback, exits 1 from the CLI
+and is retried by the orchestrators' retry policy.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class RecdError(Exception):
+    """A failure with a one-line reason. `summary`: figures worth keeping (e.g. the
+    quarantine counts of a day that failed its gate)."""
+
+    exit_code: ClassVar[int] = 1
+    retryable: ClassVar[bool] = True
+
+    def __init__(self, message: str, summary: dict | None = None):
+        super().__init__(message)
+        self.summary = summary or {}
+
+    def __str__(self) -> str:
+        # one line, whatever the cause wrote (pydantic and pyarrow messages span lines)
+        return " ".join(super().__str__().split())
+
+
+class BadInput(RecdError):
+    """The input (files, config, arguments, a model) cannot be used: fix it and rerun."""
+
+    exit_code = 2
+    retryable = False
+
+
+class GateFailed(RecdError):
+    """The stage did its work, but the result failed a quality gate."""
+
+    exit_code = 3
+    retryable = False
+
+
+class TrackingError(RecdError):
+    """The tracking server cannot be reached or refuses the run."""
+
+    exit_code = 4
+    retryable = True
+
+
+def classify(e: BaseException) -> RecdError | None:
+    """`e` as a `RecdError`: itself, or a `ValueError` (a malformed value: `--ds 2026-13-01`,
+    an argument pydantic refuses) as `BadInput`; None for anything unexpected."""
+    if isinstance(e, RecdError):
+        return e
+    if isinstance(e, ValueError):
+        err = BadInput(str(e))
+        err.__cause__ = e
+        return err
+    return None

@@ -1,0 +1,42 @@
+"""The local runner: a graph of `recd_core.graph` run in this process, task by task through
+`stages.run_stage`, exactly as an orchestrator runs it (the same stages, arguments and
+summaries), for `recd run` and `recd compare`.
+
+The caller may own the pipeline's MLflow run (the command's run): then `start` hands that
+run to the stages instead of opening one, and `finish` merges the summaries without closing
+it (the command closes it with the result).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from recd_core.graph import STAGES, Graph
+from recd_core.stages import run_stage, with_upstream
+
+
+def run_graph(
+    graph: Graph,
+    args: dict,
+    run_id: str | None = None,
+    progress: Callable[[str, int], None] | None = None,
+) -> dict[str, dict]:
+    """Run every task of `graph` in order with the shared `args` (StageArgs fields); return
+    each task's summary by task id. A failing stage raises (its `RecdError` when the
+    taxonomy knows it), after its MLflow run is closed FAILED."""
+    done: dict[str, dict] = {}
+    for task in graph.order():
+        targs = {**args, **({"mode": task.mode} if task.mode else {})}
+        edge = STAGES[task.stage].run_edge
+        if run_id is not None and edge:
+            targs.pop("tracking_uri", None)  # the caller's run: neither opened nor closed here
+        sources = {pull.stage: done[src] for pull, src in graph.pulls(task)}
+        targs = with_upstream(task.stage, targs, sources)
+        upstream = [done[t] for t in task.gathers] if task.gathers else None
+        summary = run_stage(task.stage, targs, upstream)
+        if run_id is not None and edge and not task.gathers:
+            summary["mlflow.run_id"] = run_id  # the run the stages record under
+        done[task.id] = summary
+        if progress:
+            progress(task.id, 1)
+    return done

@@ -1,0 +1,73 @@
+"""The pipeline declared once (`recd_core.graph`): the graphs' shape, every stage implemented
+once with one entrypoint, and no runner keeping its own list of stages or edges."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from recd_core.graph import ARMS, COMPARISON, DAILY, STAGES, pipeline_graph
+from recd_core.stages import IMPLS, UPSTREAM_IMPLS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_daily_graph_is_the_chain_of_its_stages():
+    order = [t.id for t in DAILY.order()]
+    assert order == ["start", "synth", "ingest", "generate", "preprocess", "train", "evaluate",
+                     "register", "finish"]  # fmt: skip
+    for a, b in zip(order, order[1:], strict=False):
+        assert DAILY.task(b).after == (a,)
+    # evaluate and register take the model (and register the train run) from train's summary
+    pulls = {(p.arg, src) for p, src in DAILY.pulls(DAILY.task("register"))}
+    assert pulls == {("parent_run_id", "start"), ("model_uri", "train"),
+                     ("register_run_id", "train")}  # fmt: skip
+
+
+def test_the_comparison_graph_runs_both_arms_after_generate_and_compares_them():
+    for arm in ARMS:
+        assert COMPARISON.task(f"preprocess_{arm}").after == ("generate",)
+        evaluate = COMPARISON.task(f"evaluate_{arm}")
+        assert evaluate.mode == arm and evaluate.id in COMPARISON.task("compare").after
+        # an arm's evaluate takes its own arm's model
+        assert (
+            dict((p.arg, s) for p, s in COMPARISON.pulls(evaluate))["model_uri"] == f"train_{arm}"
+        )
+    assert COMPARISON.task("finish").after == ("compare",)
+    assert "register" not in {t.stage for t in COMPARISON.tasks}
+    with pytest.raises(ValueError, match="both arms"):
+        pipeline_graph(("dedup",), register=False, compare=True, name="x")
+
+
+def test_every_stage_is_implemented_once_and_has_one_entrypoint():
+    assert set(IMPLS) | set(UPSTREAM_IMPLS) == set(STAGES)
+    assert set(UPSTREAM_IMPLS) == {name for name, s in STAGES.items() if s.gathers}
+    for name in STAGES:
+        assert (REPO / "components" / f"{name}.py").exists(), name
+
+
+def _code_strings(path: Path) -> set[str]:
+    """String literals of a module's code (docstrings, which document, left out)."""
+    tree = ast.parse(path.read_text())
+    docs = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.FunctionDef | ast.ClassDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return {
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+    }
+
+
+def test_no_runner_keeps_its_own_list_of_stages_or_edges():
+    names = set(STAGES) | {t.id for g in (DAILY, COMPARISON) for t in g.tasks}
+    files = [*(REPO / "dags").rglob("*.py"), *(REPO / "components").glob("_*.py"),
+             REPO / "recd_core" / "runner.py"]  # fmt: skip
+    for path in files:
+        assert not (_code_strings(path) & names), path
+        assert "chain(" not in path.read_text(), path
