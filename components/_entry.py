@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from recd_core.errors import RecdError
-from recd_core.graph import PULLED_FROM
-from recd_core.stages import StageArgs, run_stage, with_upstream
+from recd_core.orchestration.graph import PULLED_FROM
+from recd_core.orchestration.stages import StageArgs, run_stage, with_upstream
 
 
 def parser(stage: str) -> argparse.ArgumentParser:

@@ -75,7 +75,7 @@ def _root(
 ):
     """Options for every command: where the run record goes."""
     if tracking_uri:
-        from recd_core.tracking import Tracker
+        from recd_core.mlops.tracking import Tracker
 
         # bounded MLflow HTTP behaviour: no retry storms against a dead server
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -90,7 +90,7 @@ def _run(
     record the run in MLflow when a tracking URI is set: opened before the work (so a
     pipeline's stages nest under it: `tracked=True` hands the body a `RunHandle`), closed
     FINISHED or FAILED with the summary's figures and its `artifacts` files."""
-    from recd_core.tracking import RunHandle
+    from recd_core.mlops.tracking import RunHandle
 
     tracker = ctx.find_root().obj
     params = {k: v for k, v in ctx.params.items() if k != "summary"}
@@ -148,7 +148,7 @@ def synth(
     summary: SummaryOpt = None,
 ):
     """Generate raw impression logs with session structure (deterministic per seed)."""
-    from recd_core.synth import synthesize
+    from recd_core.data.synth import synthesize
 
     def body():
         try:
@@ -186,7 +186,7 @@ def ingest_cmd(
     summary: SummaryOpt = None,
 ):
     """Validate raw logs into events/ds=D; rejected rows go to quarantine/ds=D with reasons."""
-    from recd_core.ingest import ingest
+    from recd_core.data.ingest import ingest
 
     def body():
         pipe = _pipeline(config, "movielens" if format == Format.movielens else "synthetic")
@@ -216,7 +216,7 @@ def generate_cmd(
     summary: SummaryOpt = None,
 ):
     """Write training samples in the session-clustered (RecD) or shuffled (baseline) layout."""
-    from recd_core.datagen import generate
+    from recd_core.data.generate import generate
 
     def body():
         cfg = _pipeline(config).generate
@@ -261,7 +261,7 @@ def preprocess_cmd(
 ):
     """DPP: transform samples/layout=clustered/ds=D into batches/mode=<mode>/ds=D; in dedup
     mode once per unique value (IKJT)."""
-    from recd_core.dpp import preprocess
+    from recd_core.dpp.preprocess import preprocess
 
     def body():
         base = _pipeline(config).preprocess
@@ -319,7 +319,7 @@ def train_cmd(
     """Train the DLRM on the preprocessed batches/mode=<mode>/ds=D (dedup: IKJT, baseline:
     KJT); resumes from the run's latest checkpoint. --batch-size must match preprocessing."""
     from recd_core.config import TrainConfig, load_yaml, parse_config
-    from recd_core.train import train
+    from recd_core.modeling.train import train
 
     def body():
         base = (
@@ -334,7 +334,7 @@ def train_cmd(
         cfg = TrainConfig(
             **{**base.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
         )
-        from recd_core.registry import init_model
+        from recd_core.mlops.registry import init_model
 
         tracker = ctx.find_root().obj
         model_name = _pipeline(config).registry.model_name
@@ -356,7 +356,7 @@ def evaluate_cmd(
     summary: SummaryOpt = None,
 ):
     """Score samples/layout=clustered/ds=D with a trained model: NE, AUC, log loss, calibration."""
-    from recd_core.evaluate import evaluate
+    from recd_core.modeling.evaluate import evaluate
 
     def body():
         try:
@@ -386,7 +386,7 @@ def _run_graph(
 ) -> dict:  # fmt: skip
     """`graph` run in this process by the local runner; the result: finish's merged summary
     (every stage's contract keys; an arm's suffixed with its mode)."""
-    from recd_core.runner import run_graph
+    from recd_core.orchestration.runner import run_graph
 
     if handle is not None:
         handle.tracker.log_config(handle.run_id, _pipeline(config))
@@ -447,7 +447,7 @@ def run_cmd(
     """The daily graph in-process: ingest, generate, DPP, train, evaluate on the next day;
     with a tracking URI also register the model and decide the champion by NE. `--mode both`
     runs both arms on the same samples and compares them (exit 3 when they differ)."""
-    from recd_core.graph import ARMS, pipeline_graph
+    from recd_core.orchestration.graph import ARMS, pipeline_graph
 
     def body(handle):
         if mode not in ("dedup", "baseline", "both"):
@@ -464,7 +464,7 @@ def run_cmd(
 
     result = _run(ctx, "run", summary, body, tracked=True)
     if mode == "both":
-        from recd_core.compare import print_table
+        from recd_core.mlops.compare import print_table
 
         print_table(result, console)
     _print_decision(result)
@@ -484,8 +484,8 @@ def compare_cmd(
     """The comparison graph in-process (the `recd_dedup_vs_baseline` DAG): both arms on the
     same data, a table, a PNG chart (the warehouse's reports/compare/, MLflow, --out), and
     exit 3 when the arms' next-day NE or AUC differ beyond the configured tolerance."""
-    from recd_core.compare import print_table
-    from recd_core.graph import COMPARISON
+    from recd_core.mlops.compare import print_table
+    from recd_core.orchestration.graph import COMPARISON
 
     def body(handle):
         try:
@@ -517,7 +517,7 @@ def bench_cmd(
 ):
     """The headline ratios measured side by side (storage, ingestion, DPP, training) and the
     model's quality next to references on the same data."""
-    from recd_core.bench import run_bench
+    from recd_core.bench.run import run_bench
 
     def body():
         return run_bench(preset.value, out, movielens, quality=quality, quality_days=quality_days)

@@ -136,7 +136,7 @@ ENVELOPE_COLUMNS = ("event_id", "ts", "session_id", "label")
 
 
 class SynthConfig(_Strict):
-    """The synthetic workload (synth.py). Presets live in `SYNTH_PRESETS`."""
+    """The synthetic workload (data/synth.py). Presets live in `SYNTH_PRESETS`."""
 
     users: int = Field(gt=0)
     items: int = Field(gt=1)
@@ -200,7 +200,7 @@ class GenerateConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    """The DLRM's shape (model.py)."""
+    """The DLRM's shape (modeling/model.py)."""
 
     embedding_dim: int = Field(default=32, gt=0)
     bottom_mlp: list[int] = [64]
@@ -228,7 +228,7 @@ class DedupConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    """`recd train` (train.py)."""
+    """`recd train` (modeling/train.py)."""
 
     mode: Literal["dedup", "baseline"] = "dedup"
     batch_size: int = Field(default=4096, gt=0)
@@ -242,7 +242,7 @@ class TrainConfig(_Strict):
     # a second pass, confirm it)
     patience: int = Field(default=2, gt=0)
     lr_dense: float = Field(default=1e-3, gt=0)
-    # embedding tables: row-wise Adagrad (optim.py); its per-row accumulator starts here
+    # embedding tables: row-wise Adagrad (modeling/optim.py); its per-row accumulator starts here
     lr_sparse: float = Field(default=0.1, gt=0)
     adagrad_initial_accumulator: float = Field(default=0.0, ge=0)
     # pipelines (`recd run`, the DAGs) start from the champion's weights when its feature
@@ -289,7 +289,7 @@ class TransformSpec(_Strict):
 
 
 class PreprocessConfig(_Strict):
-    """`recd preprocess` (dpp.py)."""
+    """`recd preprocess` (dpp/preprocess.py)."""
 
     mode: Literal["dedup", "baseline"] = "dedup"
     batch_size: int = Field(default=4096, gt=0)
@@ -317,7 +317,7 @@ class PreprocessConfig(_Strict):
 
 
 class RegistryConfig(_Strict):
-    """How trained models are registered and judged (registry.py, compare.py)."""
+    """How trained models are registered and judged (mlops/registry.py, mlops/compare.py)."""
 
     model_name: str = Field(default="recd-dlrm", min_length=1)
     # a challenger is promoted when its NE on the evaluation day is at most the champion's

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from recd_core.config import FeatureSet, load_feature_set, synth_config
-from recd_core.synth import synthesize
+from recd_core.data.synth import synthesize
 from recd_core.warehouse import Warehouse
 
 DAY = "2026-11-01"
@@ -62,8 +62,8 @@ def samples_warehouse(tmp_path_factory, small_logs, features) -> Path:
     """A warehouse with both days of the small preset ingested and generated (read-only:
     tests that write copy it with `fresh_warehouse`)."""
     from recd_core.config import GenerateConfig, IngestConfig
-    from recd_core.datagen import generate
-    from recd_core.ingest import ingest
+    from recd_core.data.generate import generate
+    from recd_core.data.ingest import ingest
 
     root = tmp_path_factory.mktemp("samples_wh")
     wh = Warehouse(root)

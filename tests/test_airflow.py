@@ -17,7 +17,7 @@ import pytest
 from k8s_checks import assert_restricted
 from mlflow.tracking import MlflowClient
 
-from recd_core.stages import STAGES as ALL_STAGES
+from recd_core.orchestration.stages import STAGES as ALL_STAGES
 
 REPO = Path(__file__).resolve().parents[1]
 DAGS = REPO / "dags" / "airflow"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from recd_core.graph import COMPARISON, DAILY
+from recd_core.orchestration.graph import COMPARISON, DAILY
 
 REPO = Path(__file__).resolve().parents[1]
 AIRFLOW = Path(sys.executable).parent / "airflow"

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from recd_core.bench import dpp_figures, markdown
-from recd_core.bench_train import bench_embeddings, bench_train, peak_memory
+from recd_core.bench.run import dpp_figures, markdown
+from recd_core.bench.training import bench_embeddings, bench_train, peak_memory
 from recd_core.config import ModelConfig, TrainConfig
 
 DAY = "2026-11-01"
@@ -88,7 +88,7 @@ def test_the_logistic_regression_reference_and_the_split_by_time_per_user(fresh_
     import numpy as np
     import pyarrow.compute as pc
 
-    from recd_core.bench_quality import logistic_regression, time_split
+    from recd_core.bench.quality import logistic_regression, time_split
     from recd_core.schema import feature_set_of
 
     samples = fresh_warehouse.read("samples", "2026-11-01", layout="clustered")

@@ -9,10 +9,10 @@ import pyarrow.ipc as ipc
 import pytest
 import torch
 
-from recd_core.batch_store import BatchStore, expand
 from recd_core.config import FeatureSpec, PreprocessConfig, TransformSpec
-from recd_core.dpp import PreprocessError, preprocess
-from recd_core.transforms import hash_ids, transform_dense, transform_ids, truncate
+from recd_core.dpp.batch_store import BatchStore, expand
+from recd_core.dpp.preprocess import PreprocessError, preprocess
+from recd_core.dpp.transforms import hash_ids, transform_dense, transform_ids, truncate
 
 DAY, NEXT = "2026-11-01", "2026-11-02"
 

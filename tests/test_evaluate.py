@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from recd_core.config import PreprocessConfig, TrainConfig
-from recd_core.dpp import preprocess
-from recd_core.evaluate import evaluate
-from recd_core.train import train
+from recd_core.dpp.preprocess import preprocess
+from recd_core.modeling.evaluate import evaluate
+from recd_core.modeling.train import train
 
 DAY, NEXT = "2026-11-01", "2026-11-02"
 

@@ -3,9 +3,9 @@ import pyarrow as pa
 import pytest
 
 from recd_core.config import GenerateConfig, IngestConfig
-from recd_core.datagen import generate, session_clustered_order
-from recd_core.dedup import batch_factors, row_hashes
-from recd_core.ingest import ingest
+from recd_core.data.generate import generate, session_clustered_order
+from recd_core.data.ingest import ingest
+from recd_core.dedup.unique import batch_factors, row_hashes
 
 DAY = "2026-11-01"
 

@@ -1,4 +1,4 @@
-"""The pipeline declared once (`recd_core.graph`): the graphs' shape, every stage implemented
+"""The pipeline declared once (`recd_core.orchestration.graph`): the graphs' shape, every stage implemented
 once with one entrypoint, and no runner keeping its own list of stages or edges."""
 
 import ast
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from recd_core.graph import ARMS, COMPARISON, DAILY, STAGES, pipeline_graph
-from recd_core.stages import IMPLS, UPSTREAM_IMPLS
+from recd_core.orchestration.graph import ARMS, COMPARISON, DAILY, STAGES, pipeline_graph
+from recd_core.orchestration.stages import IMPLS, UPSTREAM_IMPLS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,39 @@ def _code_strings(path: Path) -> set[str]:
 def test_no_runner_keeps_its_own_list_of_stages_or_edges():
     names = set(STAGES) | {t.id for g in (DAILY, COMPARISON) for t in g.tasks}
     files = [*(REPO / "dags").rglob("*.py"), *(REPO / "components").glob("_*.py"),
-             REPO / "recd_core" / "runner.py"]  # fmt: skip
+             REPO / "recd_core" / "orchestration" / "runner.py"]  # fmt: skip
     for path in files:
         assert not (_code_strings(path) & names), path
         assert "chain(" not in path.read_text(), path
+
+
+LAYERS = [
+    "foundation",
+    "dedup",
+    "data",
+    "dpp",
+    "modeling",
+    "mlops",
+    "orchestration",
+    "bench",
+    "cli",
+]
+
+
+def _layer(module: str) -> str:
+    """recd_core.<layer>.<module> -> layer; root modules are the foundation, but the CLI
+    (the edge, above every layer)."""
+    parts = module.split(".")
+    if len(parts) > 2 and parts[1] in LAYERS:
+        return parts[1]
+    return "cli" if parts[1:] == ["cli"] else "foundation"
+
+
+def test_each_layer_imports_only_from_the_layers_above_it():
+    root = REPO / "recd_core"
+    for path in root.rglob("*.py"):
+        own = _layer("recd_core." + ".".join(path.relative_to(root).with_suffix("").parts))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("recd_core."):
+                target = _layer(node.module)
+                assert LAYERS.index(target) <= LAYERS.index(own), (path, node.module)

@@ -165,7 +165,7 @@ def test_the_airflow_chart_values_mount_our_dags_and_use_our_image():
     assert {"name": "PYTHONPATH", "value": "/opt/airflow/dags/repo"} in values["env"]
     graph_imports = [
         line.split()[1]
-        for line in (REPO / "recd_core" / "graph.py").read_text().splitlines()
+        for line in (REPO / "recd_core" / "orchestration" / "graph.py").read_text().splitlines()
         if line.startswith(("import ", "from "))
     ]
     assert graph_imports == ["__future__", "dataclasses"]

@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from recd_core.config import IngestConfig
-from recd_core.ingest import QuarantineExceeded, ingest
-from recd_core.sources import SourceError
+from recd_core.data.ingest import QuarantineExceeded, ingest
+from recd_core.data.sources import SourceError
 
 DAY = "2026-11-01"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recd_core.stages import STAGES as ALL_STAGES
+from recd_core.orchestration.stages import STAGES as ALL_STAGES
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "dags" / "kubeflow"))

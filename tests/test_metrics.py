@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from sklearn.metrics import log_loss, roc_auc_score
 
 from recd_core import metrics
-from recd_core.evaluate import StreamingMetrics
+from recd_core.modeling.evaluate import StreamingMetrics
 
 
 @settings(max_examples=60, deadline=None)

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import recd_core.dedup as dedup
-import recd_core.sparse as sparse
-from recd_core.sparse import (
+import recd_core.dedup.sparse as sparse
+import recd_core.dedup.unique as dedup
+from recd_core.dedup.sparse import (
     InverseKeyedJaggedTensor,
     JaggedError,
     KeyedJaggedTensor,

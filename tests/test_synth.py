@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from recd_core.config import synth_config
-from recd_core.synth import synthesize
+from recd_core.data.synth import synthesize
 
 
 def _rows(day_dir):
@@ -88,7 +88,7 @@ def test_the_oracle_figures_equal_a_direct_computation(tmp_path, features):
     from sklearn.metrics import log_loss, roc_auc_score
 
     from recd_core.config import SynthConfig
-    from recd_core.synth import _World, generate_day, read_oracle, synthesize
+    from recd_core.data.synth import _World, generate_day, read_oracle, synthesize
 
     cfg = SynthConfig(users=50, items=200, samples_per_day=600, days=2)
     summary = synthesize(features, cfg, tmp_path)

@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from recd_core.batching import make_batch, plan_dedup
 from recd_core.config import DedupConfig, ModelConfig, PreprocessConfig, TrainConfig
-from recd_core.dpp import preprocess
+from recd_core.dedup.sparse import JaggedError
+from recd_core.dpp.preprocess import preprocess
 from recd_core.metrics import auc
-from recd_core.model import DLRM
-from recd_core.schema import feature_set_of
-from recd_core.sparse import JaggedError
-from recd_core.train import (
+from recd_core.modeling.batching import make_batch, plan_dedup
+from recd_core.modeling.model import DLRM
+from recd_core.modeling.train import (
     CheckpointError,
     Checkpoints,
     batches_id,
@@ -26,6 +25,7 @@ from recd_core.train import (
     run_name,
     train,
 )
+from recd_core.schema import feature_set_of
 
 DAY, NEXT = "2026-11-01", "2026-11-02"
 
@@ -105,7 +105,7 @@ def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(
     script = textwrap.dedent(
         f"""
         import os, signal
-        from recd_core.train import Checkpoints, TrainConfig, train
+        from recd_core.modeling.train import Checkpoints, TrainConfig, train
         from recd_core.warehouse import Warehouse
         real = Checkpoints.save
         def save_then_die(self, state):
@@ -218,7 +218,7 @@ def test_two_processes_data_parallel_on_gloo(fresh_warehouse):
 
 
 def test_training_refuses_batches_of_another_size(fresh_warehouse):
-    from recd_core.train import BatchMismatch
+    from recd_core.modeling.train import BatchMismatch
 
     preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=512))
     with pytest.raises(
@@ -230,8 +230,8 @@ def test_training_refuses_batches_of_another_size(fresh_warehouse):
 def test_early_stopping_keeps_the_best_validated_state(fresh_warehouse):
     """Trained well past its best (several passes, small batches): the saved model is the
     state with the best validation NE, not the last one, and the curve says where that was."""
-    from recd_core.batch_store import BatchStore
-    from recd_core.train import validate
+    from recd_core.dpp.batch_store import BatchStore
+    from recd_core.modeling.train import validate
 
     cfg = TrainConfig(batch_size=128, epochs=4, patience=3, model=SMALL_MODEL, lr_sparse=0.3)
     s = fit(fresh_warehouse, cfg)
@@ -259,8 +259,8 @@ def test_validation_rows_are_the_latest_and_never_trained_on(fresh_warehouse):
 
 
 def test_warm_start_loads_the_given_models_weights_or_says_why_it_cannot(fresh_warehouse):
-    from recd_core.batch_store import BatchStore
-    from recd_core.train import validate
+    from recd_core.dpp.batch_store import BatchStore
+    from recd_core.modeling.train import validate
 
     first = fit(fresh_warehouse, TrainConfig(batch_size=256, max_steps=6, model=SMALL_MODEL))
     model, _ = load_model(first["train.model_uri"])

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from recd_core.config import FeatureSet, IngestConfig
-from recd_core.ingest import ingest
+from recd_core.data.ingest import ingest
 from recd_core.warehouse import Warehouse
 
 FEATURES = FeatureSet.model_validate(

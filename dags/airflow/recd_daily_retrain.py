@@ -2,7 +2,7 @@
 ### recd_daily_retrain
 
 Every day, once the day's logs are complete, retrain the DLRM on the previous day and judge
-it on this one (the graph `recd_core.graph.DAILY`; `recd run` runs the same one locally):
+it on this one (the graph `recd_core.orchestration.graph.DAILY`; `recd run` runs the same one locally):
 
 | task | does | writes |
 |---|---|---|
@@ -23,7 +23,7 @@ so re-running a day replaces that day's partitions (idempotent) and records a ne
 from airflow.sdk import dag
 from recd_tasks import SETTINGS, build, default_args
 
-from recd_core.graph import DAILY
+from recd_core.orchestration.graph import DAILY
 
 TRAIN_DAY = "{{ macros.ds_add(ds, -1) }}"
 

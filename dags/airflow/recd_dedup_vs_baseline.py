@@ -1,7 +1,7 @@
 """
 ### recd_dedup_vs_baseline
 
-Triggered by hand (`recd compare` runs the same graph, `recd_core.graph.COMPARISON`,
+Triggered by hand (`recd compare` runs the same graph, `recd_core.orchestration.graph.COMPARISON`,
 locally). Both arms on the same data: the same samples, preprocessed as IKJT
 (dedup) and KJT (baseline), trained, and evaluated on the next day; `compare` prints the
 table, stores the chart (MLflow and `reports/compare/` in the warehouse) and fails when the
@@ -16,7 +16,7 @@ logs under `<logs>/_compare/`, so runs never mix workloads or touch the daily pa
 from airflow.sdk import Param, dag
 from recd_tasks import SETTINGS, build, default_args
 
-from recd_core.graph import COMPARISON
+from recd_core.orchestration.graph import COMPARISON
 
 PRESET = "{{ params.preset }}"
 ROOT = f"{SETTINGS.compare_root}/{PRESET}"

@@ -1,5 +1,5 @@
 """Shared by the recd DAGs: where the pipeline runs (settings) and the factory that turns a
-graph of `recd_core.graph` into Airflow tasks (`build`), each stage of `recd_core.stages`
+graph of `recd_core.orchestration.graph` into Airflow tasks (`build`), each stage of `recd_core.orchestration.stages`
 either
 
     inprocess   a TaskFlow task calling `run_stage` on the Airflow worker (the embedded
@@ -24,7 +24,7 @@ from typing import Literal
 from airflow.sdk import Asset, task
 from pydantic import BaseModel, ConfigDict
 
-from recd_core.graph import STAGES, Graph
+from recd_core.orchestration.graph import STAGES, Graph
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -121,7 +121,7 @@ def stage(name: str, args: dict, task_id: str, upstream: list[str], tables: list
         from airflow.sdk.exceptions import AirflowFailException
 
         from recd_core.errors import RecdError
-        from recd_core.stages import run_stage
+        from recd_core.orchestration.stages import run_stage
 
         try:
             summary = run_stage(

@@ -1,4 +1,4 @@
-"""The recd daily pipeline for Kubeflow Pipelines (kfp 2.x): `recd_core.graph.DAILY`, the
+"""The recd daily pipeline for Kubeflow Pipelines (kfp 2.x): `recd_core.orchestration.graph.DAILY`, the
 graph the Airflow DAG runs too, each stage a container component of the components image
 (`python -m components.<stage>`).
 
@@ -6,7 +6,7 @@ graph the Airflow DAG runs too, each stage a container component of the componen
 
 compiles it (`make pipeline`); upload the YAML in the Kubeflow UI (docs/operations.md).
 `lightweight_pipeline` is the same graph with lightweight Python components calling
-`recd_core.stages.run_stage` in the current environment: the tests run it end to end with
+`recd_core.orchestration.stages.run_stage` in the current environment: the tests run it end to end with
 `kfp.local.SubprocessRunner(use_venv=False)`.
 
 Every stage component has one shape: `args` (a StageArgs JSON object), `start` and `train`
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kfp import compiler, dsl
 
-from recd_core.graph import DAILY, PULLED_FROM, STAGES
+from recd_core.orchestration.graph import DAILY, PULLED_FROM, STAGES
 
 IMAGE = "ghcr.io/recd-project/recd-components:0.1.0"
 # the summaries finish merges, one input each (`u_<task>`): KFP components have fixed inputs
@@ -55,7 +55,7 @@ def container_stage(name: str, image: str = IMAGE):
         )  # fmt: skip
 
     stage.__name__ = f"recd_{name}"
-    stage.__doc__ = f"recd stage `{name}` (recd_core.stages)."
+    stage.__doc__ = f"recd stage `{name}` (recd_core.orchestration.stages)."
     return dsl.container_component(_with_inputs(stage, inspect.Parameter.VAR_POSITIONAL))
 
 
@@ -69,8 +69,8 @@ def recd_stage(
     check below keeps them equal to the graph's.)"""
     import json
 
-    from recd_core.graph import PULLED_FROM
-    from recd_core.stages import run_stage, with_upstream
+    from recd_core.orchestration.graph import PULLED_FROM
+    from recd_core.orchestration.stages import run_stage, with_upstream
 
     inputs = dict(locals())
     sources = {s: inputs[s] for s in PULLED_FROM}
@@ -80,7 +80,9 @@ def recd_stage(
 
 _EXPECTED = [*PULLED_FROM, *(f"u_{t}" for t in UPSTREAM)]
 if list(inspect.signature(recd_stage).parameters)[2:] != _EXPECTED:
-    raise RuntimeError(f"recd_stage's inputs must be {_EXPECTED} (recd_core/graph.py changed)")
+    raise RuntimeError(
+        f"recd_stage's inputs must be {_EXPECTED} (recd_core/orchestration/graph.py changed)"
+    )
 recd_stage = dsl.component(base_image=IMAGE)(recd_stage)
 
 

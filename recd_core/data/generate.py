@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recd_core.config import FeatureSet, GenerateConfig
-from recd_core.dedup import batch_factors, dedup_profile, group_hashes
+from recd_core.dedup.unique import batch_factors, dedup_profile, group_hashes
 from recd_core.schema import feature_set_of
 from recd_core.warehouse import Warehouse
 

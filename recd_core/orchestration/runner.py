@@ -1,4 +1,4 @@
-"""The local runner: a graph of `recd_core.graph` run in this process, task by task through
+"""The local runner: a graph of `recd_core.orchestration.graph` run in this process, task by task through
 `stages.run_stage`, exactly as an orchestrator runs it (the same stages, arguments and
 summaries), for `recd run` and `recd compare`.
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from recd_core.graph import STAGES, Graph
-from recd_core.stages import run_stage, with_upstream
+from recd_core.orchestration.graph import STAGES, Graph
+from recd_core.orchestration.stages import run_stage, with_upstream
 
 
 def run_graph(

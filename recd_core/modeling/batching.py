@@ -3,7 +3,7 @@
 `make_batch` turns a slice of samples into a training batch through DPP's own encode and
 decode (the same code path as `recd preprocess`; ids hashed into their tables, dense values
 as they are): tests and benchmarks build batches with it without writing them to the
-warehouse. Training itself streams the preprocessed batches (batch_store.py).
+warehouse. Training itself streams the preprocessed batches (dpp/batch_store.py).
 
 Which features are deduplicated is decided by the dedup plan (`dedup.plan_dedup`,
 re-exported here): a feature is grouped when its measured dedup factor reaches
@@ -15,17 +15,17 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from recd_core.batch_store import Batch
 from recd_core.config import DedupConfig, FeatureSet
-from recd_core.dedup import DedupPlan, id_features, plan_dedup  # noqa: F401 (re-exported)
+from recd_core.dedup.unique import DedupPlan, id_features, plan_dedup  # noqa: F401 (re-exported)
+from recd_core.dpp.batch_store import Batch
 
 
 def make_batch(rows: pa.Table, features: FeatureSet, plan: DedupPlan | None) -> Batch:
     """One batch; `plan=None` is the baseline (every feature per sample). Unique rows are
     found by hashing (exact, any row order)."""
-    from recd_core.batch_store import decode_batch
     from recd_core.config import PreprocessConfig, TransformSpec
-    from recd_core.dpp import Prepared, encode_batch
+    from recd_core.dpp.batch_store import decode_batch
+    from recd_core.dpp.preprocess import Prepared, encode_batch
 
     groups = {g: fs for g, fs in plan.groups.items() if fs} if plan else {}
     cfg = PreprocessConfig(

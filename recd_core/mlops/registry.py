@@ -8,7 +8,7 @@ transforms and statistics. So the logged model carries the state dict, `model.js
 transforms, statistics and the dedup plan) and the `recd_core` code, with a signature and an
 input example; `mlflow.pyfunc.load_model("models:/recd-dlrm@champion").predict(rows)`
 returns click probabilities. Nothing is pickled: the model is logged "from code"
-(`mlflow_model.py`), and the state dict inside is plain `torch.save` of tensors, loaded
+(`mlops/mlflow_model.py`), and the state dict inside is plain `torch.save` of tensors, loaded
 with `weights_only=True`.
 
 Aliases, per registered model name:
@@ -48,13 +48,13 @@ class SampleScorer(mlflow.pyfunc.PythonModel):
     """Click probabilities for sample rows (one DataFrame row per impression)."""
 
     def load_context(self, context) -> None:
-        from recd_core.train import load_model
+        from recd_core.modeling.train import load_model
 
         self.model, self.meta = load_model(context.artifacts["dlrm"])
         self.schema = events_schema(samples_features(self.meta))
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> np.ndarray:
-        from recd_core.train import predict
+        from recd_core.modeling.train import predict
 
         table = rows_table(model_input, self.schema)
         return predict(self.model, self.meta, table, trust_sessions=False).astype(np.float64)
@@ -266,7 +266,7 @@ def score_version(tracker, version, warehouse, ds: str, batch_size: int) -> dict
     transforms and statistics), so the champion is judged on the challenger's day."""
     import mlflow.artifacts
 
-    from recd_core.evaluate import score_day
+    from recd_core.modeling.evaluate import score_day
 
     with tempfile.TemporaryDirectory() as tmp:
         local = mlflow.artifacts.download_artifacts(
@@ -282,7 +282,7 @@ def register_and_promote(
     """Log and register the model saved at `model_uri` (to MLflow run `run_id`) as
     `challenger`; score the current champion on `eval_ds`; move `champion` by NE (`cfg`: the
     pipeline's `RegistryConfig`). Returns the `registry.*` figures."""
-    from recd_core.train import model_dir, saved_summary
+    from recd_core.modeling.train import model_dir, saved_summary
 
     trained = saved_summary(model_uri)
     lineage = {

@@ -33,8 +33,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from recd_core.dedup import list_parts as _list_parts
-from recd_core.dedup import unique_rows
+from recd_core.dedup.unique import list_parts as _list_parts
+from recd_core.dedup.unique import unique_rows
 from recd_core.errors import BadInput
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 def run_on_ray(args: list[tuple], workers: int) -> list[dict]:
     import ray
 
-    from recd_core.dpp import process_split
+    from recd_core.dpp.preprocess import process_split
 
     started = False
     if not ray.is_initialized():

@@ -134,11 +134,11 @@ def movielens_quality(
     source: Path, out: Path, train_cfg: TrainConfig | None = None, per_user: bool = True
 ) -> dict:
     """Ours vs logistic regression on MovieLens ratings split by time (80/20)."""
-    from recd_core.datagen import generate, write_samples
-    from recd_core.dpp import preprocess
-    from recd_core.evaluate import evaluate
-    from recd_core.ingest import ingest
-    from recd_core.train import train
+    from recd_core.data.generate import generate, write_samples
+    from recd_core.data.ingest import ingest
+    from recd_core.dpp.preprocess import preprocess
+    from recd_core.modeling.evaluate import evaluate
+    from recd_core.modeling.train import train
 
     wh = Warehouse(_fresh(out / "movielens-quality"))
     pipeline = PipelineConfig(features=load_feature_set("movielens"))
@@ -191,12 +191,12 @@ def synthetic_week(
 ) -> dict:
     """`days` daily runs, each warm-started from the previous day's model, each evaluated on
     its next day next to the oracle; the first day also by the baseline arm."""
-    from recd_core.datagen import generate
-    from recd_core.dpp import preprocess
-    from recd_core.evaluate import evaluate
-    from recd_core.ingest import ingest
-    from recd_core.synth import eval_oracle, logs_for_day, synthesize_missing
-    from recd_core.train import train
+    from recd_core.data.generate import generate
+    from recd_core.data.ingest import ingest
+    from recd_core.data.synth import eval_oracle, logs_for_day, synthesize_missing
+    from recd_core.dpp.preprocess import preprocess
+    from recd_core.modeling.evaluate import evaluate
+    from recd_core.modeling.train import train
 
     root = _fresh(out / "week")
     wh, logs = Warehouse(root / "warehouse"), root / "logs"

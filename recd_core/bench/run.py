@@ -2,7 +2,7 @@
 
 Storage of the shuffled (baseline) vs the session-clustered (RecD) layout against the
 storage lower bound, the dedup profile, ingestion, DPP and training throughput of both
-arms, and model quality next to references on the same data (bench_quality.py: a logistic
+arms, and model quality next to references on the same data (bench/quality.py: a logistic
 regression on MovieLens, the oracle on a synthetic week). Results go to `OUT/bench.json`
 (the `bench.*` keys), `OUT/bench.md` (the tables for docs/benchmarks.md) and a chart.
 """
@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 
 from recd_core.config import GenerateConfig, IngestConfig, load_feature_set, synth_config
-from recd_core.datagen import generate
-from recd_core.ingest import ingest
+from recd_core.data.generate import generate
+from recd_core.data.ingest import ingest
+from recd_core.data.synth import synthesize
 from recd_core.report import human_bytes
-from recd_core.synth import synthesize
 from recd_core.warehouse import Warehouse
 
 DS = "2026-11-01"
@@ -47,7 +47,7 @@ def _storage(wh: Warehouse, ds: str, cfg: GenerateConfig) -> dict:
 def _train_figures(wh: Warehouse, ds: str, out: Path, repeats: int = 7) -> dict:
     import torch
 
-    from recd_core.bench_train import bench_embeddings, bench_train, peak_memory
+    from recd_core.bench.training import bench_embeddings, bench_train, peak_memory
     from recd_core.config import TrainConfig
 
     table = wh.read("samples", ds, layout="clustered")
@@ -113,7 +113,7 @@ def run_bench(
             "ingest_quarantined": ml_ing["ingest.rows_quarantined"],
         }
     if quality:
-        from recd_core.bench_quality import movielens_quality, synthetic_week
+        from recd_core.bench.quality import movielens_quality, synthetic_week
 
         if movielens is not None:
             result.update(movielens_quality(movielens, out))
@@ -265,7 +265,7 @@ def dpp_figures(wh: Warehouse, ds: str, repeats: int = 3) -> dict:
     import statistics
 
     from recd_core.config import PreprocessConfig
-    from recd_core.dpp import preprocess
+    from recd_core.dpp.preprocess import preprocess
 
     runs: dict[str, list[dict]] = {"dedup": [], "baseline": [], "dedup_2w": [], "dedup_2t": []}
     for _ in range(repeats):

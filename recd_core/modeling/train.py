@@ -3,9 +3,9 @@
 Both modes see the same batches in the same order (contiguous rows of the clustered layout,
 batch order seeded per epoch); they differ only in how the batch is represented, so their
 losses and weights agree to float tolerance. Embedding tables train with row-wise Adagrad
-on sparse gradients (optim.py), everything else with Adam.
+on sparse gradients (modeling/optim.py), everything else with Adam.
 
-Validation and early stopping: DPP holds out the day's latest rows (dpp.py); training
+Validation and early stopping: DPP holds out the day's latest rows (dpp/preprocess.py); training
 validates on them `validations_per_epoch` times a pass (and once before the first step),
 keeps the state with the best validation NE and stops after `patience` validations without
 a better one, at most `epochs` passes. The curve is in the summary (`train.history`), which
@@ -49,13 +49,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from recd_core.batch_store import BatchStore, decode_batch
-from recd_core.batching import epoch_order
 from recd_core.config import FeatureSet, TrainConfig
-from recd_core.dpp import Prepared, batch_ranges, encode_batch
+from recd_core.dpp.batch_store import BatchStore, decode_batch
+from recd_core.dpp.preprocess import Prepared, batch_ranges, encode_batch
 from recd_core.errors import BadInput
-from recd_core.model import DLRM
-from recd_core.optim import RowWiseAdagrad
+from recd_core.modeling.batching import epoch_order
+from recd_core.modeling.model import DLRM
+from recd_core.modeling.optim import RowWiseAdagrad
 from recd_core.warehouse import Warehouse
 
 
@@ -345,7 +345,7 @@ def add_window(wh: Warehouse, store: BatchStore, ds: str, cfg: TrainConfig) -> l
 
 def validate(model: DLRM, valid: BatchStore, device: torch.device) -> dict[str, float]:
     """NE, AUC and calibration of the current weights on the day's validation batches."""
-    from recd_core.evaluate import score_batches
+    from recd_core.modeling.evaluate import score_batches
 
     return score_batches(model, valid, device)
 

@@ -23,14 +23,14 @@ from collections.abc import Callable
 import pyarrow as pa
 import torch
 
-from recd_core.batch_store import Batch
-from recd_core.batching import make_batch, plan_dedup
 from recd_core.config import TrainConfig
-from recd_core.dpp import batch_ranges
-from recd_core.model import DLRM
-from recd_core.optim import RowWiseAdagrad
+from recd_core.dpp.batch_store import Batch
+from recd_core.dpp.preprocess import batch_ranges
+from recd_core.modeling.batching import make_batch, plan_dedup
+from recd_core.modeling.model import DLRM
+from recd_core.modeling.optim import RowWiseAdagrad
+from recd_core.modeling.train import _peak_mem, make_optimizers, train_step
 from recd_core.schema import feature_set_of
-from recd_core.train import _peak_mem, make_optimizers, train_step
 
 
 def _timed(fn: Callable[[], object], device: torch.device) -> float:
@@ -191,8 +191,8 @@ def bench_embeddings(table: pa.Table, cfg: TrainConfig, repeats: int = 5) -> dic
         from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     except ImportError:
         return {}
-    from recd_core.dedup import DedupPlan
-    from recd_core.sparse import KeyedJaggedTensor, to_torchrec
+    from recd_core.dedup.sparse import KeyedJaggedTensor, to_torchrec
+    from recd_core.dedup.unique import DedupPlan
 
     features = feature_set_of(table.schema)
     plan = plan_dedup(table, features, cfg.dedup, cfg.batch_size)

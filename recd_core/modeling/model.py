@@ -21,7 +21,7 @@ one space, learned from both uses. The shown item attends over the encoded histo
 attention, as in DIN): the history's encoder runs once per unique user row, only the
 attention runs per sample.
 
-A `Batch` (batch_store.py) carries per-sample features in a KeyedJaggedTensor and each deduplicated feature
+A `Batch` (dpp/batch_store.py) carries per-sample features in a KeyedJaggedTensor and each deduplicated feature
 group in an InverseKeyedJaggedTensor. Modules that see only a group's features (embedding
 bags, the history encoder) run on the group's unique rows; their outputs are expanded with
 `index_select(0, inverse_indices)`. Autograd sums the gradients of duplicates, so a dedup
@@ -37,9 +37,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from recd_core.batch_store import Batch
 from recd_core.config import FeatureSet, FeatureSpec, ModelConfig
-from recd_core.sparse import JaggedError, JaggedTensor
+from recd_core.dedup.sparse import JaggedError, JaggedTensor
+from recd_core.dpp.batch_store import Batch
 
 
 def mlp(sizes: list[int], last_relu: bool = True) -> nn.Sequential:

@@ -2,7 +2,7 @@
 
 Checks run on whole Arrow columns, never a Python loop over rows:
 
-  parse      JSON syntax, UTF-8, object shape, types (sources.py)
+  parse      JSON syntax, UTF-8, object shape, types (data/sources.py)
   required   every envelope column and every `required` feature present and non-null
   ids        sparse ids, list elements, event_id, session_id, ts non-negative
   label      0 or 1
@@ -28,10 +28,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from recd_core.config import ENVELOPE_COLUMNS, FeatureSet, GenerateConfig, IngestConfig
-from recd_core.dedup import rows_equal_to
+from recd_core.dedup.unique import rows_equal_to
 from recd_core.errors import GateFailed
 from recd_core.schema import events_schema, mark_sessions_checked
-from recd_core.sources import (
+from recd_core.data.sources import (
     Parsed,
     Rejects,
     SourceError,
@@ -322,7 +322,7 @@ def ingest(
     t0 = time.perf_counter()
     source = Path(source)
     if cfg.format == "movielens":
-        from recd_core.movielens import read_movielens
+        from recd_core.data.movielens import read_movielens
 
         parsed, rejects, bytes_in, nfiles = read_movielens(source, features, cfg)
         parsed, bad = validate(parsed, features)

@@ -1,7 +1,7 @@
 """`recd preprocess`: DPP. Samples -> transformed training batches, once per unique value.
 
 Reads `samples/layout=clustered/ds=D`, cuts it into batches of `batch_size` contiguous rows,
-transforms the features (transforms.py) and writes the batches to
+transforms the features (dpp/transforms.py) and writes the batches to
 `batches/mode=<dedup|baseline>/ds=D`. In dedup mode the user group's rows are deduplicated
 exactly first and only the unique rows are transformed; the batch keeps them as an IKJT.
 Expanding a dedup batch gives the baseline batch, tensor for tensor (tested).
@@ -43,17 +43,17 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from recd_core.config import FeatureSet, PreprocessConfig
-from recd_core.dedup import list_parts as _list_parts
-from recd_core.dedup import unique_rows, unique_runs, unique_sessions
-from recd_core.errors import BadInput
-from recd_core.schema import events_schema, feature_set_of, sessions_checked
-from recd_core.transforms import (
+from recd_core.dedup.unique import list_parts as _list_parts
+from recd_core.dedup.unique import unique_rows, unique_runs, unique_sessions
+from recd_core.dpp.transforms import (
     dense_stats,
     model_spec,
     pre_standardize,
     transform_dense,
     transform_ids,
 )
+from recd_core.errors import BadInput
+from recd_core.schema import events_schema, feature_set_of, sessions_checked
 from recd_core.warehouse import Warehouse
 
 _F32 = pa.list_(pa.float32())
@@ -138,7 +138,7 @@ def prepare(
     """Check the config against the data; measure the dedup plan (on `table`, the first
     batches) and, unless given, the standardization statistics (on `dense`, the whole
     partition's dense columns; default `table`)."""
-    from recd_core.dedup import plan_dedup
+    from recd_core.dedup.unique import plan_dedup
 
     for name in cfg.transforms:
         if name not in {f.name for f in raw.features}:
@@ -419,7 +419,7 @@ def preprocess(
         valid_samples = sum(r["valid_samples"] for r in results)
         w.rows = samples + valid_samples
         w.extra = {
-            "format": "recd.batches/2 (see recd_core/dpp.py)",
+            "format": "recd.batches/2 (see recd_core/dpp/preprocess.py)",
             "mode": cfg.mode,
             "batch_size": cfg.batch_size,
             "batches": sum(r["batches"] for r in results),
@@ -453,7 +453,7 @@ def preprocess(
 
 def run_splits(args: list[tuple], cfg: PreprocessConfig, progress=None) -> list[dict]:
     if cfg.engine == "ray":
-        from recd_core.dpp_ray import run_on_ray
+        from recd_core.dpp.ray_engine import run_on_ray
 
         return run_on_ray(args, cfg.workers)
     if cfg.workers == 1:

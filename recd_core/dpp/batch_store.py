@@ -1,7 +1,7 @@
 """The batch format: `Batch`, what the model consumes, and DPP's preprocessed Arrow IPC
-batches (see dpp.py) decoded into it.
+batches (see dpp/preprocess.py) decoded into it.
 
-Kept apart from dpp.py so DPP workers never import torch, and from model.py so the format
+Kept apart from dpp/preprocess.py so DPP workers never import torch, and from modeling/model.py so the format
 does not depend on the network.
 """
 
@@ -16,7 +16,7 @@ import pyarrow.ipc as ipc
 import torch
 
 from recd_core.config import FeatureSet
-from recd_core.sparse import InverseKeyedJaggedTensor, KeyedJaggedTensor
+from recd_core.dedup.sparse import InverseKeyedJaggedTensor, KeyedJaggedTensor
 from recd_core.warehouse import Warehouse
 
 
@@ -102,7 +102,7 @@ SPLIT_PREFIX = {"train": "shard-", "validation": "valid-"}
 
 class BatchStore:
     """A preprocessed day's training or validation batches, in order, decoded to tensors on
-    demand (`split`: which files of the partition, see dpp.py)."""
+    demand (`split`: which files of the partition, see dpp/preprocess.py)."""
 
     def __init__(self, wh: Warehouse, ds: str, mode: str, split: str = "train"):
         self.manifest = read_manifest(wh, ds, mode)

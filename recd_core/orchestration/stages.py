@@ -1,7 +1,7 @@
 """The pipeline's stages: one function each, run the same way by every runner (the local
 runner behind `recd run`, an Airflow worker in-process, a pod of the components image for
 Airflow's KubernetesPodOperator or Kubeflow, or by hand: `python -m components.<stage>`).
-Which stages exist and how they connect is `recd_core.graph`; this module is what they do.
+Which stages exist and how they connect is `recd_core.orchestration.graph`; this module is what they do.
 
 Every stage takes one `StageArgs` (plain values an orchestrator can template) and returns
 a JSON-safe summary (the contract keys), which becomes the task's XCom / output metadata.
@@ -26,9 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from recd_core.config import PipelineConfig, load_pipeline_config
 from recd_core.errors import BadInput, GateFailed, TrackingError, classify
-from recd_core.graph import ARM_LAYOUT
-from recd_core.graph import STAGES as GRAPH_STAGES
-from recd_core.tracking import Tracker
+from recd_core.mlops.tracking import Tracker
+from recd_core.orchestration.graph import ARM_LAYOUT
+from recd_core.orchestration.graph import STAGES as GRAPH_STAGES
 from recd_core.warehouse import Warehouse
 
 STAGES = tuple(GRAPH_STAGES)
@@ -154,7 +154,7 @@ def _logs(args: StageArgs) -> str:
 
 
 def _synth(args: StageArgs) -> dict:
-    from recd_core.synth import synthesize_missing
+    from recd_core.data.synth import synthesize_missing
 
     logs = _logs(args)
     if not args.synthesize:
@@ -165,8 +165,8 @@ def _synth(args: StageArgs) -> dict:
 
 def _ingest(args: StageArgs) -> dict:
     """Every day the run needs: the training days and their evaluation days."""
-    from recd_core.ingest import ingest
-    from recd_core.synth import logs_for_day
+    from recd_core.data.ingest import ingest
+    from recd_core.data.synth import logs_for_day
 
     logs = _logs(args)
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
@@ -181,7 +181,7 @@ def _ingest(args: StageArgs) -> dict:
 def _generate(args: StageArgs) -> dict:
     """Training days in both layouts (each arm's, and the storage figure); evaluation days
     clustered only (every model scores the same rows)."""
-    from recd_core.datagen import generate
+    from recd_core.data.generate import generate
 
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
     both = tuple(ARM_LAYOUT[arm] for arm in ("dedup", "baseline"))
@@ -201,7 +201,7 @@ def _generate(args: StageArgs) -> dict:
 
 
 def _preprocess(args: StageArgs) -> dict:
-    from recd_core.dpp import preprocess
+    from recd_core.dpp.preprocess import preprocess
 
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
     prep = cfg.preprocess.model_copy(update={"mode": args.mode})
@@ -211,8 +211,8 @@ def _preprocess(args: StageArgs) -> dict:
 def _train(args: StageArgs) -> dict:
     """Train each day, warm-started from `init_from` (default: the champion, when the
     config's `train.warm_start` is on and there is one)."""
-    from recd_core.registry import init_model
-    from recd_core.train import train
+    from recd_core.mlops.registry import init_model
+    from recd_core.modeling.train import train
 
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
     tc = cfg.train.model_copy(update={"mode": args.mode})
@@ -224,8 +224,8 @@ def _train(args: StageArgs) -> dict:
 
 
 def _evaluate(args: StageArgs) -> dict:
-    from recd_core.evaluate import evaluate
-    from recd_core.synth import eval_oracle
+    from recd_core.data.synth import eval_oracle
+    from recd_core.modeling.evaluate import evaluate
 
     if not args.model_uri:
         raise BadInput("no --model-uri given")
@@ -243,8 +243,8 @@ def _evaluate(args: StageArgs) -> dict:
 
 def _register(args: StageArgs) -> dict:
     """Log the last day's model to the train run, register it, decide the champion."""
-    from recd_core.evaluate import evaluate
-    from recd_core.registry import register_and_promote
+    from recd_core.mlops.registry import register_and_promote
+    from recd_core.modeling.evaluate import evaluate
 
     tracker = args.tracker()
     if tracker is None:
@@ -263,7 +263,7 @@ def _compare(args: StageArgs, upstream: list[dict]) -> dict:
     run) and in the warehouse (`reports/compare/ds=D/`), and the quality gate."""
     import tempfile
 
-    from recd_core.compare import chart, quality_gap, ratios, table_rows
+    from recd_core.mlops.compare import chart, quality_gap, ratios, table_rows
 
     cfg = args.pipeline_config()
     summary = merge(
@@ -300,7 +300,7 @@ def _compare(args: StageArgs, upstream: list[dict]) -> dict:
 def _finish(args: StageArgs, upstream: list[dict]) -> dict:
     """Close the pipeline run. Its summary: the stages' figures, merged (see `merge`), and
     with both arms their ratios."""
-    from recd_core.compare import ratios
+    from recd_core.mlops.compare import ratios
 
     last = args.training_days()[-1]
     summary = merge(upstream, {"pipeline.ds": args.ds, "pipeline.days": args.days,

@@ -1,9 +1,9 @@
 """The pipeline, declared once: its stages and the graphs they form, as data.
 
 Every runner reads this module and nothing else for the shape of a pipeline: the local
-runner behind `recd run` / `recd compare` (`recd_core.runner`), the Airflow DAG factory
+runner behind `recd run` / `recd compare` (`recd_core.orchestration.runner`), the Airflow DAG factory
 (`dags/airflow/recd_tasks.py`) and the Kubeflow pipeline builder (`dags/kubeflow/`). The
-work of each stage is `recd_core.stages`; adding a stage means a `Stage` here, its function
+work of each stage is `recd_core.orchestration.stages`; adding a stage means a `Stage` here, its function
 there, and a `Task` in the graphs that run it.
 
 A `Stage` says what it reads and writes in the warehouse and which arguments it takes from

@@ -57,7 +57,7 @@ class StreamingMetrics:
 
 def evaluate(warehouse: Warehouse, model_uri: str, ds: str, batch_size: int = 4096) -> dict:
     """Score `samples/layout=clustered/ds=D` with the model saved at `model_uri`."""
-    from recd_core.train import load_model
+    from recd_core.modeling.train import load_model
 
     t0 = time.perf_counter()
     model, meta = load_model(model_uri)
@@ -83,8 +83,8 @@ def score_batches(model, batches, device="cpu") -> dict[str, float]:
 
 def score_day(warehouse: Warehouse, model, meta: dict, ds: str, batch_size: int = 4096) -> dict:
     """NE, AUC, log loss and calibration of a loaded model on a day's samples."""
-    from recd_core.batch_store import decode_batch
-    from recd_core.dpp import Prepared, batch_ranges, encode_batch
+    from recd_core.dpp.batch_store import decode_batch
+    from recd_core.dpp.preprocess import Prepared, batch_ranges, encode_batch
 
     t0 = time.perf_counter()
     prep = Prepared.from_json(json.dumps(meta["prepared"]))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from recd_core.config import FeatureSpec, TransformSpec
-from recd_core.dedup import mix64
+from recd_core.dedup.unique import mix64
 
 
 def hash_ids(values: np.ndarray, table_size: int, stable_hash: bool) -> np.ndarray:

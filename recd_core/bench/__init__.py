@@ -1,0 +1,1 @@
+"""`recd bench`: the headline ratios side by side and the model's quality next to references."""

@@ -1,0 +1,1 @@
+"""Finding duplicates: unique rows, runs and sessions; jagged tensors and the IKJT."""

@@ -1,0 +1,1 @@
+"""The model: the DLRM, its optimizer, training, scoring and metrics."""

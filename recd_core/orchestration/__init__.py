@@ -1,0 +1,1 @@
+"""The pipeline declared once (graph), what each stage does (stages) and the local runner."""
