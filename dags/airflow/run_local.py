@@ -96,7 +96,7 @@ def print_summary(dag_id: str, day: dt.date, state: str, tracking_uri: str | Non
         summary = json.loads(Path(path).read_text())
     except Exception:  # noqa: BLE001 - a run that failed before writing it
         summary = {}
-    started = summary.get("train.init_from") or "scratch"
+    started = summary.get("train.init_from", "?") or "scratch"  # "?": failed before training
     trained = t.get("ds") or "?"
     show(
         f"{dag_id} {day}: {state}",

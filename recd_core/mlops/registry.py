@@ -37,6 +37,7 @@ import pandas as pd
 import pyarrow as pa
 
 import recd_core
+from recd_core.errors import BadInput
 from recd_core.schema import events_schema
 
 MODEL_ARTIFACT = "model"
@@ -263,17 +264,23 @@ def record_decision(
 
 def score_version(tracker, version, warehouse, ds: str, batch_size: int) -> dict:
     """A registered version's metrics on a day, scored from the registry's copy (its own
-    transforms and statistics), so the champion is judged on the challenger's day."""
+    transforms and statistics), so the champion is judged on the challenger's day. The
+    model directory is loaded by this code, not through the pyfunc's stored entry code, so a
+    champion registered by an older recd is judged the same way (as warm start loads it)."""
     import mlflow.artifacts
 
     from recd_core.modeling.evaluate import score_day
+    from recd_core.modeling.train import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
         local = mlflow.artifacts.download_artifacts(
             artifact_uri=version.source, dst_path=tmp, tracking_uri=tracker.uri
         )
-        scorer = mlflow.pyfunc.load_model(local).unwrap_python_model()
-        return score_day(warehouse, scorer.model, scorer.meta, ds, batch_size)
+        found = next(Path(local).rglob("model.json"), None)
+        if found is None:
+            raise BadInput(f"{version.name} v{version.version} holds no recd model (model.json)")
+        model, meta = load_model(str(found.parent))
+        return score_day(warehouse, model, meta, ds, batch_size)
 
 
 def register_and_promote(
