@@ -13,7 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from recd_core.mlops.registry import decide
-from recd_core.modeling.train import load_model, predict
+from recd_core.modeling.saved import load_model, predict
 
 RECD = Path(sys.executable).parent / "recd"
 DAY, NEXT, THIRD = "2026-11-01", "2026-11-02", "2026-11-03"

@@ -16,15 +16,8 @@ from recd_core.dpp.preprocess import preprocess
 from recd_core.metrics import auc
 from recd_core.modeling.batching import make_batch, plan_dedup
 from recd_core.modeling.model import DLRM
-from recd_core.modeling.train import (
-    CheckpointError,
-    Checkpoints,
-    batches_id,
-    load_model,
-    predict,
-    run_name,
-    train,
-)
+from recd_core.modeling.saved import CheckpointError, load_model, predict
+from recd_core.modeling.train import Checkpoints, batches_id, run_name, train
 from recd_core.schema import feature_set_of
 
 DAY, NEXT = "2026-11-01", "2026-11-02"

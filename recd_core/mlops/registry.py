@@ -49,13 +49,13 @@ class SampleScorer(mlflow.pyfunc.PythonModel):
     """Click probabilities for sample rows (one DataFrame row per impression)."""
 
     def load_context(self, context) -> None:
-        from recd_core.modeling.train import load_model
+        from recd_core.modeling.saved import load_model
 
         self.model, self.meta = load_model(context.artifacts["dlrm"])
         self.schema = events_schema(samples_features(self.meta))
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> np.ndarray:
-        from recd_core.modeling.train import predict
+        from recd_core.modeling.saved import predict
 
         table = rows_table(model_input, self.schema)
         return predict(self.model, self.meta, table, trust_sessions=False).astype(np.float64)
@@ -270,7 +270,7 @@ def score_version(tracker, version, warehouse, ds: str, batch_size: int) -> dict
     import mlflow.artifacts
 
     from recd_core.modeling.evaluate import score_day
-    from recd_core.modeling.train import load_model
+    from recd_core.modeling.saved import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
         local = mlflow.artifacts.download_artifacts(
@@ -289,7 +289,7 @@ def register_and_promote(
     """Log and register the model saved at `model_uri` (to MLflow run `run_id`) as
     `challenger`; score the current champion on `eval_ds`; move `champion` by NE (`cfg`: the
     pipeline's `RegistryConfig`). Returns the `registry.*` figures."""
-    from recd_core.modeling.train import model_dir, saved_summary
+    from recd_core.modeling.saved import model_dir, saved_summary
 
     trained = saved_summary(model_uri)
     lineage = {

@@ -57,7 +57,7 @@ class StreamingMetrics:
 
 def evaluate(warehouse: Warehouse, model_uri: str, ds: str, batch_size: int = 4096) -> dict:
     """Score `samples/layout=clustered/ds=D` with the model saved at `model_uri`."""
-    from recd_core.modeling.train import load_model
+    from recd_core.modeling.saved import load_model
 
     t0 = time.perf_counter()
     model, meta = load_model(model_uri)

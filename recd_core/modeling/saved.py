@@ -1,0 +1,163 @@
+"""A trained model on disk, in one place for every reader (evaluate, the registry, serving,
+warm start): the model directory, its two files, and scoring with it.
+
+    <warehouse>/models/<run>/          (or any local copy, e.g. MLflow's model artifacts)
+        model.pt      the state dict: plain `torch.save` of tensors (loaded weights_only)
+        model.json    {"features": the model's FeatureSet, "train": its TrainConfig,
+                       "prepared": DPP's transforms, statistics and dedup groups (score with
+                       these), "summary": the training summary}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from recd_core.config import FeatureSet, TrainConfig
+from recd_core.dpp.batch_store import decode_batch
+from recd_core.dpp.preprocess import Prepared, batch_ranges, encode_batch
+from recd_core.errors import BadInput
+from recd_core.modeling.model import DLRM
+from recd_core.warehouse import Warehouse
+
+
+class CheckpointError(BadInput):
+    """A checkpoint that cannot be read: named, with what to do about it."""
+
+
+def _write_bytes(wh: Warehouse, path: str, data: bytes) -> None:
+    """Write atomically: a temporary name, then a move (atomic on local filesystems)."""
+    wh.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with wh.fs.open_output_stream(tmp) as f:
+        f.write(data)
+    wh.fs.move(tmp, path)
+
+
+def _read_bytes(wh: Warehouse, path: str) -> bytes:
+    with wh.fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def _torch_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _torch_load(data: bytes, where: str):
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds on a damaged file
+        first_line = (str(e).strip().splitlines() or [""])[0][:160]
+        raise CheckpointError(
+            f"{where} is corrupt or not a recd checkpoint ({type(e).__name__}: {first_line}); "
+            "delete it to resume from the previous checkpoint"
+        ) from None
+
+
+def _read_saved(location: str) -> tuple[dict, bytes, str]:
+    """model.json (parsed) and model.pt (bytes) of a saved model, local or in a warehouse."""
+    path = Path(location)
+    if path.is_dir():
+        return (
+            json.loads((path / "model.json").read_text()),
+            (path / "model.pt").read_bytes(),
+            str(path / "model.pt"),
+        )
+    if "/models/" not in location:
+        raise ValueError("expected a model directory or <warehouse>/models/<run>")
+    wh, base = _model_location(location)
+    meta = json.loads(_read_bytes(wh, f"{base}/model.json"))
+    return meta, _read_bytes(wh, f"{base}/model.pt"), f"{base}/model.pt"
+
+
+def save_model(
+    wh: Warehouse, run: str, model: DLRM, cfg: TrainConfig, prepared: dict, summary: dict
+) -> str:
+    base = f"{wh.root}/models/{run}"
+    _write_bytes(
+        wh, f"{base}/model.pt", _torch_bytes({k: v.cpu() for k, v in model.state_dict().items()})
+    )
+    meta = {
+        "features": model.features.model_dump(mode="json"),
+        "train": cfg.model_dump(mode="json"),
+        "prepared": prepared,  # DPP's transforms, statistics and dedup groups: score with these
+        "summary": {k: v for k, v in summary.items() if k != "train.model_uri"},
+    }
+    _write_bytes(wh, f"{base}/model.json", json.dumps(meta, indent=1).encode())
+    return f"{wh.uri.rstrip('/')}/models/{run}"
+
+
+def _model_location(uri: str) -> tuple[Warehouse, str]:
+    """A model URI (`<warehouse>/models/<run>`) as its warehouse and the path inside it."""
+    wh_uri, run = uri.rsplit("/models/", 1)
+    wh = Warehouse(wh_uri)
+    return wh, f"{wh.root}/models/{run}"
+
+
+def load_model(uri: str) -> tuple[DLRM, dict]:
+    """A saved model (state dict + model.json) at `<warehouse>/models/<run>` or in a local
+    directory (a copy, e.g. MLflow's model artifacts), for scoring."""
+    meta, weights, where = _read_saved(str(uri))
+    return model_from(meta, weights, where), meta
+
+
+@contextlib.contextmanager
+def model_dir(uri: str):
+    """A local directory holding the saved model's two files (copied from an object store)."""
+    wh, base = _model_location(uri)
+    if wh.fs.type_name == "local":
+        yield Path(base)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("model.pt", "model.json"):
+            (Path(tmp) / name).write_bytes(_read_bytes(wh, f"{base}/{name}"))
+        yield Path(tmp)
+
+
+def saved_summary(uri: str) -> dict:
+    """The training summary stored in a saved model's model.json."""
+    wh, base = _model_location(uri)
+    return json.loads(_read_bytes(wh, f"{base}/model.json")).get("summary", {})
+
+
+def model_from(meta: dict, weights: bytes, where: str) -> DLRM:
+    features = FeatureSet.model_validate(meta["features"])
+    model = DLRM(features, TrainConfig.model_validate(meta["train"]).model)
+    model.load_state_dict(_torch_load(weights, where))
+    return model.eval()
+
+
+def predict(
+    model: DLRM,
+    meta: dict,
+    table: pa.Table,
+    batch_size: int = 4096,
+    device: str = "cpu",
+    trust_sessions: bool = True,
+) -> np.ndarray:
+    """Click probabilities for a samples table, preprocessed exactly as in training (the
+    run's transforms and statistics), deduplicated like the training batches. Rows that did
+    not pass ingest's session check (`trust_sessions=False`, e.g. served requests) are
+    deduplicated by comparing values instead of by session id."""
+    prep = Prepared.from_json(json.dumps(meta["prepared"]))
+    if not trust_sessions and prep.dedup_method == "session":
+        prep = dataclasses.replace(prep, dedup_method="runs")
+    out = []
+    model = model.to(device)
+    with torch.no_grad():
+        for lo, hi in batch_ranges(table.num_rows, batch_size):
+            rb = encode_batch(table.slice(lo, hi - lo), prep)
+            batch = decode_batch(rb, prep.model, prep.groups).to(device)
+            out.append(torch.sigmoid(model(batch)).cpu().numpy())
+    return np.concatenate(out) if out else np.zeros(0, np.float32)
