@@ -29,7 +29,7 @@ from recd_core.config import (
 )
 from recd_core.errors import BadInput, GateFailed, TrackingError, classify
 from recd_core.report import console, print_summary, progress, write_summary
-from recd_core.warehouse import PartitionNotFound, Warehouse
+from recd_core.warehouse import PartitionNotFound, Warehouse, validate_ds
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
 
@@ -152,7 +152,7 @@ def synth(
 
     def body():
         try:
-            start = dt.date.fromisoformat(start_date)
+            start = dt.date.fromisoformat(validate_ds(start_date))
         except ValueError:
             raise BadInput(f"--start-date must be YYYY-MM-DD, got {start_date!r}") from None
         cfg = synth_config(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -54,7 +55,11 @@ class PartitionInfo:
 
 
 def validate_ds(ds: str) -> str:
+    """A partition date, canonical only: `fromisoformat` alone also takes `20261101` and
+    `2026-W45-1`, which would name the same day's partition differently."""
     try:
+        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", ds):
+            raise ValueError
         dt.date.fromisoformat(ds)
     except ValueError:
         raise ValueError(f"--ds must be a date YYYY-MM-DD, got {ds!r}") from None
@@ -72,7 +77,11 @@ class Warehouse:
         self.fs, self.root = pafs.FileSystem.from_uri(uri)
         self.root = self.root.rstrip("/")
         self.renames_atomically = self.fs.type_name in ("local", "hdfs")
-        self.fs.create_dir(self.root, recursive=True)
+        try:
+            self.fs.create_dir(self.root, recursive=True)
+        except OSError as e:  # a file in the way, no permission: the user's to fix
+            reason = str(e).split(". Detail")[0].removeprefix(f"[Errno {e.errno}] ")
+            raise BadInput(f"warehouse {uri} cannot be used as a directory: {reason}") from None
 
     # -- paths ------------------------------------------------------------------------------
     def _rel(self, table: str, ds: str, keys: dict[str, str]) -> str:

@@ -114,6 +114,18 @@ def test_truncated_gzip_keeps_readable_rows_and_reports_the_cut(day_logs, wareho
     assert s["ingest.rows_in"] == s["ingest.rows_ok"] + s["ingest.rows_quarantined"]
 
 
+def test_a_deeply_nested_line_is_quarantined_and_the_day_published(day_logs, warehouse, features):
+    clean = _clean_lines(day_logs, 50)
+    deep = [b"[" * 10_000 + b"]" * 10_000,
+            b'{"event_id": ' + b'{"a": ' * 5_000 + b"1" + b"}" * 5_000 + b"}"]  # fmt: skip
+    src = day_logs.parent / "deep.jsonl"
+    src.write_bytes(b"\n".join(clean[:25] + deep + clean[25:]) + b"\n")
+    s = ingest(src, warehouse, DAY, features, IngestConfig(max_quarantine_fraction=1.0))
+    assert s["ingest.rows_in"] == 52 and s["ingest.rows_ok"] == 50
+    q = warehouse.read("quarantine", DAY).to_pylist()
+    assert len(q) == 2 and all(r["reason"].startswith("invalid JSON") for r in q)
+
+
 def test_quarantine_over_the_limit_does_not_publish_events(day_logs, warehouse, features):
     ingest(day_logs, warehouse, DAY, features, IngestConfig())  # a good earlier run
     before = warehouse.read("events", DAY)

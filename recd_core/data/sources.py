@@ -295,6 +295,8 @@ def diagnose_json_line(line: bytes, schema: pa.Schema, arrow_msg: str) -> tuple[
         return None, f"invalid JSON: {what} (column {e.colno})"
     except ValueError as e:  # duplicate key
         return str(e).split("'")[1], f"invalid JSON: {e}"
+    except RecursionError:  # e.g. [[[[...]]]] thousands deep: a bad line, not a crash
+        return None, "invalid JSON: nested too deeply"
     if arrow_msg.startswith("more than one JSON value"):
         return None, "invalid JSON: more than one JSON value on one line"
     if not isinstance(obj, dict):
