@@ -8,7 +8,7 @@ read these two attributes and nothing else, so a failure means the same everywhe
     │   ├── SourceError                                 checkpoint: the same input fails again
     │   ├── PartitionNotFound
     │   ├── PreprocessError, BatchMismatch, JaggedError
-    │   └── CheckpointError
+    │   └── CheckpointError, ModelError
     ├── GateFailed                  exit 3, final       the work ran; its result failed a gate
     │   └── QuarantineExceeded                          (too many bad rows, arms differ)
     └── TrackingError               exit 4, retryable   the tracking server is unreachable or

@@ -30,6 +30,10 @@ from recd_core.modeling.model import DLRM
 from recd_core.warehouse import Warehouse
 
 
+class ModelError(BadInput):
+    """A saved model that cannot be read (damaged, or not a recd model): named, with why."""
+
+
 class CheckpointError(BadInput):
     """A checkpoint that cannot be read: named, with what to do about it."""
 
@@ -54,11 +58,14 @@ def _torch_bytes(obj) -> bytes:
     return buf.getvalue()
 
 
-def _torch_load(data: bytes, where: str):
+def _torch_load(data: bytes, where: str, what: str = "checkpoint"):
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many kinds on a damaged file
         first_line = (str(e).strip().splitlines() or [""])[0][:160]
+        if what != "checkpoint":
+            raise ModelError(f"{where} is corrupt or not a recd {what} "
+                             f"({type(e).__name__}: {first_line})") from None  # fmt: skip
         raise CheckpointError(
             f"{where} is corrupt or not a recd checkpoint ({type(e).__name__}: {first_line}); "
             "delete it to resume from the previous checkpoint"
@@ -109,7 +116,13 @@ def load_model(uri: str) -> tuple[DLRM, dict]:
     """A saved model (state dict + model.json) at `<warehouse>/models/<run>` or in a local
     directory (a copy, e.g. MLflow's model artifacts), for scoring."""
     meta, weights, where = _read_saved(str(uri))
-    return model_from(meta, weights, where), meta
+    try:
+        return model_from(meta, weights, where), meta
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        if isinstance(e, BadInput):
+            raise
+        what = f"missing {e}" if isinstance(e, KeyError) else " ".join(str(e).split())[:160]
+        raise ModelError(f"{uri} is not a recd model ({what})") from None
 
 
 @contextlib.contextmanager
@@ -134,7 +147,7 @@ def saved_summary(uri: str) -> dict:
 def model_from(meta: dict, weights: bytes, where: str) -> DLRM:
     features = FeatureSet.model_validate(meta["features"])
     model = DLRM(features, TrainConfig.model_validate(meta["train"]).model)
-    model.load_state_dict(_torch_load(weights, where))
+    model.load_state_dict(_torch_load(weights, where, "model"))
     return model.eval()
 
 

@@ -406,7 +406,7 @@ def initial_state(
         changed = [k for k in a if a[k] != b[k]]
         return Init(None, None, f"from scratch: the model config changed ({', '.join(changed)})")
     name = label or init_from
-    return Init(_torch_load(weights, where), name, f"warm start from {name}")
+    return Init(_torch_load(weights, where, "model"), name, f"warm start from {name}")
 
 
 def batches_id(wh: Warehouse, ds: str, mode: str) -> str:
