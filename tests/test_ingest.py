@@ -1,5 +1,6 @@
 import gzip
 import json
+import os
 import subprocess
 import sys
 
@@ -124,6 +125,18 @@ def test_a_deeply_nested_line_is_quarantined_and_the_day_published(day_logs, war
     assert s["ingest.rows_in"] == 52 and s["ingest.rows_ok"] == 50
     q = warehouse.read("quarantine", DAY).to_pylist()
     assert len(q) == 2 and all(r["reason"].startswith("invalid JSON") for r in q)
+
+
+def test_a_file_name_that_is_not_utf8_is_kept_escaped_in_the_quarantine(day_logs, tmp_path,
+                                                                       warehouse, features):  # fmt: skip
+    src = tmp_path / "latin1"
+    src.mkdir()
+    clean = _clean_lines(day_logs, 20)
+    (src / os.fsdecode(b"ev\xe9.jsonl")).write_bytes(b"\n".join([*clean, b"{broken"]) + b"\n")
+    s = ingest(src, warehouse, DAY, features, IngestConfig(max_quarantine_fraction=1.0))
+    assert s["ingest.rows_ok"] == 20 and s["ingest.rows_quarantined"] == 1
+    (bad,) = warehouse.read("quarantine", DAY).to_pylist()
+    assert bad["source"].endswith("ev\\xe9.jsonl") and bad["line"] == 21
 
 
 def test_quarantine_over_the_limit_does_not_publish_events(day_logs, warehouse, features):

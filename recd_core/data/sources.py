@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,12 @@ CHUNK_LINES = 16384
 
 class SourceError(BadInput):
     """A source that cannot be read at all (missing, unreadable, not the expected format)."""
+
+
+def path_text(path: Path | str) -> str:
+    """A file name as text the quarantine (UTF-8 Parquet) can hold: bytes that are not UTF-8
+    (e.g. a Latin-1 `ev\\xe9.jsonl`) escaped as `\\xe9`, so the name is kept, not refused."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 @dataclass
@@ -195,7 +202,7 @@ def _bad_utf8_lines(lines: Lines) -> np.ndarray:
 # -- JSON lines -------------------------------------------------------------------------------
 def read_json_lines(path: Path, schema: pa.Schema) -> tuple[Parsed, Rejects]:
     """Parse a JSON-lines file (plain or gzipped) into `schema`'s columns."""
-    source = str(path)
+    source = path_text(path)
     data, stream_problem = read_bytes(path)
     lines = Lines.of(data)
     n = len(lines)
@@ -338,7 +345,7 @@ def _type_problem(value, typ: pa.DataType) -> str | None:
 def read_parquet_events(path: Path, schema: pa.Schema) -> tuple[Parsed, Rejects]:
     """Read a Parquet file into `schema`'s columns; a column that is missing or cannot be
     cast rejects every row of the file (the schema is per file), each with the reason."""
-    source = str(path)
+    source = path_text(path)
     try:
         table = pq.read_table(path)
     except OSError as e:
