@@ -139,6 +139,13 @@ def test_a_file_name_that_is_not_utf8_is_kept_escaped_in_the_quarantine(day_logs
     assert bad["source"].endswith("ev\\xe9.jsonl") and bad["line"] == 21
 
 
+def test_a_utf8_bom_at_the_start_of_a_file_is_accepted(day_logs, tmp_path, warehouse, features):
+    src = tmp_path / "bom.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + b"\n".join(_clean_lines(day_logs, 30)) + b"\n")
+    s = ingest(src, warehouse, DAY, features, IngestConfig(max_quarantine_fraction=0.0))
+    assert s["ingest.rows_ok"] == 30 and s["ingest.rows_quarantined"] == 0
+
+
 def test_quarantine_over_the_limit_does_not_publish_events(day_logs, warehouse, features):
     ingest(day_logs, warehouse, DAY, features, IngestConfig())  # a good earlier run
     before = warehouse.read("events", DAY)

@@ -204,6 +204,8 @@ def read_json_lines(path: Path, schema: pa.Schema) -> tuple[Parsed, Rejects]:
     """Parse a JSON-lines file (plain or gzipped) into `schema`'s columns."""
     source = path_text(path)
     data, stream_problem = read_bytes(path)
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM (Windows tools): accepted, as blanks
+        data = b"   " + data[3:]
     lines = Lines.of(data)
     n = len(lines)
     rejects = Rejects()
