@@ -146,6 +146,18 @@ def test_a_utf8_bom_at_the_start_of_a_file_is_accepted(day_logs, tmp_path, wareh
     assert s["ingest.rows_ok"] == 30 and s["ingest.rows_quarantined"] == 0
 
 
+def test_a_valid_event_with_a_huge_unknown_field_is_accepted(day_logs, tmp_path, warehouse,
+                                                              features):  # fmt: skip
+    """Unknown fields are ignored, however large (one bigger than Arrow's 4 MiB block was
+    quarantined as a "straddling object")."""
+    clean = _clean_lines(day_logs, 10)
+    big = clean[3][:-1] + b', "blob": "' + b"x" * (6 << 20) + b'"}'
+    src = tmp_path / "big.jsonl"
+    src.write_bytes(b"\n".join([*clean[:3], big, *clean[4:]]) + b"\n")
+    s = ingest(src, warehouse, DAY, features, IngestConfig(max_quarantine_fraction=0.0))
+    assert s["ingest.rows_ok"] == 10
+
+
 def test_quarantine_over_the_limit_does_not_publish_events(day_logs, warehouse, features):
     ingest(day_logs, warehouse, DAY, features, IngestConfig())  # a good earlier run
     before = warehouse.read("events", DAY)

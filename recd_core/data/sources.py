@@ -241,7 +241,9 @@ def read_json_lines(path: Path, schema: pa.Schema) -> tuple[Parsed, Rejects]:
             reject([i], [fld], [reason])
 
     parse_opts = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
-    read_opts = pj.ReadOptions(block_size=4 << 20)
+    # a block must hold the longest line, or Arrow calls the line a "straddling object"
+    longest = int((lines.ends - lines.starts).max()) if n else 0
+    read_opts = pj.ReadOptions(block_size=max(4 << 20, longest + 64))
     cand = np.flatnonzero(candidate)
     good: list[tuple[int, pa.Table, np.ndarray]] = []
     stack = [cand[i : i + CHUNK_LINES] for i in range(0, cand.size, CHUNK_LINES)][::-1]
