@@ -1,0 +1,1 @@
+"""The data layer: raw logs (synthetic or real) → validated events → training samples."""
