@@ -5,6 +5,7 @@
                                                  _manifest.json      files, rows, bytes, write id
     <root>/<table>/_staging/…   partitions being written (ignored by Hive discovery: '_' prefix)
     <root>/<table>/_trash/…     the previous version during a swap
+    <root>/<table>/_locks/…     one lock file per partition (local warehouses)
 
 A write goes to a fresh staging directory (files named `part-NNNNN-<write id>.parquet`),
 then is committed:
@@ -20,13 +21,24 @@ Readers go through the manifest, so either protocol shows the old version or the
 never a mix. A failure or crash before the commit leaves the live partition as it was; its
 leftovers are removed by the next write. Re-writing a partition replaces it: no duplicates,
 whatever the number of runs.
+
+Concurrent writers of one partition (an operator re-running a day while the scheduler does)
+both end cleanly on a local warehouse: each writes its own staging directory, and the short
+steps that touch shared state (removing dead writers' staging, recovery, the swap) run under
+an advisory `flock` on the partition's lock file, so the last committer wins. A staging
+directory is a dead writer's when its `_writer.lock` is not held: the kernel drops the lock
+of a killed process, so a live writer's staging is never taken for a crash's leftovers.
+Object stores and HDFS have no such lock: there the orchestrator runs one writer per day
+(the daily DAG's `max_active_runs=1`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import fcntl
 import json
+import os
 import re
 import uuid
 from collections.abc import Iterator
@@ -40,6 +52,7 @@ import pyarrow.parquet as pq
 from recd_core.errors import BadInput
 
 MANIFEST = "_manifest.json"
+WRITER_LOCK = "_writer.lock"  # inside a staging directory, held (flock) by its live writer
 
 
 class PartitionNotFound(BadInput, FileNotFoundError):
@@ -106,6 +119,10 @@ class Warehouse:
     # -- recovery ---------------------------------------------------------------------------
     def recover(self, table: str, ds: str, **keys: str) -> bool:
         """Restore a partition whose swap was interrupted; True if something was restored."""
+        with self._partition_lock(table, ds, keys):
+            return self._recover(table, ds, keys)
+
+    def _recover(self, table: str, ds: str, keys: dict[str, str]) -> bool:
         live = self.partition_path(table, ds, **keys)
         prefix = self._side_dir(table, "_trash", ds, keys)
         trash = sorted(
@@ -129,26 +146,91 @@ class Warehouse:
     @contextlib.contextmanager
     def writing(self, table: str, ds: str, **keys: str) -> Iterator[PartitionWriter]:
         """Write a partition atomically: `with wh.writing("events", ds) as w: w.write(t)`."""
-        self.recover(table, ds, **keys)
         prefix = self._side_dir(table, "_staging", ds, keys)
-        for old in self._children(f"{self.root}/{table}/_staging"):
-            if old.path.startswith(prefix + "-"):
-                self.fs.delete_dir(old.path)
         write_id = uuid.uuid4().hex[:12]
         staging = f"{prefix}-{write_id}"
-        self.fs.create_dir(staging, recursive=True)
+        with self._partition_lock(table, ds, keys):
+            self._recover(table, ds, keys)
+            for old in self._children(f"{self.root}/{table}/_staging"):
+                if old.path.startswith(prefix + "-") and not self._writer_alive(old.path):
+                    self.fs.delete_dir(old.path)
+            self.fs.create_dir(staging, recursive=True)
+            owner = self._hold_writer_lock(staging)
         writer = PartitionWriter(self.fs, staging, write_id)
         try:
-            yield writer
-            writer.close()
-        except BaseException:
-            writer.abort()
-            with contextlib.suppress(OSError):
-                self.fs.delete_dir(staging)
-            raise
-        files, rows, nbytes = writer.totals()
-        self._swap(staging, table, ds, keys, write_id)
+            try:
+                yield writer
+                writer.close()
+            except BaseException:
+                writer.abort()
+                with contextlib.suppress(OSError):
+                    self.fs.delete_dir(staging)
+                raise
+            files, rows, nbytes = writer.totals()
+            with self._partition_lock(table, ds, keys):
+                self._release_writer_lock(staging, owner)
+                owner = None
+                self._recover(table, ds, keys)
+                self._swap(staging, table, ds, keys, write_id)
+        finally:
+            if owner is not None:
+                os.close(owner)
         writer.info = PartitionInfo(self.partition_path(table, ds, **keys), files, rows, nbytes)
+
+    # -- locks (local warehouses) -----------------------------------------------------------
+    @contextlib.contextmanager
+    def _partition_lock(
+        self, table: str, ds: str, keys: dict[str, str], shared: bool = False
+    ) -> Iterator[None]:
+        """Hold the partition's lock file (`flock`, blocking) for the steps that touch shared
+        state; `shared` for readers. None on filesystems without one, or where the lock cannot
+        be created: a read-only warehouse has no writer to race with."""
+        if self.fs.type_name != "local":
+            yield
+            return
+        path = f"{self._side_dir(table, '_locks', ds, keys)}.lock"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing drops the lock
+
+    def _hold_writer_lock(self, staging: str) -> int | None:
+        """Mark a staging directory as a live writer's: its lock file, held until commit."""
+        if self.fs.type_name != "local":
+            return None
+        fd = os.open(f"{staging}/{WRITER_LOCK}", os.O_RDWR | os.O_CREAT, 0o666)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+
+    def _release_writer_lock(self, staging: str, fd: int | None) -> None:
+        if fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{staging}/{WRITER_LOCK}")  # not part of the partition
+        os.close(fd)
+
+    def _writer_alive(self, staging: str) -> bool:
+        """Whether another writer still holds this staging directory (local: its lock)."""
+        if self.fs.type_name != "local":
+            return False  # no lock to ask; the orchestrator runs one writer per day
+        try:
+            fd = os.open(f"{staging}/{WRITER_LOCK}", os.O_RDWR)
+        except OSError:
+            return False  # no lock file: a writer that died before taking it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
 
     def _swap(self, staging: str, table: str, ds: str, keys: dict[str, str], write_id: str) -> None:
         live = self.partition_path(table, ds, **keys)
@@ -185,13 +267,18 @@ class Warehouse:
         return self.fs.get_file_info(manifest).type == pafs.FileType.File
 
     def manifest(self, table: str, ds: str, **keys: str) -> dict:
-        if not self.exists(table, ds, **keys):
+        self.recover(table, ds, **keys)
+        return self._manifest(table, ds, keys)
+
+    def _manifest(self, table: str, ds: str, keys: dict[str, str]) -> dict:
+        path = f"{self.partition_path(table, ds, **keys)}/{MANIFEST}"
+        try:
+            with self.fs.open_input_stream(path) as f:
+                return json.loads(f.read())
+        except FileNotFoundError:
             raise PartitionNotFound(
                 f"no partition {self._rel(table, ds, keys)} in warehouse {self.uri}"
-            )
-        path = f"{self.partition_path(table, ds, **keys)}/{MANIFEST}"
-        with self.fs.open_input_stream(path) as f:
-            return json.loads(f.read())
+            ) from None
 
     def files(self, table: str, ds: str, **keys: str) -> list[str]:
         base = self.partition_path(table, ds, **keys)
@@ -204,11 +291,15 @@ class Warehouse:
         )
 
     def read(self, table: str, ds: str, columns: list[str] | None = None, **keys: str) -> pa.Table:
-        """The partition's rows in write order (file by file, as listed in the manifest)."""
-        parts = [
-            pq.read_table(p, columns=columns, filesystem=self.fs)
-            for p in self.files(table, ds, **keys)
-        ]
+        """The partition's rows in write order (file by file, as listed in the manifest); one
+        version, even while another process re-writes the partition (local warehouses)."""
+        self.recover(table, ds, **keys)
+        base = self.partition_path(table, ds, **keys)
+        with self._partition_lock(table, ds, keys, shared=True):
+            parts = [
+                pq.read_table(f"{base}/{name}", columns=columns, filesystem=self.fs)
+                for name in self._manifest(table, ds, keys)["files"]
+            ]
         if not parts:
             raise PartitionNotFound(f"partition {self._rel(table, ds, keys)} holds no files")
         return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
