@@ -100,6 +100,7 @@ def _run(
             tracker.check()
             run_id = tracker.start(command, params)
         except TrackingError as e:
+            write_summary(summary_path, {**e.summary, "status": "failed", "error": str(e)})
             _fail(command, str(e), e.exit_code)
 
     def failed(summary: dict, message: str, code: int) -> None:

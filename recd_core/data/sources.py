@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.json as pj
 import pyarrow.parquet as pq
 
@@ -347,8 +348,14 @@ def _type_problem(value, typ: pa.DataType) -> str | None:
 
 # -- Parquet ----------------------------------------------------------------------------------
 def read_parquet_events(path: Path, schema: pa.Schema) -> tuple[Parsed, Rejects]:
-    """Read a Parquet file into `schema`'s columns; a column that is missing or cannot be
-    cast rejects every row of the file (the schema is per file), each with the reason."""
+    """Read a Parquet file into `schema`'s columns under JSON's type rule: an integer field
+    takes integers, a number field integers or floats, a list field lists of those; never
+    strings, booleans or dates (JSON rejects `"12"` and `true` for an id: so does this).
+
+    A column of another kind rejects every row of the file (the type is per file); a value
+    out of range for the field's type (a label of 300 in an int64 column) rejects its row,
+    as it would its line in JSON. A missing column is a null column (the required-field
+    check names it)."""
     source = path_text(path)
     try:
         table = pq.read_table(path)
@@ -358,27 +365,28 @@ def read_parquet_events(path: Path, schema: pa.Schema) -> tuple[Parsed, Rejects]
         raise SourceError(f"{path} is not a readable Parquet file: {e}") from None
     n = table.num_rows
     problems: list[tuple[str, str]] = []
+    row_reason: list[tuple[str, str] | None] = [None] * n  # (field, reason), first one wins
     cols = []
     for f in schema:
         if f.name not in table.column_names:
-            cols.append(
-                pa.nulls(n, f.type)
-            )  # a missing column is a null column: required-field check names it
+            cols.append(pa.nulls(n, f.type))
             continue
         col = table[f.name]
-        if col.type != f.type:
-            try:
-                col = col.cast(f.type, safe=True)
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-                problems.append(
-                    (
-                        f.name,
-                        f"field {f.name!r}: column type {col.type} cannot be read as {f.type} ({e})",
-                    )
+        if col.type == f.type:
+            cols.append(col)
+            continue
+        if not _same_kind(col.type, f.type):
+            problems.append((f.name, f"field {f.name!r}: column type {col.type} cannot be read "
+                                     f"as {f.type} (the JSON rule: {_kind_words(f.type)})"))  # fmt: skip
+            cols.append(pa.nulls(n, f.type))
+            continue
+        for row, value in _out_of_range(col, f.type):
+            if row_reason[row] is None:
+                row_reason[row] = (
+                    f.name,
+                    f"field {f.name!r}: integer {value} out of range for {f.type}",
                 )
-                col = pa.nulls(n, f.type)
-        cols.append(col)
-    typed = pa.Table.from_arrays(cols, schema=schema)
+        cols.append(col.cast(f.type, safe=False))  # rows out of range are rejected above
     lines = np.arange(1, n + 1, dtype=np.int64)
     rejects = Rejects()
     if problems:
@@ -387,7 +395,70 @@ def read_parquet_events(path: Path, schema: pa.Schema) -> tuple[Parsed, Rejects]
             reason += f" (and {len(problems) - 1} more column problems)"
         rejects.add(source, lines, [fld] * n, [reason] * n, rows_as_json(table, np.arange(n)))
         return Parsed(schema.empty_table(), source, np.zeros(0, np.int64), None), rejects
+    typed = pa.Table.from_arrays(cols, schema=schema)
+    bad = np.array([r is not None for r in row_reason], dtype=bool)
+    if bad.any():
+        idx = np.flatnonzero(bad)
+        reasons = [row_reason[i] for i in idx]
+        rejects.add(source, lines[idx], [r[0] for r in reasons], [r[1] for r in reasons],
+                    rows_as_json(table, idx))  # fmt: skip
+        keep = pa.array(~bad)
+        typed, lines = typed.filter(keep), lines[~bad]
     return Parsed(typed, source, lines, None), rejects
+
+
+def _base(typ: pa.DataType) -> pa.DataType:
+    return typ.value_type if pa.types.is_dictionary(typ) else typ
+
+
+def _same_kind(src: pa.DataType, dst: pa.DataType) -> bool:
+    """Whether a column of type `src` holds what JSON would accept for a field of `dst`."""
+    src = _base(src)
+    if pa.types.is_null(src):
+        return True
+    if pa.types.is_list(dst):
+        listy = (
+            pa.types.is_list(src) or pa.types.is_large_list(src) or pa.types.is_fixed_size_list(src)
+        )
+        return listy and _same_kind(src.value_type, dst.value_type)
+    if pa.types.is_integer(dst):
+        return pa.types.is_integer(src)
+    if pa.types.is_floating(dst):
+        return pa.types.is_integer(src) or pa.types.is_floating(src)
+    return src == dst
+
+
+def _kind_words(dst: pa.DataType) -> str:
+    if pa.types.is_list(dst):
+        return f"lists of {_kind_words(dst.value_type).removesuffix(' only')}"
+    if pa.types.is_integer(dst):
+        return "integers only"
+    if pa.types.is_floating(dst):
+        return "integers or floats only"
+    return f"{dst} only"
+
+
+def _out_of_range(col: pa.ChunkedArray, dst: pa.DataType) -> list[tuple[int, int]]:
+    """(row, value) of integers that do not fit `dst`'s integer type (lists: any element)."""
+    inner = dst.value_type if pa.types.is_list(dst) else dst
+    if not pa.types.is_integer(inner):
+        return []
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_decode()
+    rows = np.arange(len(arr))
+    if pa.types.is_list(dst):
+        rows = np.asarray(pc.list_parent_indices(arr))
+        arr = pc.list_flatten(arr)
+    if not pa.types.is_integer(arr.type):
+        return []
+    info = np.iinfo(f"{'u' if pa.types.is_unsigned_integer(inner) else ''}int{inner.bit_width}")
+    values = arr.fill_null(0).to_numpy(zero_copy_only=False)
+    if values.dtype.kind == "u":
+        bad = values > info.max
+    else:
+        bad = (values < info.min) | (values > info.max)
+    return [(int(rows[i]), int(values[i])) for i in np.flatnonzero(bad)]
 
 
 def rows_as_json(table: pa.Table, idx: np.ndarray) -> pa.Array:

@@ -4,8 +4,10 @@ A run holds the command's arguments as params, the numeric figures of its summar
 metrics (the contract keys: `storage.bytes`, `dpp.samples_per_s`, `train.samples_per_s`,
 `eval.ne`, ...), tags that make the UI comparison easy (`recd.stage`, `mode`, `ds`), system
 facts, and the whole summary as `summary.json`. Uses an explicit `MlflowClient` (no global
-MLflow state). An HTTP tracking server is probed with a short timeout before the stage runs,
-so an unreachable server fails the command at once instead of after the work.
+MLflow state). The store is checked before the stage runs, so a store that cannot take the
+record fails the command at once instead of after the work: an HTTP server is probed with a
+short timeout; a SQLite database must open for writing (MLflow itself would retry for almost
+two minutes, warning at every try).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import math
 import os
 import platform
+import sqlite3
 import time
 import urllib.error
 import urllib.request
@@ -32,7 +35,9 @@ class Tracker:
     timeout_s: float = 5.0
 
     def check(self) -> None:
-        """Fail fast, with the URI named, if an HTTP tracking server does not answer."""
+        """Fail fast, with the URI named, if the store cannot take a run record."""
+        if self.uri.startswith("sqlite:///"):
+            self._check_sqlite(self.uri.removeprefix("sqlite:///"))
         if not self.uri.startswith(("http://", "https://")):
             return
         try:
@@ -44,6 +49,27 @@ class Tracker:
         except (urllib.error.URLError, OSError, TimeoutError) as e:
             reason = getattr(e, "reason", e)
             raise TrackingError(f"tracking server {self.uri} is unreachable ({reason})") from None
+
+    def _check_sqlite(self, path: str) -> None:
+        """Open the database and make a write that is rolled back (creating the file, as
+        MLflow would, when it is missing): a read-only file, or a directory where the
+        rollback journal cannot be created, fails here."""
+        if path in ("", ":memory:"):
+            return
+        try:
+            con = sqlite3.connect(path, timeout=self.timeout_s)
+            try:
+                con.isolation_level = None  # explicit transaction: DDL is rolled back too
+                con.execute("BEGIN IMMEDIATE")
+                con.execute("CREATE TABLE recd_write_probe (x)")
+                con.execute("ROLLBACK")
+            finally:
+                con.close()
+        except sqlite3.Error as e:
+            where = Path(path).resolve()
+            raise TrackingError(
+                f"tracking store {self.uri} cannot be written ({e}: {where})"
+            ) from None
 
     def client(self):
         from mlflow.tracking import MlflowClient
