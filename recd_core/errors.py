@@ -12,7 +12,9 @@ read these two attributes and nothing else, so a failure means the same everywhe
     ├── GateFailed                  exit 3, final       the work ran; its result failed a gate
     │   └── QuarantineExceeded                          (too many bad rows, arms differ)
     └── TrackingError               exit 4, retryable   the tracking server is unreachable or
-                                                        refuses the run
+        │                                               refuses the run
+        └── TrackingStoreUnwritable exit 4, final       the store refuses writes (permissions,
+                                                        a read-only file): a retry cannot help
 
 Anything else (a bug, a full disk, a killed worker) keeps its traceback, exits 1 from the CLI
 and is retried by the orchestrators' retry policy.
@@ -58,6 +60,12 @@ class TrackingError(RecdError):
 
     exit_code = 4
     retryable = True
+
+
+class TrackingStoreUnwritable(TrackingError):
+    """The tracking store cannot be written (a read-only file or directory): fix it, rerun."""
+
+    retryable = False
 
 
 def classify(e: BaseException) -> RecdError | None:

@@ -58,9 +58,7 @@ def _race(cmd: list[str]) -> list[subprocess.CompletedProcess]:
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
-    return [
-        subprocess.CompletedProcess(p.args, p.wait(), *p.communicate()) for p in procs
-    ]
+    return [subprocess.CompletedProcess(p.args, p.wait(), *p.communicate()) for p in procs]
 
 
 @pytest.mark.parametrize("stage", ["ingest", "generate"])

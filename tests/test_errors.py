@@ -40,6 +40,7 @@ def test_every_error_recd_defines_is_a_recd_error_with_an_exit_code_and_a_retry_
     assert codes["CheckpointError"] == (2, False)  # a corrupt checkpoint: fix it, do not retry
     assert codes["QuarantineExceeded"] == (3, False)
     assert codes["TrackingError"] == (4, True)  # a server that is down may come back
+    assert codes["TrackingStoreUnwritable"] == (4, False)  # permissions do not heal
 
 
 def test_a_malformed_value_is_bad_input_and_anything_unexpected_is_left_alone():

@@ -58,27 +58,3 @@ def test_missing_model_or_day_is_one_line(fresh_warehouse):
         assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
         if message:
             assert message in r.stderr
-
-
-@pytest.mark.parametrize(
-    "files",
-    [
-        {"model.json": "{}", "model.pt": "garbage"},  # not a recd model
-        {"model.json": '{"features": {"features": []}, "train": {}}', "model.pt": "x"},
-        {"model.pt": "x"},  # half a model
-    ],
-)
-def test_a_damaged_model_is_refused_with_one_line_and_exit_2(files, tmp_path):
-    """No traceback, no checkpoint advice: a message about the model (and no code runs:
-    weights load with weights_only)."""
-    model = tmp_path / "model"
-    model.mkdir()
-    for name, text in files.items():
-        (model / name).write_text(text)
-    recd = Path(sys.executable).parent / "recd"
-    r = subprocess.run([str(recd), "evaluate", "--warehouse", str(tmp_path / "wh"), "--model",
-                        str(model), "--ds", "2026-11-02"], capture_output=True, text=True)  # fmt: skip
-    assert r.returncode == 2, r.stderr
-    assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
-    assert "recd evaluate: error:" in r.stderr and "checkpoint" not in r.stderr
-    assert str(model) in r.stderr  # names the model

@@ -5,8 +5,7 @@ import textwrap
 import pyarrow as pa
 import pytest
 
-from recd_core.errors import BadInput
-from recd_core.warehouse import PartitionNotFound, Warehouse, validate_ds
+from recd_core.warehouse import PartitionNotFound, Warehouse
 
 DAY = "2026-11-01"
 
@@ -141,17 +140,3 @@ def test_object_store_warehouse_commits_by_manifest(s3_uri):
         w.write(_table(300), max_rows_per_file=100)
         raise RuntimeError("crash before the commit")
     assert wh.read("t", DAY)["x"].to_pylist() == list(range(1000, 1120))
-
-
-@pytest.mark.parametrize("ds", ["20261101", "2026-W45-1", "2026-11-1", "2026-13-01", " 2026-11-01"])
-def test_only_canonical_dates_name_a_partition(ds):
-    """`fromisoformat` alone takes 20261101 and ISO week dates: one day, two partitions."""
-    with pytest.raises(ValueError, match="YYYY-MM-DD"):
-        validate_ds(ds)
-    assert validate_ds("2026-11-01") == "2026-11-01"
-
-
-def test_a_warehouse_path_that_is_a_file_is_bad_input(tmp_path):
-    (tmp_path / "wh").write_text("not a directory")
-    with pytest.raises(BadInput, match="cannot be used as a directory"):
-        Warehouse(tmp_path / "wh")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -319,7 +320,9 @@ def diagnose_json_line(line: bytes, schema: pa.Schema, arrow_msg: str) -> tuple[
         problem = _type_problem(obj[f.name], f.type)
         if problem:
             return f.name, f"field {f.name!r}: {problem}"
-    return None, f"invalid JSON: {arrow_msg}"
+    # Arrow's own words, less its position in the one-line chunk it was given ("in row 0")
+    message = re.sub(r"^JSON parse error: |\.? in row \d+$", "", arrow_msg)
+    return None, f"invalid JSON: {message}"
 
 
 def _type_problem(value, typ: pa.DataType) -> str | None:

@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from recd_core.errors import TrackingError
+from recd_core.errors import TrackingError, TrackingStoreUnwritable
 
 MAX_PARAM = 500
 
@@ -67,7 +67,7 @@ class Tracker:
                 con.close()
         except sqlite3.Error as e:
             where = Path(path).resolve()
-            raise TrackingError(
+            raise TrackingStoreUnwritable(
                 f"tracking store {self.uri} cannot be written ({e}: {where})"
             ) from None
 

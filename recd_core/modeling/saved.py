@@ -16,6 +16,7 @@ import io
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -60,9 +61,13 @@ def _torch_bytes(obj) -> bytes:
 
 def _torch_load(data: bytes, where: str, what: str = "checkpoint"):
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about the pickle protocol of odd files
+            warnings.simplefilter("ignore")
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many kinds on a damaged file
         first_line = (str(e).strip().splitlines() or [""])[0][:160]
+        if first_line.startswith("Weights only load failed"):
+            first_line = "it holds Python objects, not only tensors: refused, nothing was run"
         if what != "checkpoint":
             raise ModelError(f"{where} is corrupt or not a recd {what} "
                              f"({type(e).__name__}: {first_line})") from None  # fmt: skip
