@@ -142,13 +142,21 @@ def synth(
     start_date: Annotated[str, typer.Option(help="first day, YYYY-MM-DD")] = "2026-11-01",
     days: Annotated[int, typer.Option(min=1)] = 1,
     preset: Preset = Preset.small,
-    users: int | None = None,
-    mean_session_length: float | None = None,
+    samples_per_day: Annotated[
+        int | None, typer.Option(min=1, help="impressions a day (default: the preset's)")
+    ] = None,
+    users: Annotated[int | None, typer.Option(min=1, help="users (default: the preset's)")] = None,
+    items: Annotated[int | None, typer.Option(min=2, help="items (default: the preset's)")] = None,
+    mean_session_length: Annotated[float | None, typer.Option(min=1.0)] = None,
     seed: int | None = None,
     features: Annotated[str, typer.Option(help="feature set name or YAML")] = "synthetic",
     summary: SummaryOpt = None,
 ):
-    """Generate raw impression logs with session structure (deterministic per seed)."""
+    """Generate raw impression logs with session structure (deterministic per seed).
+
+    A preset sizes the workload; `--samples-per-day`, `--users` and `--items` resize it
+    without a config file. Days are written a file at a time, so memory does not grow with
+    the day's size."""
     from recd_core.data.synth import synthesize
 
     def body():
@@ -158,7 +166,9 @@ def synth(
             raise BadInput(f"--start-date must be YYYY-MM-DD, got {start_date!r}") from None
         cfg = synth_config(
             preset.value,
+            samples_per_day=samples_per_day,
             users=users,
+            items=items,
             mean_session_length=mean_session_length,
             seed=seed,
             start_date=start,

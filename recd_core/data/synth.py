@@ -37,7 +37,7 @@ import datetime as dt
 import functools
 import gzip
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,14 +222,17 @@ IDS_PER_DAY = 10**8  # event and session ids of a day start at ordinal * this
 
 @dataclass(frozen=True)
 class Day:
-    """One synthesized day: its JSON lines, session count, labels and the true click
-    probabilities the labels were drawn from."""
+    """One synthesized day: its JSON lines, produced lazily in files' worth (`chunks`: lists
+    of `ROWS_PER_FILE` lines, the last one shorter; memory stays one file's text whatever
+    the day's size), its row and session counts, the labels and the true click
+    probabilities the labels were drawn from. Consume `chunks` before the next day: it
+    advances the users' click histories."""
 
-    lines: list[str]
+    chunks: Iterator[list[str]]
+    rows: int
     sessions: int
     labels: np.ndarray
     click_prob: np.ndarray
-
 
 def oracle_figures(labels: np.ndarray, click_prob: np.ndarray) -> dict[str, float]:
     """NE, AUC and log loss of the true click probabilities: the best a model can do."""
@@ -308,26 +311,33 @@ def generate_day(world: _World, day: dt.date) -> Day:
     user_fragment = _fragments(fs.user_key, world.user_static, static_user)
     item_fragment = _fragments(fs.item_key, world.item_static, item_specs)
 
-    lines: list[str] = []
-    ends = np.cumsum(lengths)
-    for s in range(n_sessions):
-        u, lo, hi = int(users[s]), int(ends[s] - lengths[s]), int(ends[s])
-        head = user_fragment(u)
-        if history_spec is not None:
-            hist = world.history[u][-history_spec.max_length :]
-            head += f',"{history_spec.name}":' + json.dumps(hist, separators=(",", ":"))
-        sid = first_session_id + s
-        for r in range(lo, hi):
-            ctx = "".join(f',"{k}":{int(v[r])}' for k, v in context_cols.items())
-            lines.append(
-                f'{{"event_id":{first_event_id + r},"ts":{int(ts[r])},"session_id":{sid},'
-                f'{head},{item_fragment(int(items[r]))}{ctx},"label":{int(labels[r])}}}'
-            )
-        if history_spec is not None:
-            clicked = items[lo:hi][labels[lo:hi] == 1]
-            if clicked.size:
-                world.history[u] = (world.history[u] + clicked.tolist())[-world.history_len :]
-    return Day(lines, n_sessions, labels, click_prob)
+    def chunks() -> Iterator[list[str]]:
+        lines: list[str] = []
+        ends = np.cumsum(lengths)
+        for s in range(n_sessions):
+            u, lo, hi = int(users[s]), int(ends[s] - lengths[s]), int(ends[s])
+            head = user_fragment(u)
+            if history_spec is not None:
+                hist = world.history[u][-history_spec.max_length :]
+                head += f',"{history_spec.name}":' + json.dumps(hist, separators=(",", ":"))
+            sid = first_session_id + s
+            for r in range(lo, hi):
+                ctx = "".join(f',"{k}":{int(v[r])}' for k, v in context_cols.items())
+                lines.append(
+                    f'{{"event_id":{first_event_id + r},"ts":{int(ts[r])},"session_id":{sid},'
+                    f'{head},{item_fragment(int(items[r]))}{ctx},"label":{int(labels[r])}}}'
+                )
+            if history_spec is not None:
+                clicked = items[lo:hi][labels[lo:hi] == 1]
+                if clicked.size:
+                    world.history[u] = (world.history[u] + clicked.tolist())[-world.history_len :]
+            if len(lines) >= ROWS_PER_FILE:
+                yield lines[:ROWS_PER_FILE]
+                lines = lines[ROWS_PER_FILE:]
+        if lines:
+            yield lines
+
+    return Day(chunks(), n, n_sessions, labels, click_prob)
 
 
 def _within_session_offsets(gaps: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -354,8 +364,7 @@ def synthesize(
     for k in range(cfg.days):
         day = cfg.start_date + dt.timedelta(days=k)
         generated = generate_day(world, day)
-        lines, sessions = generated.lines, generated.sessions
-        total_sessions += sessions
+        total_sessions += generated.sessions
         part = out / f"ds={day.isoformat()}"
         part.mkdir(parents=True, exist_ok=True)
         for old in part.glob("events-*.jsonl.gz"):
@@ -366,15 +375,17 @@ def synthesize(
         oracle[f"synth.oracle_auc.{day}"] = figures["auc"]
         all_labels.append(generated.labels)
         all_probs.append(generated.click_prob)
-        for f, lo in enumerate(range(0, len(lines), ROWS_PER_FILE)):
+        for f, lines in enumerate(generated.chunks):
             path = part / f"events-{f:05d}.jsonl.gz"
-            data = ("\n".join(lines[lo : lo + ROWS_PER_FILE]) + "\n").encode("utf-8")
+            data = ("\n".join(lines) + "\n").encode("utf-8")
             # mtime=0: the same seed gives the same bytes.
             path.write_bytes(gzip.compress(data, compresslevel=1, mtime=0))
             total_bytes += path.stat().st_size
-        total_rows += len(lines)
+            if progress:
+                progress(f"{day} file {f + 1}", len(lines))
+        total_rows += generated.rows
         if progress:
-            progress(f"{day} {len(lines)} impressions in {sessions} sessions", len(lines))
+            progress(f"{day} {generated.rows} impressions in {generated.sessions} sessions", 0)
     return {
         "synth.rows": total_rows,
         "synth.days": cfg.days,
