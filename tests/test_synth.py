@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from recd_core.config import synth_config
+from recd_core.config import load_feature_set, synth_config
 from recd_core.data.synth import synthesize
 
 
@@ -109,3 +109,31 @@ def test_the_oracle_figures_equal_a_direct_computation(tmp_path, features):
         and json.loads((tmp_path / f"ds={first}" / "_oracle.json").read_text())["ds"] == first
     )
     assert read_oracle(tmp_path / "ds=1999-01-01") is None  # real logs: no oracle
+
+
+def test_a_day_is_written_file_by_file_and_sized_from_the_command_line(tmp_path, monkeypatch):
+    """`--samples-per-day` sizes a day without a config file; a day larger than a file is
+    split into files of ROWS_PER_FILE lines, in order, holding the same rows."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import recd_core.data.synth as synth
+
+    recd = str(Path(sys.executable).with_name("recd"))
+    cmd = [recd, "synth", "--out", str(tmp_path / "one"), "--samples-per-day", "3000",
+           "--users", "60", "--items", "300"]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True)
+    (one,) = (tmp_path / "one").glob("ds=*")
+    rows = _rows(one)
+    assert 3000 <= len(rows) < 3000 + 64, "whole sessions: up to one session more"
+    assert len({r["user_id"] for r in rows}) <= 60
+    assert max(r["item_id"] for r in rows) < 300
+
+    monkeypatch.setattr(synth, "ROWS_PER_FILE", 700)
+    cfg = synth_config("small", samples_per_day=3000, users=60, items=300)
+    synthesize(load_feature_set("synthetic"), cfg, tmp_path / "split")
+    files = sorted((tmp_path / "split" / one.name).glob("*.jsonl.gz"))
+    sizes = [len(gzip.decompress(f.read_bytes()).splitlines()) for f in files]
+    assert sizes == [700, 700, 700, 700, len(rows) - 2800]
+    assert _rows(files[0].parent) == rows
