@@ -197,6 +197,9 @@ class GenerateConfig(_Strict):
     # dictionary indices shift by bits and hide them), dictionary for `shuffled`.
     list_dictionary: bool | None = None
     shuffle_seed: int = 0
+    # Memory the stage may hold for rows (the order keys, ~32 bytes a row, come on top):
+    # generate moves rows through local spill files a bucket of this size at a time.
+    memory_budget_mb: int = Field(default=512, ge=16)
 
 
 class ModelConfig(_Strict):

@@ -304,6 +304,13 @@ class Warehouse:
             raise PartitionNotFound(f"partition {self._rel(table, ds, keys)} holds no files")
         return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
 
+    def read_schema(self, table: str, ds: str, **keys: str) -> pa.Schema:
+        """The partition's schema (with its metadata), from its first file's footer."""
+        files = self.files(table, ds, **keys)
+        if not files:
+            raise PartitionNotFound(f"partition {self._rel(table, ds, keys)} holds no files")
+        return pq.ParquetFile(self.fs.open_input_file(files[0])).schema_arrow
+
     def row_group_rows(self, table: str, ds: str, **keys: str) -> int | None:
         """The row-group size of a Parquet partition (its first row group), None if empty."""
         files = self.files(table, ds, **keys)
@@ -375,6 +382,19 @@ class PartitionWriter:
         if table.num_rows == 0 and self._writer is None:
             self._start_file(table.schema, parquet_options)
             self._writer.write_table(table)
+
+    def end_file(self) -> str | None:
+        """Close the file being written (the next `write` starts another); its name."""
+        if self._writer is None:
+            return None
+        self._close_file()
+        return self._files[-1]
+
+    def rewrite(self, name: str, table: pa.Table, **parquet_options) -> None:
+        """Replace a closed file of this write (rows dropped after a later check)."""
+        i = self._files.index(name)
+        pq.write_table(table, f"{self.staging}/{name}", filesystem=self.fs, **parquet_options)
+        self._rows[i] = table.num_rows
 
     def _start_file(self, schema: pa.Schema, options: dict) -> None:
         self._close_file()

@@ -140,3 +140,40 @@ def test_an_event_whose_user_features_differ_within_its_session_is_quarantined(
     ingest(src, warehouse, DAY, features, IngestConfig(check_sessions=False))
     assert warehouse.read("events", DAY).num_rows == len(lines)
     assert not sessions_checked(warehouse.read("events", DAY).schema)
+
+
+def test_day_wide_checks_span_files_and_only_the_rows_they_reject_are_dropped(
+    day_logs, tmp_path, warehouse, features
+):
+    """Ingest streams file by file; a redelivery and a session snapshot that changes are
+    still found when the first copy / the session's first event is in another file."""
+    lines = _clean_lines(day_logs)
+    first = json.loads(lines[0])
+    same_session = [
+        i for i, ln in enumerate(lines) if json.loads(ln)["session_id"] == first["session_id"]
+    ]
+    assert len(same_session) > 1
+    changed = _mutate(lines[same_session[1]], user_age=first["user_age"] + 1)
+    src = tmp_path / "split"
+    src.mkdir()
+    parts = [lines[:1000], lines[1000:2000], lines[2000:]]
+    parts[0] = [ln for i, ln in enumerate(parts[0]) if i != same_session[1]]
+    parts[2] = [*parts[2], lines[10], changed]  # a redelivery; the session's later event
+    for k, part in enumerate(parts):
+        (src / f"events-{k}.jsonl").write_bytes(b"\n".join(part) + b"\n")
+    s = ingest(src, warehouse, DAY, features, IngestConfig())
+    q = warehouse.read("quarantine", DAY).to_pylist()
+    assert [(r["source"].rsplit("/", 1)[1], r["line"], r["field"]) for r in q] == [
+        ("events-2.jsonl", len(parts[2]) - 1, "event_id"),
+        ("events-2.jsonl", len(parts[2]), "user_age"),
+    ]
+    redelivered = json.loads(lines[10])["event_id"]
+    assert q[0]["reason"].startswith(f"duplicate event_id {redelivered}")
+    assert f"events-0.jsonl:{parts[0].index(lines[10]) + 1})" in q[0]["reason"]
+    assert q[1]["reason"].startswith("field 'user_age': differs from the first event")
+    assert q[1]["raw"] == changed and q[0]["raw"] == lines[10], "the exact bytes"
+    published = sorted(warehouse.read("events", DAY)["event_id"].to_pylist())
+    assert published == sorted(
+        json.loads(ln)["event_id"] for ln in lines if ln != lines[same_session[1]]
+    )
+    assert s["ingest.rows_in"] == len(lines) + 1 and s["ingest.rows_ok"] == len(lines) - 1

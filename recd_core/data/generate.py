@@ -14,14 +14,17 @@ bound: the bytes of the same samples with each session's user-side features stor
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recd_core.config import FeatureSet, GenerateConfig
-from recd_core.dedup.unique import batch_factors, dedup_profile, group_hashes
+from recd_core.dedup.unique import batch_factors, group_hashes, row_hashes
 from recd_core.schema import feature_set_of
 from recd_core.warehouse import Warehouse
 
@@ -76,28 +79,134 @@ def parquet_options(cfg: GenerateConfig, schema: pa.Schema, layout: str) -> dict
     }
 
 
-def parquet_bytes(table: pa.Table, cfg: GenerateConfig) -> int:
-    sink = pa.BufferOutputStream()
-    opts = parquet_options(cfg, table.schema, "clustered")
-    row_group_size = opts.pop("row_group_size")
-    pq.write_table(table, sink, row_group_size=row_group_size, **opts)
-    return sink.getvalue().size
+class _Bound:
+    """The storage lower bound, measured as the clustered rows stream by: each session's
+    user-side features once (a per-session table) plus the per-sample rest, written with the
+    layout's options to byte-counting sinks (nothing is kept)."""
+
+    def __init__(self, schema: pa.Schema, user_cols: list[str], cfg: GenerateConfig):
+        self.user_cols, self.cfg, self.last_session = user_cols, cfg, None
+        self.pending: list[list[pa.Table]] = [[], []]
+        meta = schema.metadata  # the feature set travels in the footer, as in the samples
+        sessions = pa.schema([schema.field("session_id"), *(schema.field(c) for c in user_cols)],
+                             metadata=meta)  # fmt: skip
+        per_sample = pa.schema([f for f in schema if f.name not in user_cols], metadata=meta)
+        self.sinks = [pa.MockOutputStream(), pa.MockOutputStream()]
+        self.writers = [self._writer(sink, sch) for sink, sch in zip(self.sinks, (sessions, per_sample), strict=True)]  # fmt: skip
+
+    def _writer(self, sink, schema: pa.Schema) -> pq.ParquetWriter:
+        opts = parquet_options(self.cfg, schema, "clustered")
+        opts.pop("row_group_size")
+        return pq.ParquetWriter(sink, schema, **opts)
+
+    def add(self, clustered: pa.Table) -> None:
+        sid = np.asarray(clustered["session_id"])
+        first = np.concatenate([[sid[0] != self.last_session], sid[1:] != sid[:-1]])
+        self.last_session = sid[-1]
+        sessions = clustered.select(["session_id", *self.user_cols]).filter(pa.array(first))
+        self._write(0, sessions)
+        self._write(1, clustered.drop_columns(self.user_cols))
+
+    def _write(self, i: int, rows: pa.Table | None) -> None:
+        """Write whole row groups, as one `write_table` of all the rows would; keep the rest
+        for the next call (None: flush)."""
+        rgs = self.cfg.row_group_size
+        pending = self.pending[i] = [*self.pending[i], *([rows] if rows is not None else [])]
+        n = sum(t.num_rows for t in pending)
+        cut = n if rows is None else n // rgs * rgs
+        if cut == 0:
+            return
+        table = pa.concat_tables(pending)
+        # one chunk: Arrow's writer also cuts a row group at every chunk boundary
+        self.writers[i].write_table(table.slice(0, cut).combine_chunks(), row_group_size=rgs)
+        self.pending[i] = [table.slice(cut)] if cut < n else []
+
+    def bytes(self) -> int:
+        for i, w in enumerate(self.writers):
+            self._write(i, None)
+            w.close()
+        return int(sum(s.size() for s in self.sinks))
 
 
-def storage_lower_bound(
-    samples: pa.Table, features: FeatureSet, cfg: GenerateConfig, order: np.ndarray | None = None
-) -> int:
-    """Bytes with each session's user-side features stored once (same order and options);
-    `order`: the session-clustered order, if already computed."""
-    if order is None:
-        order = session_clustered_order(samples, features.user_key)
-    clustered = samples.take(pa.array(order))
-    sid = np.asarray(clustered["session_id"])
-    first = np.flatnonzero(np.concatenate([[True], sid[1:] != sid[:-1]]))
-    user_cols = [f.name for f in features.by_side("user")]
-    sessions = clustered.select(["session_id", *user_cols]).take(pa.array(first))
-    per_sample = clustered.drop_columns(user_cols)
-    return parquet_bytes(sessions, cfg) + parquet_bytes(per_sample, cfg)
+class _Profile:
+    """Per-batch dedup factors of a layout, accumulated bucket by bucket: batches are
+    `batch_size` consecutive rows of the whole layout, wherever the buckets cut."""
+
+    def __init__(self, features: list[str], user_cols: list[str], batch_size: int):
+        self.features, self.user_cols, self.bs = features, user_cols, batch_size
+        self.pending = {k: np.zeros(0, np.uint64) for k in [*features, "user_group"]}
+        self.factors: dict[str, list[np.ndarray]] = {k: [] for k in self.pending}
+
+    def add(self, rows: pa.Table) -> None:
+        hashes = {f: row_hashes(rows[f]) for f in self.features}
+        hashes["user_group"] = group_hashes(rows, self.user_cols)
+        for k, h in hashes.items():
+            h = np.concatenate([self.pending[k], h])
+            full = h.size // self.bs * self.bs
+            self.factors[k].append(batch_factors(h[:full], self.bs))
+            self.pending[k] = h[full:]
+
+    def result(self) -> dict[str, float]:
+        out = {}
+        for k, parts in self.factors.items():
+            tail = batch_factors(self.pending[k], self.bs)  # the last, partial batch
+            out[k] = float(np.concatenate([*parts, tail]).mean()) if parts or tail.size else 0.0
+        return out
+
+
+def _keys(warehouse: Warehouse, ds: str, user_key: str) -> pa.Table:
+    """The columns the layouts' orders need: ~32 bytes a row."""
+    return warehouse.read("events", ds, columns=["event_id", "ts", "session_id", user_key])
+
+
+def _bucket_rows(warehouse: Warehouse, ds: str, budget_bytes: int, multiple: int) -> int:
+    """Rows an output bucket may hold in memory: the budget over ~3 copies of a row (the
+    bucket, its sorted copy, the writer's buffers), a multiple of the row-group size."""
+    files = warehouse.files("events", ds)
+    pf = pq.ParquetFile(warehouse.fs.open_input_file(files[0]))
+    if pf.metadata.num_row_groups == 0 or pf.metadata.num_rows == 0:
+        return multiple
+    sample = pf.read_row_group(0)
+    per_row = max(sample.nbytes / max(sample.num_rows, 1), 1.0)
+    return max(1, int(budget_bytes / (3 * per_row)) // multiple) * multiple
+
+
+def _in_order(warehouse: Warehouse, ds: str, order: np.ndarray, bucket: int, spill: Path):
+    """The events partition's rows in `order`, as tables of up to `bucket` rows, in bounded
+    memory: one pass distributes every input batch's rows to per-bucket spill files (Arrow
+    IPC, lz4), then each bucket is read back and sorted by its output position."""
+    n = order.size
+    position = np.empty(n, np.int64)
+    position[order] = np.arange(n)
+    nb = max(1, -(-n // bucket))
+    writers: dict[int, pa.ipc.RecordBatchStreamWriter] = {}
+    options = pa.ipc.IpcWriteOptions(compression="lz4")
+    start = 0
+    try:
+        for path in warehouse.files("events", ds):
+            pf = pq.ParquetFile(warehouse.fs.open_input_file(path))
+            for batch in pf.iter_batches(batch_size=65_536):
+                pos = position[start : start + batch.num_rows]
+                start += batch.num_rows
+                which = pos // bucket
+                batch = batch.append_column("_pos", pa.array(pos))
+                for b in np.unique(which):
+                    if b not in writers:
+                        sink = pa.OSFile(str(spill / f"bucket-{b:05d}.arrow"), "wb")
+                        writers[b] = pa.ipc.new_stream(sink, batch.schema, options=options)
+                    writers[b].write_batch(batch.filter(pa.array(which == b)))
+    finally:
+        for w in writers.values():
+            w.close()
+    for b in range(nb):
+        path = spill / f"bucket-{b:05d}.arrow"
+        if not path.exists():
+            continue
+        with pa.OSFile(str(path), "rb") as f:
+            t = pa.ipc.open_stream(f).read_all()
+        path.unlink()
+        pos = np.asarray(t["_pos"])
+        yield t.drop_columns(["_pos"]).take(pa.array(np.argsort(pos, kind="stable")))
 
 
 def generate(
@@ -107,41 +216,61 @@ def generate(
     layouts: tuple[str, ...] = ("clustered",),
     progress=None,
 ) -> dict:
-    """Write `samples/layout=<L>/ds=<ds>` for each layout; return the summary."""
+    """Write `samples/layout=<L>/ds=<ds>` for each layout; return the summary.
+
+    Streams in bounded memory (`cfg.memory_budget_mb`): only the order keys (~32 bytes a
+    row) are held for the whole day; rows move through spill files on local disk, a bucket
+    at a time (see `_in_order`), and every figure is accumulated as the rows pass."""
     t0 = time.perf_counter()
-    events = warehouse.read("events", ds)
-    features = feature_set_of(events.schema)
+    schema = warehouse.read_schema("events", ds)
+    features = feature_set_of(schema)
+    names = [f.name for f in features.features]
     list_features = [f.name for f in features.features if f.is_list]
     user_cols = [f.name for f in features.by_side("user")]
+    keys = _keys(warehouse, ds, features.user_key)
+    sessions = int(len(np.unique(np.asarray(keys["session_id"]))))
+    bucket = _bucket_rows(warehouse, ds, cfg.memory_budget_mb << 20, cfg.row_group_size)
     summary: dict = {"generate.layouts": list(layouts)}
     per_layout: dict[str, dict] = {}
-    clustered_order = None
-    for layout in layouts:
-        order = layout_order(events, features, layout, cfg.shuffle_seed)
-        if layout == "clustered":
-            clustered_order = order
-        samples = events.take(pa.array(order))
-        w = write_samples(warehouse, ds, layout, samples, cfg)
-        profile = dedup_profile(samples, [f.name for f in features.features], cfg.batch_size)
-        user_group = float(batch_factors(group_hashes(samples, user_cols), cfg.batch_size).mean())
-        stats = {
-            "storage.bytes": w.info.bytes,
-            "storage.rows": w.info.rows,
-            "storage.bytes_per_sample": w.info.bytes / max(w.info.rows, 1),
-            "storage.sessions": int(len(np.unique(np.asarray(samples["session_id"])))),
-            "storage.files": len(w.info.files),
-            **{f"dedup.factor.{k}": v for k, v in profile.items()},
-            # the mean over list features: where dedup saves work (transforms, pooling, the
-            # history encoder); scalar ids like gender would swamp it with huge factors.
-            "dedup.factor.mean": float(np.mean([profile[f] for f in list_features]))
-            if list_features
-            else 1.0,
-            "dedup.factor.user_group": user_group,
-        }
-        per_layout[layout] = stats
-        if progress:
-            progress(layout, 1)
-    bound = storage_lower_bound(events, features, cfg, clustered_order)
+    bound = None
+    with tempfile.TemporaryDirectory(prefix="recd-generate-") as tmp:
+        for layout in (*layouts, *(() if "clustered" in layouts else ("bound",))):
+            order = layout_order(keys, features, "clustered" if layout == "bound" else layout,
+                                 cfg.shuffle_seed)  # fmt: skip
+            profile = _Profile(names, user_cols, cfg.batch_size)
+            measure = _Bound(schema, user_cols, cfg) if layout in ("clustered", "bound") else None
+            opts = parquet_options(cfg, schema, layout)
+            with contextlib.ExitStack() as stack:
+                w = None
+                if layout != "bound":
+                    w = stack.enter_context(warehouse.writing("samples", ds, layout=layout))
+                for rows in _in_order(warehouse, ds, order, bucket, Path(tmp)):
+                    if w is not None:
+                        w.write(rows, max_rows_per_file=cfg.max_rows_per_file, **opts)
+                        profile.add(rows)
+                    if measure is not None:
+                        measure.add(rows)
+            if measure is not None:
+                bound = measure.bytes()
+            if w is None:
+                continue
+            factors = profile.result()
+            per_layout[layout] = {
+                "storage.bytes": w.info.bytes,
+                "storage.rows": w.info.rows,
+                "storage.bytes_per_sample": w.info.bytes / max(w.info.rows, 1),
+                "storage.sessions": sessions,
+                "storage.files": len(w.info.files),
+                **{f"dedup.factor.{k}": factors[k] for k in names},
+                # the mean over list features: where dedup saves work (transforms, pooling, the
+                # history encoder); scalar ids like gender would swamp it with huge factors.
+                "dedup.factor.mean": float(np.mean([factors[f] for f in list_features]))
+                if list_features
+                else 1.0,
+                "dedup.factor.user_group": factors["user_group"],
+            }
+            if progress:
+                progress(layout, 1)
     for stats in per_layout.values():
         stats["storage.lower_bound_bytes"] = bound
         stats["storage.bytes_over_lower_bound"] = stats["storage.bytes"] / bound if bound else 0.0
@@ -155,4 +284,5 @@ def generate(
         )
     summary["generate.seconds"] = time.perf_counter() - t0
     summary["generate.batch_size"] = cfg.batch_size
+    summary["generate.bucket_rows"] = bucket
     return summary

@@ -17,8 +17,10 @@ the quarantine is still written (for inspection) but the events partition is not
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,18 +28,21 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from recd_core.config import ENVELOPE_COLUMNS, FeatureSet, GenerateConfig, IngestConfig
-from recd_core.dedup.unique import rows_equal_to
-from recd_core.errors import GateFailed
-from recd_core.schema import events_schema, mark_sessions_checked
 from recd_core.data.sources import (
     Parsed,
     Rejects,
     SourceError,
+    raw_lines,
     read_json_lines,
     read_parquet_events,
+    rows_as_json,
 )
+from recd_core.dedup.unique import group_hashes
+from recd_core.errors import GateFailed
+from recd_core.schema import events_schema, mark_sessions_checked
 from recd_core.warehouse import Warehouse, validate_ds
 
 EVENT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson", ".ndjson.gz", ".parquet")
@@ -180,91 +185,101 @@ def validate(parsed: Parsed, features: FeatureSet) -> tuple[Parsed, Rejects]:
     return parsed, rejects
 
 
-def drop_duplicate_events(parts: list[Parsed]) -> tuple[list[Parsed], Rejects]:
-    """Quarantine every repeat of an event_id after its first appearance (file, then line)."""
-    rejects = Rejects()
+@dataclass
+class _Part:
+    """What the day-wide checks keep of one parsed source once its clean rows are written:
+    ~45 bytes a row, so a day's memory is its keys, not its rows.
+
+    `file` is the staging events file holding the rows (None when there were none); `raw`
+    returns the original bytes of given line numbers (re-reading the source: only rows the
+    day-wide checks reject are ever looked up), None for Parquet (rows go to the quarantine
+    as JSON)."""
+
+    source: str
+    lines: np.ndarray  # 1-based line (row) per clean row, in file order
+    event_id: np.ndarray
+    session_id: np.ndarray
+    ts: np.ndarray
+    user: np.ndarray  # uint64: a hash of the row's user-side values
+    raw: Callable[[np.ndarray], pa.Array] | None
+    file: str | None = None
+
+    @classmethod
+    def of(cls, parsed: Parsed, user_cols: list[str], raw) -> _Part:
+        t = parsed.table
+        key = lambda c: np.asarray(t[c], np.int64)  # noqa: E731
+        user = group_hashes(t, user_cols) if t.num_rows else np.zeros(0, np.uint64)
+        return cls(parsed.source, parsed.lines, key("event_id"), key("session_id"), key("ts"),
+                   user, raw)  # fmt: skip
+
+
+@dataclass
+class _Drop:
+    """Rows of one part the day-wide checks reject (indices into the part's clean rows)."""
+
+    rows: list[int]
+    fields: list[str]
+    reasons: list[str]
+
+
+def duplicate_events(parts: list[_Part]) -> dict[int, _Drop]:
+    """Every repeat of an event_id after its first appearance (file, then line)."""
+    drops: dict[int, _Drop] = {}
     if not parts:
-        return parts, rejects
-    eids = np.concatenate([np.asarray(p.table["event_id"]) for p in parts])
+        return drops
+    eids = np.concatenate([p.event_id for p in parts])
     order = np.argsort(eids, kind="stable")
     ids_sorted = eids[order]
     new_group = np.concatenate([[True], ids_sorted[1:] != ids_sorted[:-1]])
     if new_group.all():
-        return parts, rejects
+        return drops
     first_pos = np.maximum.accumulate(np.where(new_group, np.arange(eids.size), 0))
     first_of = np.empty_like(order)
     first_of[order] = order[first_pos]
-    repeat = np.zeros(eids.size, bool)
-    repeat[order[~new_group]] = True
-    part_of = np.concatenate([np.full(p.table.num_rows, i) for i, p in enumerate(parts)])
-    lines = np.concatenate([p.lines for p in parts])
-    out, start = [], 0
-    for p in parts:
-        n = p.table.num_rows
-        rep = repeat[start : start + n]
-        if rep.any():
-            where = np.flatnonzero(rep)
-            reasons = [  # a loop over the repeats only
-                f"duplicate event_id {eids[start + w]} "
-                f"(first seen at {parts[part_of[f]].source}:{lines[f]})"
-                for w, f in zip(where, first_of[start + where], strict=True)
-            ]
-            rejects.add(
-                p.source, p.lines[where], ["event_id"] * where.size, reasons, p.raw_rows(where)
-            )
-            p = p.subset(np.flatnonzero(~rep))
-        out.append(p)
-        start += n
-    return out, rejects
+    part_of, row_of = _positions(parts)
+    for g in np.sort(order[~new_group]):  # a loop over the repeats only
+        f = first_of[g]
+        where = f"{parts[part_of[f]].source}:{parts[part_of[f]].lines[row_of[f]]}"
+        d = drops.setdefault(int(part_of[g]), _Drop([], [], []))
+        d.rows.append(int(row_of[g]))
+        d.fields.append("event_id")
+        d.reasons.append(f"duplicate event_id {eids[g]} (first seen at {where})")
+    return drops
 
 
-def _flat(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    """(values, lengths) of a scalar or list column, values in their own dtype."""
-    col = col.combine_chunks()
-    if pa.types.is_list(col.type):
-        offsets = np.asarray(col.offsets, np.int64)
-        return np.asarray(col.values.slice(offsets[0], offsets[-1] - offsets[0])), np.diff(offsets)
-    return np.asarray(col), np.ones(len(col), np.int64)
+def inconsistent_sessions(
+    parts: list[_Part], dropped: dict[int, _Drop]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Events whose user-side values differ from their session's first event (by time, then
+    event_id), among the rows not `dropped` already: user features are a snapshot taken at
+    session start, which is what lets every later stage deduplicate by session.
 
-
-def check_sessions(parts: list[Parsed], features: FeatureSet) -> tuple[list[Parsed], Rejects]:
-    """Quarantine events whose user-side values differ from their session's first event
-    (by time, then event_id): user features are a snapshot taken at session start, which is
-    what lets every later stage deduplicate by session."""
-    rejects = Rejects()
+    Compared by a 64-bit hash of the values (a collision, ~2^-64 per event, would let one
+    inconsistent event through). Returns (rows, their reference rows), day-wide indices."""
     if not parts:
-        return parts, rejects
-    table = pa.concat_tables([p.table for p in parts])
-    n = table.num_rows
-    sid, ts, eid = (np.asarray(table[c]) for c in ("session_id", "ts", "event_id"))
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    keep = np.ones(sum(p.event_id.size for p in parts), bool)
+    offsets = np.cumsum([0] + [p.event_id.size for p in parts])
+    for k, d in dropped.items():
+        keep[offsets[k] + np.asarray(d.rows, np.int64)] = False
+    idx = np.flatnonzero(keep)
+    sid, ts, eid, user = (np.concatenate([getattr(p, c) for p in parts])[idx]
+                          for c in ("session_id", "ts", "event_id", "user"))  # fmt: skip
+    n = idx.size
     order = np.lexsort((eid, ts, sid))
     first = np.concatenate([[True], sid[order][1:] != sid[order][:-1]])
     ref = np.empty(n, np.int64)
     ref[order] = order[np.maximum.accumulate(np.where(first, np.arange(n), 0))]
-    bad = np.zeros(n, bool)
-    blame = np.empty(n, object)
-    for spec in features.by_side("user"):
-        values, lengths = _flat(table[spec.name])
-        differs = ~rows_equal_to(values, lengths, ref) & ~bad
-        blame[differs] = spec.name
-        bad |= differs
-    if not bad.any():
-        return parts, rejects
-    out, start = [], 0
-    for p in parts:
-        rows = p.table.num_rows
-        where = np.flatnonzero(bad[start : start + rows])
-        if where.size:
-            g = start + where
-            reasons = [  # a loop over the rejected rows only
-                f"field {blame[i]!r}: differs from the first event of session {sid[i]} (event_id {eid[ref[i]]})"
-                for i in g
-            ]
-            rejects.add(p.source, p.lines[where], list(blame[g]), reasons, p.raw_rows(where))
-            p = p.subset(np.flatnonzero(~bad[start : start + rows]))
-        out.append(p)
-        start += rows
-    return out, rejects
+    bad = np.flatnonzero(user != user[ref])
+    return idx[bad], idx[ref[bad]]
+
+
+def _positions(parts: list[_Part]) -> tuple[np.ndarray, np.ndarray]:
+    """Per day-wide row: its part, and its row within the part."""
+    sizes = [p.event_id.size for p in parts]
+    part_of = np.repeat(np.arange(len(parts)), sizes)
+    row_of = np.arange(part_of.size) - np.repeat(np.cumsum([0] + sizes)[:-1], sizes)
+    return part_of, row_of
 
 
 def list_source_files(source: Path, suffixes: tuple[str, ...]) -> list[Path]:
@@ -284,28 +299,47 @@ def list_source_files(source: Path, suffixes: tuple[str, ...]) -> list[Path]:
     return files
 
 
-def read_events(
-    files: list[Path], features: FeatureSet, progress=None, threads: int = 2
-) -> tuple[list[Parsed], Rejects, int]:
-    """Parse and validate files, `threads` at a time (gunzip and Arrow release the GIL);
-    results keep the files' order."""
-    schema = events_schema(features)
+def _parse(path: Path, schema: pa.Schema, features: FeatureSet) -> tuple[Parsed, Rejects]:
+    reader = read_parquet_events if path.name.endswith(".parquet") else read_json_lines
+    parsed, rejects = reader(path, schema)
+    parsed, bad = validate(parsed, features)
+    rejects.extend(bad)
+    return parsed, rejects
 
-    def one(path: Path) -> tuple[Parsed, Rejects]:
-        reader = read_parquet_events if path.name.endswith(".parquet") else read_json_lines
-        parsed, rejects = reader(path, schema)
+
+def _ordered(fn, items: list, threads: int) -> Iterator:
+    """`map(fn, items)` on `threads` threads (gunzip and Arrow release the GIL), in order,
+    at most `threads` results ahead of the consumer: memory is a few files, not a day."""
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        pending: deque = deque()
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= threads:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.Schema, progress):
+    """(parsed and validated rows, their rejects, a re-reader of raw lines) per source file;
+    and the file count and bytes read (filled in as the files are read)."""
+    if cfg.format == "movielens":
+        from recd_core.data.movielens import read_movielens
+
+        parsed, rejects, bytes_in, nfiles = read_movielens(source, features, cfg)
         parsed, bad = validate(parsed, features)
         rejects.extend(bad)
-        return parsed, rejects
+        return nfiles, bytes_in, iter([(parsed, rejects, parsed.raw)])
+    files = list_source_files(source, EVENT_SUFFIXES)
 
-    parts, rejects = [], Rejects()
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        for path, (parsed, bad) in zip(files, pool.map(one, files), strict=True):
-            parts.append(parsed)
-            rejects.extend(bad)
-            if progress:
-                progress(path.name, 1)
-    return parts, rejects, sum(p.stat().st_size for p in files)
+    def one(path: Path):
+        parsed, rejects = _parse(path, schema, features)
+        if progress:
+            progress(path.name, 1)
+        raw = None if path.name.endswith(".parquet") else functools.partial(raw_lines, path)
+        return parsed, rejects, raw
+
+    return len(files), sum(p.stat().st_size for p in files), _ordered(one, files, 2)
 
 
 def ingest(
@@ -317,67 +351,110 @@ def ingest(
     write: GenerateConfig | None = None,
     progress: Callable[[str, int], None] | None = None,
 ) -> dict:
-    """Run the stage; returns the summary (contract keys `ingest.*`)."""
+    """Run the stage; returns the summary (contract keys `ingest.*`).
+
+    Streams: each source file is parsed, validated and written to the events partition's
+    staging as it comes (its own Parquet file), keeping only the keys the day-wide checks
+    need (event_id, session, time, a hash of the user-side values: ~45 bytes a row). The
+    day-wide checks (redelivered events, session snapshots) then name the rows to drop,
+    and only the files holding them are rewritten. Nothing is published before the gate."""
     validate_ds(ds)
     t0 = time.perf_counter()
     source = Path(source)
-    if cfg.format == "movielens":
-        from recd_core.data.movielens import read_movielens
-
-        parsed, rejects, bytes_in, nfiles = read_movielens(source, features, cfg)
-        parsed, bad = validate(parsed, features)
-        rejects.extend(bad)
-        parts = [parsed]
-    else:
-        files = list_source_files(source, EVENT_SUFFIXES)
-        nfiles = len(files)
-        parts, rejects, bytes_in = read_events(files, features, progress)
-    parts, dupes = drop_duplicate_events(parts)
-    rejects.extend(dupes)
-    schema = events_schema(features)
-    if cfg.check_sessions:
-        parts, inconsistent = check_sessions(parts, features)
-        rejects.extend(inconsistent)
-        schema = mark_sessions_checked(schema)
-
-    events = (
-        pa.concat_tables([p.table for p in parts]).cast(schema) if parts else schema.empty_table()
-    )
-    quarantine = rejects.table()
-    rows_ok, rows_q = events.num_rows, quarantine.num_rows
-    rows_in = rows_ok + rows_q
-    seconds = time.perf_counter() - t0
     write = write or GenerateConfig()
     options = dict(compression=write.compression, compression_level=write.compression_level)
-    with warehouse.writing("quarantine", ds) as w:
-        w.write(quarantine.replace_schema_metadata({b"recd.ds": ds.encode()}), **options)
-    fraction = rows_q / rows_in if rows_in else 0.0
-    summary = {
-        "ingest.rows_in": rows_in,
-        "ingest.rows_ok": rows_ok,
-        "ingest.rows_quarantined": rows_q,
-        "ingest.rows_per_s": rows_in / seconds if seconds > 0 else 0.0,
-        "ingest.quarantine_fraction": fraction,
-        "ingest.files": nfiles,
-        "ingest.bytes_in": bytes_in,
-        "ingest.seconds": seconds,
-        "ingest.published": False,
-        "ingest.top_reasons": top_reasons(quarantine),
-    }
-    if rows_in == 0:
-        raise QuarantineExceeded(f"no rows in {source}: nothing to publish for ds={ds}", summary)
-    if fraction > cfg.max_quarantine_fraction:
-        raise QuarantineExceeded(
-            f"{rows_q} of {rows_in} rows ({fraction:.1%}) quarantined, above the limit of "
-            f"{cfg.max_quarantine_fraction:.1%}: events/ds={ds} not published; "
-            f"see {warehouse.partition_path('quarantine', ds)}",
-            summary,
-        )
+    base_schema = events_schema(features)
+    schema = mark_sessions_checked(base_schema) if cfg.check_sessions else base_schema
+    user_cols = [f.name for f in features.by_side("user")]
+    rejects, parts = Rejects(), []
+    nfiles, bytes_in, stream = _sources(source, features, cfg, base_schema, progress)
     with warehouse.writing("events", ds) as w:
-        w.write(events, row_group_size=write.row_group_size, **options)
+        for parsed, bad, raw in stream:
+            rejects.extend(bad)
+            part = _Part.of(parsed, user_cols, raw)
+            if parsed.table.num_rows:
+                w.write(parsed.table.cast(schema), row_group_size=write.row_group_size, **options)
+                part.file = w.end_file()
+            parts.append(part)
+        drops = duplicate_events(parts)
+        if cfg.check_sessions:
+            bad_rows, refs = inconsistent_sessions(parts, drops)
+            _blame(parts, bad_rows, refs, drops, w, user_cols)
+        for k in sorted(drops):
+            _drop_rows(parts[k], drops[k], w, rejects, row_group_size=write.row_group_size,
+                       **options)  # fmt: skip
+        if not any(p.file for p in parts):
+            w.write(schema.empty_table(), **options)
+        quarantine = rejects.table()
+        rows_q = quarantine.num_rows
+        rows_ok = sum(p.event_id.size for p in parts) - sum(len(d.rows) for d in drops.values())
+        rows_in = rows_ok + rows_q
+        seconds = time.perf_counter() - t0
+        with warehouse.writing("quarantine", ds) as q:
+            q.write(quarantine.replace_schema_metadata({b"recd.ds": ds.encode()}), **options)
+        fraction = rows_q / rows_in if rows_in else 0.0
+        summary = {
+            "ingest.rows_in": rows_in,
+            "ingest.rows_ok": rows_ok,
+            "ingest.rows_quarantined": rows_q,
+            "ingest.rows_per_s": rows_in / seconds if seconds > 0 else 0.0,
+            "ingest.quarantine_fraction": fraction,
+            "ingest.files": nfiles,
+            "ingest.bytes_in": bytes_in,
+            "ingest.seconds": seconds,
+            "ingest.published": False,
+            "ingest.top_reasons": top_reasons(quarantine),
+        }
+        if rows_in == 0:
+            raise QuarantineExceeded(f"no rows in {source}: nothing to publish for ds={ds}",
+                                     summary)  # fmt: skip
+        if fraction > cfg.max_quarantine_fraction:
+            raise QuarantineExceeded(
+                f"{rows_q} of {rows_in} rows ({fraction:.1%}) quarantined, above the limit of "
+                f"{cfg.max_quarantine_fraction:.1%}: events/ds={ds} not published; "
+                f"see {warehouse.partition_path('quarantine', ds)}",
+                summary,
+            )
     summary["ingest.published"] = True
     summary["ingest.events_bytes"] = w.info.bytes
     return summary
+
+
+def _blame(parts, bad_rows, refs, drops, w, user_cols) -> None:
+    """Name the first user-side field (in feature order) in which each inconsistent event
+    differs from its session's first event, reading just those rows back from staging."""
+    if bad_rows.size == 0:
+        return
+    part_of, row_of = _positions(parts)
+    needed = np.unique(np.concatenate([bad_rows, refs]))
+    values: dict[int, dict] = {}
+    for k in np.unique(part_of[needed]):
+        mine = needed[part_of[needed] == k]
+        t = pq.read_table(f"{w.staging}/{parts[k].file}", columns=user_cols, filesystem=w.fs)
+        for g, row in zip(mine, t.take(pa.array(row_of[mine])).to_pylist(), strict=True):
+            values[int(g)] = row
+    for g, r in zip(bad_rows, refs, strict=True):
+        field = next((c for c in user_cols if values[g][c] != values[r][c]), user_cols[0])
+        part = parts[part_of[g]]
+        d = drops.setdefault(int(part_of[g]), _Drop([], [], []))
+        d.rows.append(int(row_of[g]))
+        d.fields.append(field)
+        d.reasons.append(f"field {field!r}: differs from the first event of session "
+                         f"{part.session_id[row_of[g]]} (event_id {parts[part_of[r]].event_id[row_of[r]]})")  # fmt: skip
+
+
+def _drop_rows(part: _Part, drop: _Drop, w, rejects: Rejects, **parquet_options) -> None:
+    """Quarantine a part's rows the day-wide checks rejected and rewrite its staging file
+    without them."""
+    order = np.argsort(drop.rows, kind="stable")
+    rows = np.asarray(drop.rows, np.int64)[order]
+    table = pq.read_table(f"{w.staging}/{part.file}", filesystem=w.fs)
+    raw = part.raw(part.lines[rows]) if part.raw else rows_as_json(table, rows)
+    rejects.add(part.source, part.lines[rows], [drop.fields[i] for i in order],
+                [drop.reasons[i] for i in order], raw)  # fmt: skip
+    keep = np.ones(table.num_rows, bool)
+    keep[rows] = False
+    w.rewrite(part.file, table.filter(pa.array(keep)), **parquet_options)
 
 
 def top_reasons(quarantine: pa.Table, k: int = 5) -> dict[str, int]:

@@ -29,8 +29,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from recd_core.config import FeatureSet, IngestConfig
-from recd_core.schema import events_schema
 from recd_core.data.sources import Parsed, Rejects, SourceError, open_text
+from recd_core.schema import events_schema
 
 GENRES = (
     "unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",

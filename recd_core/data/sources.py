@@ -202,12 +202,23 @@ def _bad_utf8_lines(lines: Lines) -> np.ndarray:
 
 
 # -- JSON lines -------------------------------------------------------------------------------
+def _text_bytes(path: Path) -> tuple[bytes, str | None]:
+    data, problem = read_bytes(path)
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM (Windows tools): accepted, as blanks
+        data = b"   " + data[3:]
+    return data, problem
+
+
+def raw_lines(path: Path, line_numbers: np.ndarray) -> pa.Array:
+    """Lines of a JSON-lines file by 1-based number, as its reader saw them, read again:
+    ingest keeps no file's bytes past its parse; rows rejected later are looked up here."""
+    return Lines.of(_text_bytes(path)[0]).take(np.asarray(line_numbers, np.int64) - 1)
+
+
 def read_json_lines(path: Path, schema: pa.Schema) -> tuple[Parsed, Rejects]:
     """Parse a JSON-lines file (plain or gzipped) into `schema`'s columns."""
     source = path_text(path)
-    data, stream_problem = read_bytes(path)
-    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM (Windows tools): accepted, as blanks
-        data = b"   " + data[3:]
+    data, stream_problem = _text_bytes(path)
     lines = Lines.of(data)
     n = len(lines)
     rejects = Rejects()
