@@ -13,7 +13,7 @@ RECBOLE_WHEEL := recbole==1.2.1
 
 MLFLOW_DB := $(CURDIR)/$(DATA)/mlflow.db
 
-.PHONY: run test lint venv movielens bench ui pipeline helm clean distclean
+.PHONY: run test lint venv movielens bench bench-scaling ui pipeline helm clean distclean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -92,6 +92,10 @@ bench: $(STAMP) movielens
 	@mkdir -p $(DATA)
 	$(BIN)/recd --tracking-uri sqlite:///$(MLFLOW_DB) bench --preset standard --out build/bench \
 	  --movielens $(MOVIELENS)
+
+# How every stage scales with the day's size (200k, 1M, 2M samples): build/bench/scaling.md
+bench-scaling: $(STAMP)
+	$(BIN)/python -m recd_core.bench.scaling --out build/bench
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache
