@@ -93,8 +93,7 @@ class Warehouse:
         try:
             self.fs.create_dir(self.root, recursive=True)
         except OSError as e:  # a file in the way, no permission: the user's to fix
-            reason = str(e).split(". Detail")[0].removeprefix(f"[Errno {e.errno}] ")
-            raise BadInput(f"warehouse {uri} cannot be used as a directory: {reason}") from None
+            raise BadInput(f"warehouse {uri} cannot be used as a directory: {_reason(e)}") from None
 
     # -- paths ------------------------------------------------------------------------------
     def _rel(self, table: str, ds: str, keys: dict[str, str]) -> str:
@@ -149,13 +148,16 @@ class Warehouse:
         prefix = self._side_dir(table, "_staging", ds, keys)
         write_id = uuid.uuid4().hex[:12]
         staging = f"{prefix}-{write_id}"
-        with self._partition_lock(table, ds, keys):
-            self._recover(table, ds, keys)
-            for old in self._children(f"{self.root}/{table}/_staging"):
-                if old.path.startswith(prefix + "-") and not self._writer_alive(old.path):
-                    self.fs.delete_dir(old.path)
-            self.fs.create_dir(staging, recursive=True)
-            owner = self._hold_writer_lock(staging)
+        try:
+            with self._partition_lock(table, ds, keys):
+                self._recover(table, ds, keys)
+                for old in self._children(f"{self.root}/{table}/_staging"):
+                    if old.path.startswith(prefix + "-") and not self._writer_alive(old.path):
+                        self.fs.delete_dir(old.path)
+                self.fs.create_dir(staging, recursive=True)
+                owner = self._hold_writer_lock(staging)
+        except PermissionError as e:  # a read-only warehouse: the user's to fix, not retried
+            raise BadInput(f"warehouse {self.uri} cannot be written: {_reason(e)}") from None
         writer = PartitionWriter(self.fs, staging, write_id)
         try:
             try:
@@ -344,6 +346,13 @@ class Warehouse:
         return sorted(
             i.base_name[3:] for i in self._children(base) if i.base_name.startswith("ds=")
         )
+
+
+def _reason(e: OSError) -> str:
+    """An OS error in a few words: pyarrow's "[Errno 13] Cannot create directory '…'. Detail:
+    …" as "Cannot create directory '…' (permission denied)"."""
+    text = str(e).split(". Detail")[0].removeprefix(f"[Errno {e.errno}] ")
+    return f"{text} ({os.strerror(e.errno).lower()})" if e.errno else text
 
 
 class PartitionWriter:

@@ -220,10 +220,18 @@ def test_only_a_canonical_date_names_a_partition(ds, day_logs, tmp_path):
     assert not list((tmp_path / "wh").rglob("ds=*")), "no partition is created"
 
 
-def test_a_warehouse_that_is_a_file_is_one_line(day_logs, tmp_path):
-    (tmp_path / "wh").write_text("not a directory")
-    r = recd("ingest", "--source", day_logs, "--warehouse", tmp_path / "wh", "--ds", DAY, code=2)
-    assert "cannot be used as a directory" in r.stderr
+@pytest.mark.parametrize("kind", ["a file", "read-only"])
+def test_a_warehouse_that_cannot_be_written_is_one_line(kind, day_logs, tmp_path):
+    wh = tmp_path / "wh"
+    if kind == "a file":
+        wh.write_text("not a directory")
+        prefix, message = (), "cannot be used as a directory"
+    else:
+        (wh / "events").mkdir(parents=True, mode=0o555)
+        prefix, message = _unprivileged(), "cannot be written"
+    r = recd("ingest", "--source", day_logs, "--warehouse", wh, "--ds", DAY, code=2,
+             prefix=prefix)  # fmt: skip
+    assert message in r.stderr
 
 
 def test_sources_that_cannot_be_read_are_one_line(tmp_path):
