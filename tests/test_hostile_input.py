@@ -20,6 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from event_lines import clean_lines, mutate
 
 from recd_core.config import load_feature_set
 from recd_core.warehouse import Warehouse
@@ -44,16 +45,6 @@ def recd(
     return r
 
 
-def _mutate(line: bytes, **changes) -> bytes:
-    obj = json.loads(line)
-    for k, v in changes.items():
-        if v is KeyError:
-            del obj[k]
-        else:
-            obj[k] = v
-    return json.dumps(obj).encode()
-
-
 def damaged_cases(clean: list[bytes]):
     """(damaged line, expected field or None, expected reason substring) for every kind of bad
     line, and the clean lines not used up."""
@@ -64,26 +55,26 @@ def damaged_cases(clean: list[bytes]):
     return [
         (next(c)[:57], None, "invalid JSON"),  # truncated mid-line
         (next(c).replace(b'"user_id"', b'"user_\xff\xfeid"'), None, "invalid UTF-8"),
-        (_mutate(next(c), user_id="12"), "user_id", "expected an integer"),
-        (_mutate(next(c), label=True), "label", "expected an integer"),
-        (_mutate(next(c), item_dense=[1.0, "x", 2.0, 3.0]), "item_dense", "expected a number"),
-        (_mutate(next(c), user_friends=[1, 2.5]), "user_friends", "expected an integer"),
-        (_mutate(next(c), user_id=-5), "user_id", "negative id -5"),
-        (_mutate(next(c), item_tags=[3, -1]), "item_tags", "negative id in list"),
-        (_mutate(next(c), user_dense=[float("nan")] * 16), "user_dense", "not finite"),
-        (_mutate(next(c), item_dense=[1.0, float("inf"), 0, 0]), "item_dense", "not finite"),
-        (_mutate(next(c), item_dense=[7.25, 0, 0, 0]).replace(b"7.25", b"1e999"), "item_dense",
+        (mutate(next(c), user_id="12"), "user_id", "expected an integer"),
+        (mutate(next(c), label=True), "label", "expected an integer"),
+        (mutate(next(c), item_dense=[1.0, "x", 2.0, 3.0]), "item_dense", "expected a number"),
+        (mutate(next(c), user_friends=[1, 2.5]), "user_friends", "expected an integer"),
+        (mutate(next(c), user_id=-5), "user_id", "negative id -5"),
+        (mutate(next(c), item_tags=[3, -1]), "item_tags", "negative id in list"),
+        (mutate(next(c), user_dense=[float("nan")] * 16), "user_dense", "not finite"),
+        (mutate(next(c), item_dense=[1.0, float("inf"), 0, 0]), "item_dense", "not finite"),
+        (mutate(next(c), item_dense=[7.25, 0, 0, 0]).replace(b"7.25", b"1e999"), "item_dense",
          "number too large"),
-        (_mutate(next(c), label=2), "label", "must be 0 or 1, got 2"),
-        (_mutate(next(c), ts=-1), "ts", "negative value -1"),
-        (_mutate(next(c), item_id=KeyError), "item_id", "missing required field 'item_id'"),
-        (_mutate(next(c), session_id=None), "session_id", "missing required field"),
-        (_mutate(next(c), user_history=list(range(129))), "user_history",
+        (mutate(next(c), label=2), "label", "must be 0 or 1, got 2"),
+        (mutate(next(c), ts=-1), "ts", "negative value -1"),
+        (mutate(next(c), item_id=KeyError), "item_id", "missing required field 'item_id'"),
+        (mutate(next(c), session_id=None), "session_id", "missing required field"),
+        (mutate(next(c), user_history=list(range(129))), "user_history",
          "length 129 exceeds max_length 128"),
-        (_mutate(next(c), item_tags=[1, None]), "item_tags", "null list element"),
-        (_mutate(next(c), item_dense=[1.0, 2.0]), "item_dense", "expected 4 values, got 2"),
-        (_mutate(next(c), user_id=2**70), "user_id", "out of range"),
-        (_mutate(next(c), item_tags={"a": 1}), "item_tags", "expected a list"),
+        (mutate(next(c), item_tags=[1, None]), "item_tags", "null list element"),
+        (mutate(next(c), item_dense=[1.0, 2.0]), "item_dense", "expected 4 values, got 2"),
+        (mutate(next(c), user_id=2**70), "user_id", "out of range"),
+        (mutate(next(c), item_tags={"a": 1}), "item_tags", "expected a list"),
         (b"[1, 2, 3]", None, "not a JSON object"),
         (b"null", None, "not a JSON object"),
         (b'"just a string"', None, "not a JSON object"),
@@ -100,11 +91,6 @@ def damaged_cases(clean: list[bytes]):
     # fmt: on
 
 
-def _lines(day_logs: Path) -> list[bytes]:
-    gz = next(iter(sorted(day_logs.glob("*.gz"))))
-    return gzip.decompress(gz.read_bytes()).splitlines()
-
-
 def _write_json(path: Path, lines: list[bytes], gz: bool = False, bom: bool = False) -> None:
     data = (b"\xef\xbb\xbf" if bom else b"") + b"\n".join(lines) + b"\n"
     path.write_bytes(gzip.compress(data) if gz else data)
@@ -112,7 +98,7 @@ def _write_json(path: Path, lines: list[bytes], gz: bool = False, bom: bool = Fa
 
 def test_every_kind_of_bad_line_is_quarantined_and_every_clean_line_published(day_logs, tmp_path):
     """One day's source holding every bad-line kind, in files of every awkward kind."""
-    all_lines = _lines(day_logs)
+    all_lines = clean_lines(day_logs)
     cases, clean = damaged_cases(all_lines[:600])
     src = tmp_path / "src"
     src.mkdir()
@@ -132,7 +118,7 @@ def test_every_kind_of_bad_line_is_quarantined_and_every_clean_line_published(da
     out.append(clean[5])
     expected[(str(a), len(out))] = (clean[5], "event_id", "duplicate event_id")
     first = json.loads(clean[7])
-    changed = _mutate(clean[7], event_id=10**12, user_age=first["user_age"] + 1)
+    changed = mutate(clean[7], event_id=10**12, user_age=first["user_age"] + 1)
     out.append(changed)
     expected[(str(a), len(out))] = (changed, "user_age", "differs from the first event")
     _write_json(a, out, gz=True)

@@ -1,4 +1,3 @@
-import gzip
 import json
 import subprocess
 import sys
@@ -7,6 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from event_lines import clean_lines, mutate
 
 from recd_core.config import IngestConfig
 from recd_core.data.ingest import QuarantineExceeded, ingest
@@ -15,26 +15,11 @@ from recd_core.data.sources import SourceError
 DAY = "2026-11-01"
 
 
-def _clean_lines(day_logs, n=None):
-    lines = gzip.decompress(next(iter(sorted(day_logs.glob("*.gz")))).read_bytes()).splitlines()
-    return lines[:n] if n else lines
-
-
-def _mutate(line: bytes, **changes) -> bytes:
-    obj = json.loads(line)
-    for k, v in changes.items():
-        if v is KeyError:
-            del obj[k]
-        else:
-            obj[k] = v
-    return json.dumps(obj).encode()
-
-
 def test_quarantine_over_the_limit_does_not_publish_events(day_logs, warehouse, features):
     ingest(day_logs, warehouse, DAY, features, IngestConfig())  # a good earlier run
     before = warehouse.read("events", DAY)
-    lines = _clean_lines(day_logs, 100)
-    bad = [_mutate(ln, label=7) for ln in lines[:10]] + lines[10:]
+    lines = clean_lines(day_logs, 100)
+    bad = [mutate(ln, label=7) for ln in lines[:10]] + lines[10:]
     src = day_logs.parent / "bad.jsonl"
     src.write_bytes(b"\n".join(bad))
     with pytest.raises(QuarantineExceeded, match=r"10 of 100 rows \(10.0%\) quarantined"):
@@ -106,7 +91,7 @@ def test_missing_and_unreadable_sources_fail_with_one_line(tmp_path, warehouse, 
 def test_validation_is_order_preserving_and_exact(day_logs, warehouse, features):
     ingest(day_logs, warehouse, DAY, features, IngestConfig())
     events = warehouse.read("events", DAY)
-    first = json.loads(_clean_lines(day_logs, 1)[0])
+    first = json.loads(clean_lines(day_logs, 1)[0])
     row = events.slice(0, 1).to_pylist()[0]
     for k, v in first.items():
         if isinstance(v, list) and v and isinstance(v[0], float):
@@ -120,13 +105,13 @@ def test_validation_is_order_preserving_and_exact(day_logs, warehouse, features)
 def test_an_event_whose_user_features_differ_within_its_session_is_quarantined(
     day_logs, warehouse, features
 ):
-    lines = _clean_lines(day_logs, 60)
+    lines = clean_lines(day_logs, 60)
     rows = [json.loads(x) for x in lines]
     sid = rows[0]["session_id"]
     same = [i for i, r in enumerate(rows) if r["session_id"] == sid]
     assert len(same) >= 2, "the first session has several events"
     victim = same[-1]
-    lines[victim] = _mutate(lines[victim], user_age=rows[victim]["user_age"] + 1)
+    lines[victim] = mutate(lines[victim], user_age=rows[victim]["user_age"] + 1)
     src = day_logs.parent / "drift.jsonl"
     src.write_bytes(b"\n".join(lines))
     s = ingest(src, warehouse, DAY, features, IngestConfig(max_quarantine_fraction=1.0))
@@ -147,13 +132,13 @@ def test_day_wide_checks_span_files_and_only_the_rows_they_reject_are_dropped(
 ):
     """Ingest streams file by file; a redelivery and a session snapshot that changes are
     still found when the first copy / the session's first event is in another file."""
-    lines = _clean_lines(day_logs)
+    lines = clean_lines(day_logs)
     first = json.loads(lines[0])
     same_session = [
         i for i, ln in enumerate(lines) if json.loads(ln)["session_id"] == first["session_id"]
     ]
     assert len(same_session) > 1
-    changed = _mutate(lines[same_session[1]], user_age=first["user_age"] + 1)
+    changed = mutate(lines[same_session[1]], user_age=first["user_age"] + 1)
     src = tmp_path / "split"
     src.mkdir()
     parts = [lines[:1000], lines[1000:2000], lines[2000:]]
