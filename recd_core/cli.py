@@ -185,6 +185,11 @@ def synth(
     _run(ctx, "synth", summary, body)
 
 
+class Engine(StrEnum):
+    local = "local"
+    ray = "ray"
+
+
 @app.command("ingest")
 def ingest_cmd(
     ctx: typer.Context,
@@ -193,6 +198,10 @@ def ingest_cmd(
     ds: DsOpt,
     format: Format = Format.events,  # noqa: A002
     max_quarantine_fraction: Annotated[float | None, typer.Option(min=0.0, max=1.0)] = None,
+    engine: Annotated[
+        Engine | None, typer.Option(help="parse files here (threads) or on Ray Data")
+    ] = None,
+    workers: Annotated[int | None, typer.Option(min=1, help="parallel parsers")] = None,
     config: ConfigOpt = None,
     summary: SummaryOpt = None,
 ):
@@ -201,11 +210,10 @@ def ingest_cmd(
 
     def body():
         pipe = _pipeline(config, "movielens" if format == Format.movielens else "synthetic")
-        cfg = pipe.ingest.model_copy(update={"format": format.value})
-        if max_quarantine_fraction is not None:
-            cfg = IngestConfig(
-                **{**cfg.model_dump(), "max_quarantine_fraction": max_quarantine_fraction}
-            )
+        overrides = {"max_quarantine_fraction": max_quarantine_fraction, "workers": workers,
+                     "engine": engine.value if engine else None}  # fmt: skip
+        cfg = IngestConfig(**{**pipe.ingest.model_dump(), "format": format.value,
+                              **{k: v for k, v in overrides.items() if v is not None}})  # fmt: skip
         wh = Warehouse(warehouse)
         with progress("ingest", None) as advance:
             return ingest(source, wh, ds, pipe.features, cfg, pipe.generate, advance)
@@ -243,11 +251,6 @@ def generate_cmd(
 class Mode(StrEnum):
     dedup = "dedup"
     baseline = "baseline"
-
-
-class Engine(StrEnum):
-    local = "local"
-    ray = "ray"
 
 
 @app.command("preprocess")

@@ -182,6 +182,10 @@ class IngestConfig(_Strict):
     # user-side values must be the same for every event of a session (RecD's premise);
     # an event that differs from its session's first event is quarantined
     check_sessions: bool = True
+    # where files are parsed: `workers` threads here, or `workers` Ray tasks on Ray Data
+    # (the cluster of RAY_ADDRESS, or a local instance); the output is the same
+    engine: Literal["local", "ray"] = "local"
+    workers: int = Field(default=2, gt=0)
 
 
 class GenerateConfig(_Strict):

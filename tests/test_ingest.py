@@ -162,3 +162,27 @@ def test_day_wide_checks_span_files_and_only_the_rows_they_reject_are_dropped(
         json.loads(ln)["event_id"] for ln in lines if ln != lines[same_session[1]]
     )
     assert s["ingest.rows_in"] == len(lines) + 1 and s["ingest.rows_ok"] == len(lines) - 1
+
+
+@pytest.mark.slow
+def test_ray_engine_on_a_local_instance_matches_the_local_engine(day_logs, tmp_path, features):
+    """Files parsed by Ray tasks, damaged lines and a redelivery across files included: the
+    same events and quarantine partitions, byte for byte in content, as the local engine."""
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    from recd_core.warehouse import Warehouse
+
+    lines = clean_lines(day_logs)
+    src = tmp_path / "src"
+    src.mkdir()
+    chunks = [lines[:1500], [b"{broken", *lines[1500:3000]], [*lines[3000:], lines[7]]]
+    for k, chunk in enumerate(chunks):
+        (src / f"events-{k}.jsonl").write_bytes(b"\n".join(chunk) + b"\n")
+    parts = {}
+    for engine in ("local", "ray"):
+        wh = Warehouse(tmp_path / engine)
+        cfg = IngestConfig(engine=engine, workers=2, max_quarantine_fraction=1)
+        s = ingest(src, wh, DAY, features, cfg)
+        parts[engine] = (wh.read("events", DAY), wh.read("quarantine", DAY), s["ingest.rows_ok"])
+    (ev_l, q_l, ok_l), (ev_r, q_r, ok_r) = parts["local"], parts["ray"]
+    assert ev_r.equals(ev_l) and q_r.equals(q_l) and ok_r == ok_l == len(lines)
+    assert q_l.num_rows == 2  # the broken line, the redelivery

@@ -331,15 +331,21 @@ def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.S
         rejects.extend(bad)
         return nfiles, bytes_in, iter([(parsed, rejects, parsed.raw)])
     files = list_source_files(source, EVENT_SUFFIXES)
+    if cfg.engine == "ray":
+        from recd_core.data.ray_ingest import parse_on_ray
 
-    def one(path: Path):
-        parsed, rejects = _parse(path, schema, features)
-        if progress:
-            progress(path.name, 1)
-        raw = None if path.name.endswith(".parquet") else functools.partial(raw_lines, path)
-        return parsed, rejects, raw
+        parsed_files = parse_on_ray(files, schema, features, _parse, cfg.workers)
+    else:
+        parsed_files = _ordered(lambda p: _parse(p, schema, features), files, cfg.workers)
 
-    return len(files), sum(p.stat().st_size for p in files), _ordered(one, files, 2)
+    def with_raw():
+        for path, (parsed, rejects) in zip(files, parsed_files, strict=True):
+            if progress:
+                progress(path.name, 1)
+            raw = None if path.name.endswith(".parquet") else functools.partial(raw_lines, path)
+            yield parsed, rejects, raw
+
+    return len(files), sum(p.stat().st_size for p in files), with_raw()
 
 
 def ingest(
