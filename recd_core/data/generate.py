@@ -189,12 +189,15 @@ def _in_order(warehouse: Warehouse, ds: str, order: np.ndarray, bucket: int, spi
                 pos = position[start : start + batch.num_rows]
                 start += batch.num_rows
                 which = pos // bucket
-                batch = batch.append_column("_pos", pa.array(pos))
-                for b in np.unique(which):
+                by_bucket = np.argsort(which, kind="stable")  # one take, then a slice each
+                batch = batch.append_column("_pos", pa.array(pos)).take(pa.array(by_bucket))
+                buckets, starts = np.unique(which[by_bucket], return_index=True)
+                ends = np.append(starts[1:], batch.num_rows)
+                for b, lo, hi in zip(buckets.tolist(), starts.tolist(), ends.tolist(), strict=True):
                     if b not in writers:
                         sink = pa.OSFile(str(spill / f"bucket-{b:05d}.arrow"), "wb")
                         writers[b] = pa.ipc.new_stream(sink, batch.schema, options=options)
-                    writers[b].write_batch(batch.filter(pa.array(which == b)))
+                    writers[b].write_batch(batch.slice(lo, hi - lo))
     finally:
         for w in writers.values():
             w.close()
