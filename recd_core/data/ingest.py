@@ -9,6 +9,11 @@ Checks run on whole Arrow columns, never a Python loop over rows:
   lists      no null elements, length <= max_length
   dense      finite; dim > 1 lists of exactly `dim` values
   unique     event_id appears once per day (a redelivered event is quarantined)
+  sessions   user-side values equal the session's first event's (`check_sessions`)
+
+The last two are day-wide; the others run file by file. Ingest streams: a file's clean rows
+are written to staging as soon as it is parsed, and the day-wide checks run on ~45 bytes of
+keys a row (see `ingest`), so memory does not grow with the day's rows.
 
 A row is rejected for its first failing check, in schema order; `rows_in == rows_ok +
 rows_quarantined` always holds. If the rejected fraction exceeds `max_quarantine_fraction`
@@ -321,8 +326,8 @@ def _ordered(fn, items: list, threads: int) -> Iterator:
 
 
 def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.Schema, progress):
-    """(parsed and validated rows, their rejects, a re-reader of raw lines) per source file;
-    and the file count and bytes read (filled in as the files are read)."""
+    """The file count, the bytes to read, and an iterator of (parsed and validated rows,
+    their rejects, a re-reader of raw lines) per source file, in file order."""
     if cfg.format == "movielens":
         from recd_core.data.movielens import read_movielens
 
