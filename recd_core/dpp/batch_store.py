@@ -101,33 +101,51 @@ SPLIT_PREFIX = {"train": "shard-", "validation": "valid-"}
 
 
 class BatchStore:
-    """A preprocessed day's training or validation batches, in order, decoded to tensors on
-    demand (`split`: which files of the partition, see dpp/preprocess.py)."""
+    """A preprocessed day's training or validation batches, in order, read and decoded to
+    tensors on demand (`split`: which files of the partition, see dpp/preprocess.py).
+
+    Only the files' footers are read up front: a batch is read from its file when asked for,
+    so memory holds a batch, not the day (the files stay open; the OS caches them)."""
 
     def __init__(self, wh: Warehouse, ds: str, mode: str, split: str = "train"):
         self.manifest = read_manifest(wh, ds, mode)
         prepared = self.manifest["prepared"]
         self.model_features = FeatureSet.model_validate(prepared["model"])
         self.groups: dict[str, list[str]] = prepared["groups"]
-        self.records: list[pa.RecordBatch] = []
+        self.fs = wh.fs
+        self._readers: dict[str, ipc.RecordBatchFileReader] = {}
+        self.refs: list[tuple[str, int]] = []  # (file, batch within it), in order
         prefix = SPLIT_PREFIX[split]
         for path in wh.files("batches", ds, mode=mode):
-            if not path.rsplit("/", 1)[-1].startswith(prefix):
-                continue
-            with wh.fs.open_input_file(path) as f:
-                reader = ipc.open_file(f)
-                self.records += [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            if path.rsplit("/", 1)[-1].startswith(prefix):
+                self.refs += [(path, i) for i in range(self._reader(path).num_record_batches)]
+
+    def _reader(self, path: str) -> ipc.RecordBatchFileReader:
+        if path not in self._readers:
+            self._readers[path] = ipc.open_file(self.fs.open_input_file(path))
+        return self._readers[path]
+
+    def prepend(self, older: BatchStore) -> None:
+        """Train on `older`'s batches first (a window of days)."""
+        self._readers.update(older._readers)
+        self.refs = older.refs + self.refs
+
+    def record(self, i: int) -> pa.RecordBatch:
+        path, k = self.refs[i]
+        return self._reader(path).get_batch(k)
 
     def __len__(self) -> int:
-        return len(self.records)
+        return len(self.refs)
 
     def __getitem__(self, i: int) -> Batch:
-        return decode_batch(self.records[i], self.model_features, self.groups)
+        return decode_batch(self.record(i), self.model_features, self.groups)
 
     def __iter__(self) -> Iterator[Batch]:
         return (self[i] for i in range(len(self)))
 
     def click_rate(self) -> float:
-        total = sum(len(r.column("labels").values) for r in self.records)
-        clicks = sum(float(np.sum(np.asarray(r.column("labels").values))) for r in self.records)
+        total = clicks = 0.0
+        for i in range(len(self)):
+            labels = np.asarray(self.record(i).column("labels").values)
+            total, clicks = total + labels.size, clicks + float(labels.sum())
         return clicks / total if total else 0.0

@@ -311,7 +311,7 @@ def add_window(wh: Warehouse, store: BatchStore, ds: str, cfg: TrainConfig) -> l
         older = BatchStore(wh, day, cfg.mode)
         same = older.model_features == store.model_features and older.groups == store.groups
         if same and older.manifest["batch_size"] == store.manifest["batch_size"]:
-            store.records = older.records + store.records
+            store.prepend(older)
             days.insert(0, day)
     return days
 
