@@ -27,7 +27,7 @@ from recd_core.config import (
     load_pipeline_config,
     synth_config,
 )
-from recd_core.errors import BadInput, GateFailed, TrackingError, classify
+from recd_core.errors import BadInput, GateFailed, RecdError, TrackingError, classify
 from recd_core.report import console, print_summary, progress, write_summary
 from recd_core.warehouse import PartitionNotFound, Warehouse, validate_ds
 
@@ -95,20 +95,21 @@ def _run(
     tracker = ctx.find_root().obj
     params = {k: v for k, v in ctx.params.items() if k != "summary"}
     run_id = None
+
+    def failed(err: RecdError) -> None:
+        summary = {**err.summary, "status": "failed", "error": str(err)}
+        write_summary(summary_path, summary)
+        if run_id is not None:
+            with contextlib.suppress(TrackingError):
+                tracker.finish(run_id, summary)
+        _fail(command, str(err), err.exit_code)
+
     if tracker is not None:
         try:
             tracker.check()
             run_id = tracker.start(command, params)
         except TrackingError as e:
-            write_summary(summary_path, {**e.summary, "status": "failed", "error": str(e)})
-            _fail(command, str(e), e.exit_code)
-
-    def failed(summary: dict, message: str, code: int) -> None:
-        write_summary(summary_path, summary)
-        if run_id is not None:
-            with contextlib.suppress(TrackingError):
-                tracker.finish(run_id, summary)
-        _fail(command, message, code)
+            failed(e)
 
     handle = RunHandle(tracker, run_id) if run_id is not None else None
     try:
@@ -117,7 +118,7 @@ def _run(
         err = classify(e)
         if err is None:
             raise
-        failed({**err.summary, "status": "failed", "error": str(err)}, str(err), err.exit_code)
+        failed(err)
     summary = {"status": "ok", **summary}
     if run_id is not None:
         summary["mlflow.run_id"] = run_id

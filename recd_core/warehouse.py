@@ -90,6 +90,7 @@ class Warehouse:
         self.fs, self.root = pafs.FileSystem.from_uri(uri)
         self.root = self.root.rstrip("/")
         self.renames_atomically = self.fs.type_name in ("local", "hdfs")
+        self.locks = self.fs.type_name == "local"  # flock works on local files only
         try:
             self.fs.create_dir(self.root, recursive=True)
         except OSError as e:  # a file in the way, no permission: the user's to fix
@@ -187,7 +188,7 @@ class Warehouse:
         """Hold the partition's lock file (`flock`, blocking) for the steps that touch shared
         state; `shared` for readers. None on filesystems without one, or where the lock cannot
         be created: a read-only warehouse has no writer to race with."""
-        if self.fs.type_name != "local":
+        if not self.locks:
             yield
             return
         path = f"{self._side_dir(table, '_locks', ds, keys)}.lock"
@@ -205,7 +206,7 @@ class Warehouse:
 
     def _hold_writer_lock(self, staging: str) -> int | None:
         """Mark a staging directory as a live writer's: its lock file, held until commit."""
-        if self.fs.type_name != "local":
+        if not self.locks:
             return None
         fd = os.open(f"{staging}/{WRITER_LOCK}", os.O_RDWR | os.O_CREAT, 0o666)
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -220,7 +221,7 @@ class Warehouse:
 
     def _writer_alive(self, staging: str) -> bool:
         """Whether another writer still holds this staging directory (local: its lock)."""
-        if self.fs.type_name != "local":
+        if not self.locks:
             return False  # no lock to ask; the orchestrator runs one writer per day
         try:
             fd = os.open(f"{staging}/{WRITER_LOCK}", os.O_RDWR)
@@ -398,6 +399,10 @@ class PartitionWriter:
             return None
         self._close_file()
         return self._files[-1]
+
+    def read_file(self, name: str, columns: list[str] | None = None) -> pa.Table:
+        """Read back a closed file of this write (a later check looks at its rows)."""
+        return pq.read_table(f"{self.staging}/{name}", columns=columns, filesystem=self.fs)
 
     def rewrite(self, name: str, table: pa.Table, **parquet_options) -> None:
         """Replace a closed file of this write (rows dropped after a later check)."""

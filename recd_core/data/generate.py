@@ -243,10 +243,9 @@ def generate(
             profile = _Profile(names, user_cols, cfg.batch_size)
             measure = _Bound(schema, user_cols, cfg) if layout in ("clustered", "bound") else None
             opts = parquet_options(cfg, schema, layout)
-            with contextlib.ExitStack() as stack:
-                w = None
-                if layout != "bound":
-                    w = stack.enter_context(warehouse.writing("samples", ds, layout=layout))
+            writing = (contextlib.nullcontext() if layout == "bound"  # measured, not written
+                       else warehouse.writing("samples", ds, layout=layout))  # fmt: skip
+            with writing as w:
                 for rows in _in_order(warehouse, ds, order, bucket, Path(tmp)):
                     if w is not None:
                         w.write(rows, max_rows_per_file=cfg.max_rows_per_file, **opts)

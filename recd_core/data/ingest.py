@@ -33,7 +33,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from recd_core.config import ENVELOPE_COLUMNS, FeatureSet, GenerateConfig, IngestConfig
 from recd_core.data.sources import (
@@ -263,8 +262,8 @@ def inconsistent_sessions(
     inconsistent event through). Returns (rows, their reference rows), day-wide indices."""
     if not parts:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    keep = np.ones(sum(p.event_id.size for p in parts), bool)
-    offsets = np.cumsum([0] + [p.event_id.size for p in parts])
+    offsets = _offsets(parts)
+    keep = np.ones(offsets[-1], bool)
     for k, d in dropped.items():
         keep[offsets[k] + np.asarray(d.rows, np.int64)] = False
     idx = np.flatnonzero(keep)
@@ -279,11 +278,16 @@ def inconsistent_sessions(
     return idx[bad], idx[ref[bad]]
 
 
+def _offsets(parts: list[_Part]) -> np.ndarray:
+    """Where each part's rows start among the day's rows (and, last, the day's row count)."""
+    return np.cumsum([0] + [p.event_id.size for p in parts])
+
+
 def _positions(parts: list[_Part]) -> tuple[np.ndarray, np.ndarray]:
     """Per day-wide row: its part, and its row within the part."""
-    sizes = [p.event_id.size for p in parts]
-    part_of = np.repeat(np.arange(len(parts)), sizes)
-    row_of = np.arange(part_of.size) - np.repeat(np.cumsum([0] + sizes)[:-1], sizes)
+    offsets = _offsets(parts)
+    part_of = np.repeat(np.arange(len(parts)), np.diff(offsets))
+    row_of = np.arange(part_of.size) - offsets[part_of]
     return part_of, row_of
 
 
@@ -374,9 +378,11 @@ def ingest(
     source = Path(source)
     write = write or GenerateConfig()
     options = dict(compression=write.compression, compression_level=write.compression_level)
+    file_options = dict(row_group_size=write.row_group_size, **options)  # the events files
     base_schema = events_schema(features)
     schema = mark_sessions_checked(base_schema) if cfg.check_sessions else base_schema
-    user_cols = [f.name for f in features.by_side("user")]
+    # hashed for the session check only (it is a fifth of a file's parse time)
+    user_cols = [f.name for f in features.by_side("user")] if cfg.check_sessions else []
     rejects, parts = Rejects(), []
     nfiles, bytes_in, stream = _sources(source, features, cfg, base_schema, progress)
     with warehouse.writing("events", ds) as w:
@@ -384,7 +390,7 @@ def ingest(
             rejects.extend(bad)
             part = _Part.of(parsed, user_cols, raw)
             if parsed.table.num_rows:
-                w.write(parsed.table.cast(schema), row_group_size=write.row_group_size, **options)
+                w.write(parsed.table.cast(schema), **file_options)
                 part.file = w.end_file()
             parts.append(part)
         drops = duplicate_events(parts)
@@ -392,10 +398,9 @@ def ingest(
             bad_rows, refs = inconsistent_sessions(parts, drops)
             _blame(parts, bad_rows, refs, drops, w, user_cols)
         for k in sorted(drops):
-            _drop_rows(parts[k], drops[k], w, rejects, row_group_size=write.row_group_size,
-                       **options)  # fmt: skip
+            _drop_rows(parts[k], drops[k], w, rejects, **file_options)
         if not any(p.file for p in parts):
-            w.write(schema.empty_table(), **options)
+            w.write(schema.empty_table(), **file_options)
         quarantine = rejects.table()
         rows_q = quarantine.num_rows
         rows_ok = sum(p.event_id.size for p in parts) - sum(len(d.rows) for d in drops.values())
@@ -441,7 +446,7 @@ def _blame(parts, bad_rows, refs, drops, w, user_cols) -> None:
     values: dict[int, dict] = {}
     for k in np.unique(part_of[needed]):
         mine = needed[part_of[needed] == k]
-        t = pq.read_table(f"{w.staging}/{parts[k].file}", columns=user_cols, filesystem=w.fs)
+        t = w.read_file(parts[k].file, columns=user_cols)
         for g, row in zip(mine, t.take(pa.array(row_of[mine])).to_pylist(), strict=True):
             values[int(g)] = row
     for g, r in zip(bad_rows, refs, strict=True):
@@ -459,7 +464,7 @@ def _drop_rows(part: _Part, drop: _Drop, w, rejects: Rejects, **parquet_options)
     without them."""
     order = np.argsort(drop.rows, kind="stable")
     rows = np.asarray(drop.rows, np.int64)[order]
-    table = pq.read_table(f"{w.staging}/{part.file}", filesystem=w.fs)
+    table = w.read_file(part.file)
     raw = part.raw(part.lines[rows]) if part.raw else rows_as_json(table, rows)
     rejects.add(part.source, part.lines[rows], [drop.fields[i] for i in order],
                 [drop.reasons[i] for i in order], raw)  # fmt: skip

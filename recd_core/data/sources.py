@@ -347,7 +347,7 @@ def _type_problem(value, typ: pa.DataType) -> str | None:
     if pa.types.is_integer(typ):
         if isinstance(value, bool) or not isinstance(value, int):
             return f"expected an integer, got {type(value).__name__} {value!r}"[:120]
-        info = np.iinfo(f"int{typ.bit_width}")
+        info = np.iinfo(typ.to_pandas_dtype())
         if not info.min <= value <= info.max:
             return f"integer {value} out of range for {typ}"[:120]
         return None
@@ -466,7 +466,7 @@ def _out_of_range(col: pa.ChunkedArray, dst: pa.DataType) -> list[tuple[int, int
         arr = pc.list_flatten(arr)
     if not pa.types.is_integer(arr.type):
         return []
-    info = np.iinfo(f"{'u' if pa.types.is_unsigned_integer(inner) else ''}int{inner.bit_width}")
+    info = np.iinfo(inner.to_pandas_dtype())
     values = arr.fill_null(0).to_numpy(zero_copy_only=False)
     if values.dtype.kind == "u":
         bad = values > info.max
