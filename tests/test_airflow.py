@@ -6,7 +6,6 @@ Airflow reads its configuration at import, so every Airflow process here is a su
 with its own AIRFLOW_HOME (SQLite metadata, migrated once per session)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,13 +13,13 @@ from pathlib import Path
 import kubernetes_validate
 import pyarrow.parquet as pq
 import pytest
+from airflow_env import DAGS, airflow_env
 from k8s_checks import assert_restricted
 from mlflow.tracking import MlflowClient
 
 from recd_core.orchestration.stages import STAGES as ALL_STAGES
 
 REPO = Path(__file__).resolve().parents[1]
-DAGS = REPO / "dags" / "airflow"
 PY = sys.executable
 LOGICAL = "2026-11-02"  # trains 2026-11-01, evaluates 2026-11-02
 TRAIN_DAY = "2026-11-01"
@@ -29,7 +28,7 @@ TRAIN_DAY = "2026-11-01"
 @pytest.fixture(scope="module")
 def airflow_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("airflow")
-    env = _env(home, home)
+    env = airflow_env(home, home)
     r = subprocess.run([str(Path(PY).parent / "airflow"), "db", "migrate"], env=env,
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -44,23 +43,6 @@ users: [{name: offline, user: {token: none}}]
 contexts: [{name: offline, context: {cluster: offline, user: offline}}]
 current-context: offline
 """
-
-
-def _env(home: Path, root: Path, **recd) -> dict:
-    env = {
-        **os.environ,
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-        "RECD_WAREHOUSE": str(root / "wh"),
-        "RECD_LOGS": str(root / "logs"),
-        "RECD_COMPARE_ROOT": str(root / "compare"),
-        "RECD_TRACKING_URI": f"sqlite:///{root}/mlflow.db",
-        "RECD_CONFIG": str(REPO / "tests/configs/small.yaml"),  # days of seconds
-    }
-    env.update({f"RECD_{k.upper()}": str(v) for k, v in recd.items()})
-    return env
 
 
 PROBE = """
@@ -111,7 +93,7 @@ STAGES = [s for s in ALL_STAGES if s != "compare"]
 
 
 def test_the_dags_parse_with_their_schedule_and_structure(airflow_home, tmp_path):
-    bag = _probe(_env(airflow_home, tmp_path))
+    bag = _probe(airflow_env(airflow_home, tmp_path))
     assert bag["errors"] == {}
     assert set(bag["dags"]) == {"recd_daily_retrain", "recd_dedup_vs_baseline"}
     daily = bag["dags"]["recd_daily_retrain"]
@@ -139,7 +121,7 @@ def test_the_dags_parse_with_their_schedule_and_structure(airflow_home, tmp_path
 def test_the_kubernetes_switch_runs_each_stage_as_a_pod_of_the_components_image(
     airflow_home, tmp_path
 ):
-    env = _env(airflow_home, tmp_path, executor="kubernetes", image="registry.example/recd:1.2.3",
+    env = airflow_env(airflow_home, tmp_path, executor="kubernetes", image="registry.example/recd:1.2.3",
                logs_claim="recd-raw-logs", logs="/data/logs",
                train_gpus=1, synthesize="false", warehouse="s3://bucket/wh", tracking_uri="http://recd-mlflow:5000")  # fmt: skip
     kubeconfig = tmp_path / "kubeconfig"  # the operator builds its client; nothing connects
@@ -170,7 +152,7 @@ def test_the_kubernetes_switch_runs_each_stage_as_a_pod_of_the_components_image(
 @pytest.fixture(scope="module")
 def daily_run(airflow_home, tmp_path_factory):
     root = tmp_path_factory.mktemp("daily")
-    env = _env(airflow_home, root)
+    env = airflow_env(airflow_home, root)
     first = _run_dag(env, "--date", LOGICAL)
     return root, env, first
 
@@ -237,7 +219,7 @@ def test_a_failing_stage_fails_its_task_with_its_reason_and_nothing_downstream_r
     logs = tmp_path / "logs" / f"ds={TRAIN_DAY}"
     logs.mkdir(parents=True)
     (logs / "events-00000.jsonl").write_text('{"event_id": 1, "ts": "not a time"}\n')
-    env = _env(airflow_home, tmp_path, config=strict, retries=0)
+    env = airflow_env(airflow_home, tmp_path, config=strict, retries=0)
     r = _run_dag(env, "--date", LOGICAL)
     out = r.stdout + r.stderr
     assert r.returncode == 1
@@ -248,7 +230,7 @@ def test_a_failing_stage_fails_its_task_with_its_reason_and_nothing_downstream_r
 
 
 def test_the_comparison_dag_runs_both_arms_over_days_and_compares(airflow_home, tmp_path):
-    env = _env(airflow_home, tmp_path)
+    env = airflow_env(airflow_home, tmp_path)
     r = _run_dag(env, "--dag", "recd_dedup_vs_baseline", "--date", "2026-11-05",
                  "--conf", json.dumps({"ds": TRAIN_DAY, "days": 2, "batch_size": 512}))  # fmt: skip
     out = r.stdout + r.stderr

@@ -17,11 +17,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from airflow_env import airflow_env
 from mlflow.tracking import MlflowClient
 
 from recd_core.orchestration.graph import COMPARISON, DAILY
 
-REPO = Path(__file__).resolve().parents[1]
 AIRFLOW = Path(sys.executable).parent / "airflow"
 USER, PASSWORD = "recd", "recd-test-password"
 
@@ -75,11 +75,8 @@ def airflow(tmp_path_factory):
     (home / "passwords.json").write_text(json.dumps({USER: PASSWORD}))
     port = _free_port()
     env = {
-        **os.environ,
+        **airflow_env(home, root, schedule="", retries=0),  # trigger only: no scheduled run
         "PATH": f"{AIRFLOW.parent}:{os.environ['PATH']}",  # standalone execs `airflow`
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags" / "airflow"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
         "AIRFLOW__CORE__PARALLELISM": "2",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin",
@@ -90,14 +87,6 @@ def airflow(tmp_path_factory):
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
         "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
-        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-        "RECD_WAREHOUSE": str(root / "wh"),
-        "RECD_LOGS": str(root / "logs"),
-        "RECD_COMPARE_ROOT": str(root / "compare"),
-        "RECD_TRACKING_URI": f"sqlite:///{root}/mlflow.db",
-        "RECD_CONFIG": str(REPO / "tests/configs/small.yaml"),
-        "RECD_SCHEDULE": "",  # trigger only: no scheduled run races the test's
-        "RECD_RETRIES": "0",
     }
     log = root / "standalone.log"
     with log.open("w") as out:
