@@ -218,6 +218,8 @@ class ModelConfig(_Strict):
     history_ff: int = Field(default=64, gt=0)
     # the shown item attends over the encoded history (one more interaction vector)
     target_attention: bool = True
+    # the pairwise dots also go straight to the logit, one learned weight each (FM term)
+    fm: bool = True
     seed: int = 0
 
 
@@ -248,7 +250,7 @@ class TrainConfig(_Strict):
     # day the best state is about the end of the first pass: two more validations, half of
     # a second pass, confirm it)
     patience: int = Field(default=2, gt=0)
-    lr_dense: float = Field(default=1e-3, gt=0)
+    lr_dense: float = Field(default=3e-3, gt=0)
     # embedding tables: row-wise Adagrad (modeling/optim.py); its per-row accumulator starts here
     lr_sparse: float = Field(default=0.1, gt=0)
     adagrad_initial_accumulator: float = Field(default=0.0, ge=0)

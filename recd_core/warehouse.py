@@ -111,6 +111,10 @@ class Warehouse:
     def _is_dir(self, path: str) -> bool:
         return self.fs.get_file_info(path).type == pafs.FileType.Directory
 
+    def exists_file(self, path: str) -> bool:
+        """Whether `path` (on this warehouse's filesystem) is a file."""
+        return self.fs.get_file_info(path).type == pafs.FileType.File
+
     def _children(self, path: str) -> list[pafs.FileInfo]:
         if not self._is_dir(path):
             return []

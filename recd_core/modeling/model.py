@@ -3,9 +3,9 @@
     a learned constant ─────────────────────────────┐
     user-side dense floats ─── user bottom MLP ─────┤
     item-side dense floats ─── item bottom MLP ─────┤
-    each id / id-list feature ─ EmbeddingBag ───────┤── pairwise dots ── top MLP ── logit
-    the history sequence ────── HistoryEncoder ─────┤  (+ the bottom MLP outputs)
-      └ its tokens, attended by the sample's item ──┘  (target attention)
+    each id / id-list feature ─ EmbeddingBag ───────┤── pairwise dots ─┬ top MLP ─┐
+    the history sequence ────── HistoryEncoder ─────┤  (+ the bottom    └ weighted ─┴ + ─ logit
+      └ its tokens, attended by the sample's item ──┘   MLP outputs)      sum (FM)
 
 Why this shape: the dot interaction only sees what arrives as separate vectors. Dense
 features get one bottom MLP per side (user, item, context), so a user-side dense vector
@@ -19,7 +19,11 @@ by default, so a list's vector does not grow with its length. Features that name
 clicked items of the history and the shown item): their dot product then compares ids of
 one space, learned from both uses. The shown item attends over the encoded history (target
 attention, as in DIN): the history's encoder runs once per unique user row, only the
-attention runs per sample.
+attention runs per sample. The dots also reach the logit through one learned weight each
+(a factorization machine's second-order term, zero at first): through the top MLP alone a
+pair's signal arrives as one of hundreds of inputs, and on one day's data the tables learned
+the pairs that matter (the user's topics against the item's) more slowly (next-day NE 0.878
+without it, 0.872 with it, on the standard preset's first day).
 
 A `Batch` (dpp/batch_store.py) carries per-sample features in a KeyedJaggedTensor and each deduplicated feature
 group in an InverseKeyedJaggedTensor. Modules that see only a group's features (embedding
@@ -171,6 +175,12 @@ class DLRM(nn.Module):
             mlp([n_dense * d + n_vec * (n_vec - 1) // 2, *cfg.top_mlp]),
             nn.Linear(cfg.top_mlp[-1], 1),
         )
+        # the dots also reach the logit directly, each with a learned weight (zero at
+        # first): a factorization machine's second-order term beside the top MLP
+        self.fm = None
+        if cfg.fm:
+            self.fm = nn.Linear(n_vec * (n_vec - 1) // 2, 1, bias=False)
+            nn.init.zeros_(self.fm.weight)
 
     def init_output_bias(self, click_rate: float) -> None:
         """Start at the base click rate instead of 50%: the first steps learn structure, not
@@ -244,4 +254,7 @@ class DLRM(nn.Module):
         order = [*self.order, *(f"{n}@item" for n in self.targeted)]
         vecs = torch.stack([const, *sides, *(emb[n] for n in order)], dim=1)  # [B, n, d]
         dots = torch.bmm(vecs, vecs.transpose(1, 2))[:, self._tri[0], self._tri[1]]
-        return self.top(torch.cat([*sides, dots], dim=1)).squeeze(1)
+        logit = self.top(torch.cat([*sides, dots], dim=1))
+        if self.fm is not None:
+            logit = logit + self.fm(dots)
+        return logit.squeeze(1)

@@ -3,6 +3,10 @@ warm start): the model directory, its two files, and scoring with it.
 
     <warehouse>/models/<run>/          (or any local copy, e.g. MLflow's model artifacts)
         model.pt      the state dict: plain `torch.save` of tensors (loaded weights_only)
+        optimizer.pt  both optimizers' state at the end of training (Adam's moments, the
+                      tables' Adagrad accumulators): the next day's warm start continues
+                      it, as incremental training does, instead of restarting the
+                      optimizer (whose first steps then undo much of the model)
         model.json    {"features": the model's FeatureSet, "train": its TrainConfig,
                        "prepared": DPP's transforms, statistics and dedup groups (score with
                        these), "summary": the training summary}
@@ -93,13 +97,38 @@ def _read_saved(location: str) -> tuple[dict, bytes, str]:
     return meta, _read_bytes(wh, f"{base}/model.pt"), f"{base}/model.pt"
 
 
+def read_optimizer(location: str) -> dict | None:
+    """The optimizer state saved beside a model (`optimizer.pt`), or None (a model saved
+    without one: the optimizer then starts afresh)."""
+    path = Path(location)
+    if path.is_dir():
+        where = path / OPTIMIZER_FILE
+        return _torch_load(where.read_bytes(), str(where), "model") if where.exists() else None
+    wh, base = _model_location(location)
+    where = f"{base}/{OPTIMIZER_FILE}"
+    if not wh.exists_file(where):
+        return None
+    return _torch_load(_read_bytes(wh, where), where, "model")
+
+
+OPTIMIZER_FILE = "optimizer.pt"
+
+
 def save_model(
-    wh: Warehouse, run: str, model: DLRM, cfg: TrainConfig, prepared: dict, summary: dict
+    wh: Warehouse,
+    run: str,
+    model: DLRM,
+    cfg: TrainConfig,
+    prepared: dict,
+    summary: dict,
+    optimizer: dict | None = None,
 ) -> str:
     base = f"{wh.root}/models/{run}"
     _write_bytes(
         wh, f"{base}/model.pt", _torch_bytes({k: v.cpu() for k, v in model.state_dict().items()})
     )
+    if optimizer is not None:
+        _write_bytes(wh, f"{base}/{OPTIMIZER_FILE}", _torch_bytes(optimizer))
     meta = {
         "features": model.features.model_dump(mode="json"),
         "train": cfg.model_dump(mode="json"),
@@ -138,8 +167,9 @@ def model_dir(uri: str):
         yield Path(base)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("model.pt", "model.json"):
-            (Path(tmp) / name).write_bytes(_read_bytes(wh, f"{base}/{name}"))
+        for name in ("model.pt", "model.json", OPTIMIZER_FILE):
+            if name != OPTIMIZER_FILE or wh.exists_file(f"{base}/{name}"):
+                (Path(tmp) / name).write_bytes(_read_bytes(wh, f"{base}/{name}"))
         yield Path(tmp)
 
 
@@ -149,9 +179,22 @@ def saved_summary(uri: str) -> dict:
     return json.loads(_read_bytes(wh, f"{base}/model.json")).get("summary", {})
 
 
+# model options added after models were saved without them, with the value that means what
+# those models were built as (a default of True would rebuild them as something else)
+ADDED_MODEL_OPTIONS = {"fm": False}
+
+
+def saved_train_config(meta: dict) -> TrainConfig:
+    """The TrainConfig a saved model was trained with; model options it predates take the
+    value its model was built with, not today's default."""
+    train = dict(meta["train"])
+    train["model"] = {**ADDED_MODEL_OPTIONS, **train.get("model", {})}
+    return TrainConfig.model_validate(train)
+
+
 def model_from(meta: dict, weights: bytes, where: str) -> DLRM:
     features = FeatureSet.model_validate(meta["features"])
-    model = DLRM(features, TrainConfig.model_validate(meta["train"]).model)
+    model = DLRM(features, saved_train_config(meta).model)
     model.load_state_dict(_torch_load(weights, where, "model"))
     return model.eval()
 
