@@ -159,6 +159,27 @@ def test_the_next_day_warm_starts_from_the_champion_and_its_version_records_the_
     assert min(p.value for p in curve) == pytest.approx(day1["train.val_ne"])
 
 
+def test_the_champion_warm_starts_only_days_after_those_it_was_trained_on(daily):
+    """A backfill or a comparison of an earlier day must not start from a champion that saw
+    that day or later (its labels would leak into the day being evaluated)."""
+    from recd_core.mlops.registry import init_model
+    from recd_core.mlops.tracking import Tracker
+
+    root, uri, _ = daily
+    current = MlflowClient(tracking_uri=uri).get_model_version_by_alias("recd-dlrm", "champion")
+    last = max(current.tags["recd.trained_on"].split(","))
+    with init_model(Tracker(uri), "champion", "recd-dlrm", DAY) as (local, label):
+        assert local is None
+        assert label == (
+            f"from scratch: the champion (models:/recd-dlrm/{current.version}) was trained "
+            f"on {last}, not before {DAY}"
+        )
+    with init_model(Tracker(uri), "champion", "recd-dlrm", "2026-12-01") as (local, label):
+        assert label == f"models:/recd-dlrm/{current.version}"
+        # the registry's copy carries the optimizer state the warm start continues
+        assert {"model.pt", "model.json", "optimizer.pt"} <= {p.name for p in Path(local).iterdir()}
+
+
 def test_mlflow_models_serve_answers_the_champions_own_serving_example(daily, tmp_path):
     """A real scoring server (`mlflow models serve`, local env) on loopback."""
     import os

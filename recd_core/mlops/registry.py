@@ -175,14 +175,18 @@ def champion(tracker, name: str):
 
 
 @contextlib.contextmanager
-def init_model(tracker, init_from: str | None, name: str) -> Iterator[tuple[str | None, str]]:
+def init_model(
+    tracker, init_from: str | None, name: str, before: str | None = None
+) -> Iterator[tuple[str | None, str]]:
     """Resolve where training starts: yields (a local model directory or None, its label).
 
     `init_from`: None (scratch), `champion` (the current champion of `name`, when there is
-    one: the pipelines' warm start), `models:/<name>@<alias>` or `models:/<name>/<version>`
-    (downloaded from the registry), or a model directory / `<warehouse>/models/<run>`.
-    The label is what the record shows: `models:/<name>/<version>` for a registry copy, or
-    why training starts from scratch."""
+    one and, with `before` (a day), it was trained only on days before it: the pipelines'
+    warm start; a champion that saw that day or later would leak the days being trained on
+    and evaluated, e.g. in a backfill or a comparison of an older day), `models:/<name>@<alias>`
+    or `models:/<name>/<version>` (downloaded from the registry), or a model directory /
+    `<warehouse>/models/<run>`. The label is what the record shows:
+    `models:/<name>/<version>` for a registry copy, or why training starts from scratch."""
     if not init_from:
         yield None, "from scratch: no model to start from"
         return
@@ -190,8 +194,19 @@ def init_model(tracker, init_from: str | None, name: str) -> Iterator[tuple[str 
         if tracker is None:
             yield None, "from scratch: no tracking URI, so no champion to start from"
             return
-        if champion(tracker, name) is None:
+        current = champion(tracker, name)
+        if current is None:
             yield None, f"from scratch: {name} has no champion yet (the first model)"
+            return
+        seen = [d for d in (current.tags or {}).get("recd.trained_on", "").split(",") if d]
+        if before and seen and max(seen) >= before:
+            yield (
+                None,
+                (
+                    f"from scratch: the champion (models:/{name}/{current.version}) was trained "
+                    f"on {max(seen)}, not before {before}"
+                ),
+            )
             return
         init_from = f"models:/{name}@champion"
     if not init_from.startswith("models:/"):
