@@ -198,17 +198,13 @@ def init_model(
         if current is None:
             yield None, f"from scratch: {name} has no champion yet (the first model)"
             return
-        seen = [d for d in (current.tags or {}).get("recd.trained_on", "").split(",") if d]
+        pinned = f"models:/{name}/{current.version}"  # the version checked, not the alias again
+        seen = [d for d in current.tags.get("recd.trained_on", "").split(",") if d]
         if before and seen and max(seen) >= before:
-            yield (
-                None,
-                (
-                    f"from scratch: the champion (models:/{name}/{current.version}) was trained "
-                    f"on {max(seen)}, not before {before}"
-                ),
-            )
+            reason = f"the champion ({pinned}) was trained on {max(seen)}, not before {before}"
+            yield None, f"from scratch: {reason}"
             return
-        init_from = f"models:/{name}@champion"
+        init_from = pinned
     if not init_from.startswith("models:/"):
         yield init_from, init_from
         return

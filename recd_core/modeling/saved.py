@@ -81,37 +81,41 @@ def _torch_load(data: bytes, where: str, what: str = "checkpoint"):
         ) from None
 
 
-def _read_saved(location: str) -> tuple[dict, bytes, str]:
-    """model.json (parsed) and model.pt (bytes) of a saved model, local or in a warehouse."""
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def _saved_file(location: str, name: str, optional: bool = False) -> tuple[bytes, str] | None:
+    """One file of a saved model (a local directory, or `<warehouse>/models/<run>`): its
+    bytes and where it was read; a missing one is an error, or None when `optional`."""
     path = Path(location)
     if path.is_dir():
-        return (
-            json.loads((path / "model.json").read_text()),
-            (path / "model.pt").read_bytes(),
-            str(path / "model.pt"),
-        )
-    if "/models/" not in location:
+        if (path / name).exists():
+            return (path / name).read_bytes(), str(path / name)
+    elif "/models/" not in location:
         raise ValueError("expected a model directory or <warehouse>/models/<run>")
-    wh, base = _model_location(location)
-    meta = json.loads(_read_bytes(wh, f"{base}/model.json"))
-    return meta, _read_bytes(wh, f"{base}/model.pt"), f"{base}/model.pt"
+    else:
+        wh, base = _model_location(location)
+        if wh.exists_file(f"{base}/{name}"):
+            return _read_bytes(wh, f"{base}/{name}"), f"{base}/{name}"
+    if optional:
+        return None
+    raise FileNotFoundError(f"{location} has no {name}")
+
+
+def _read_saved(location: str) -> tuple[dict, bytes, str]:
+    """model.json (parsed) and model.pt (bytes) of a saved model, local or in a warehouse."""
+    (meta, _), (weights, where) = (
+        _saved_file(location, "model.json"),
+        _saved_file(location, "model.pt"),
+    )
+    return json.loads(meta), weights, where
 
 
 def read_optimizer(location: str) -> dict | None:
     """The optimizer state saved beside a model (`optimizer.pt`), or None (a model saved
     without one: the optimizer then starts afresh)."""
-    path = Path(location)
-    if path.is_dir():
-        where = path / OPTIMIZER_FILE
-        return _torch_load(where.read_bytes(), str(where), "model") if where.exists() else None
-    wh, base = _model_location(location)
-    where = f"{base}/{OPTIMIZER_FILE}"
-    if not wh.exists_file(where):
-        return None
-    return _torch_load(_read_bytes(wh, where), where, "model")
-
-
-OPTIMIZER_FILE = "optimizer.pt"
+    found = _saved_file(location, OPTIMIZER_FILE, optional=True)
+    return _torch_load(found[0], found[1], "model") if found else None
 
 
 def save_model(
@@ -167,9 +171,10 @@ def model_dir(uri: str):
         yield Path(base)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("model.pt", "model.json", OPTIMIZER_FILE):
-            if name != OPTIMIZER_FILE or wh.exists_file(f"{base}/{name}"):
-                (Path(tmp) / name).write_bytes(_read_bytes(wh, f"{base}/{name}"))
+        for name in ("model.pt", "model.json"):
+            (Path(tmp) / name).write_bytes(_read_bytes(wh, f"{base}/{name}"))
+        if wh.exists_file(f"{base}/{OPTIMIZER_FILE}"):  # optional: models saved before it
+            (Path(tmp) / OPTIMIZER_FILE).write_bytes(_read_bytes(wh, f"{base}/{OPTIMIZER_FILE}"))
         yield Path(tmp)
 
 

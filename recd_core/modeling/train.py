@@ -221,7 +221,7 @@ def _train_worker(
         model.init_output_bias(store.click_rate())
     model = model.to(device)
     opt_dense, opt_sparse = make_optimizers(model, cfg)
-    if init.state is not None and init.optimizer is not None:
+    if init.optimizer is not None:  # a warm start from a model saved with it
         continue_optimizers(opt_dense, opt_sparse, init.optimizer, cfg)
     name = run_name(ds, cfg, batches_id(wh, ds, cfg.mode) + (init.uri or ""))
     ckpts = Checkpoints(wh, name, cfg.keep_checkpoints)

@@ -217,8 +217,8 @@ def _train(args: StageArgs) -> dict:
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
     tc = cfg.train.model_copy(update={"mode": args.mode})
     start = args.init_from or ("champion" if cfg.train.warm_start else None)
-    first_day = min(args.training_days())
-    with init_model(args.tracker(), start, cfg.registry.model_name, first_day) as (init_dir, label):
+    # the champion only when it was trained before the first day trained here (args.ds)
+    with init_model(args.tracker(), start, cfg.registry.model_name, args.ds) as (init_dir, label):
         out = _per_day(args, lambda day: train(wh, day, tc, init_from=init_dir, init_label=label))
     uris = [s["train.model_uri"] for s in (out["days"].values() if "days" in out else [out])]
     return {**out, "train.model_uris": ";".join(uris)}
