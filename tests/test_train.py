@@ -92,8 +92,10 @@ def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(
 
     other = tmp_path / "other"
     shutil.copytree(samples_warehouse, other)
+    # batches of 256: ~14 a pass, so the resumed run also restarts the tables for its
+    # second pass from the start it rebuilt (the seeded init), not from the checkpoint
     cfg = TrainConfig(
-        batch_size=128, max_steps=20, checkpoint_every=4, model=SMALL_MODEL, threads=1
+        batch_size=256, max_steps=20, checkpoint_every=4, model=SMALL_MODEL, threads=1
     )
     script = textwrap.dedent(
         f"""
@@ -122,6 +124,7 @@ def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(
     from recd_core.warehouse import Warehouse
 
     straight = fit(Warehouse(other), cfg)
+    assert 12 < straight["train.steps_per_epoch"] < 20  # a pass ended after the kill
     a, b = _state(resumed["train.model_uri"])[0], _state(straight["train.model_uri"])[0]
     for name in a:
         assert torch.equal(a[name], b[name]), name
@@ -243,6 +246,40 @@ def test_early_stopping_keeps_the_best_validated_state(fresh_warehouse):
     assert validate(model, valid, torch.device("cpu"))["eval.ne"] == pytest.approx(
         best_ne, rel=1e-5
     )
+
+
+def test_each_pass_restarts_the_tables_from_where_the_run_started(fresh_warehouse, monkeypatch):
+    """Each pass after the first takes the embedding tables (and their Adagrad state) back to
+    the run's start and keeps the dense layers; a second pass over tables that have seen
+    the day memorizes it. Patience counts passes, so worse validations early in a pass
+    (new tables) do not stop the run."""
+    import recd_core.modeling.train as training
+
+    seen = []
+    real_step = training.train_step
+
+    def recording(model, batch, opt_dense, opt_sparse, amp):
+        seen.append(
+            (
+                [p.detach().clone() for p in model.sparse_parameters()],
+                [p.detach().clone() for p in model.dense_parameters()],
+                sum(len(s) for s in opt_sparse.state.values()),
+            )
+        )
+        return real_step(model, batch, opt_dense, opt_sparse, amp)
+
+    monkeypatch.setattr(training, "train_step", recording)
+    cfg = TrainConfig(batch_size=256, epochs=2, patience=1, model=SMALL_MODEL)
+    s = fit(fresh_warehouse, cfg)
+    per_pass = s["train.steps_per_epoch"]
+    assert s["train.steps"] == 2 * per_pass  # patience 1 = one pass: not stopped mid-pass
+    (tables0, dense0, _), (tables1, _, _) = seen[0], seen[1]
+    tables2, dense2, opt2 = seen[per_pass]  # the first step of the second pass
+    assert not all(torch.equal(a, b) for a, b in zip(tables0, tables1, strict=True))
+    for start, again in zip(tables0, tables2, strict=True):
+        assert torch.equal(start, again)
+    assert opt2 == 0  # Adagrad as at the start: no accumulator yet
+    assert not all(torch.equal(a, b) for a, b in zip(dense0, dense2, strict=True))
 
 
 def test_validation_rows_are_the_latest_and_never_trained_on(fresh_warehouse):

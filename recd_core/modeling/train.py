@@ -11,6 +11,14 @@ keeps the state with the best validation NE and stops after `patience` validatio
 a better one, at most `epochs` passes. The curve is in the summary (`train.history`), which
 MLflow records as metric history.
 
+Passes (`restart_tables`, default on): each pass after the first starts the embedding tables
+and their Adagrad state again from where the run started and keeps the dense layers (MEDA,
+Fan et al. 2024). A second pass over tables that have seen the day memorizes it: validation
+NE jumped from 0.870 to 1.04 at its start on the standard day. With restarts the tables see
+the day once and the layers above them learn from several passes, each over new tables
+(the standard day from scratch: next-day NE 0.877 -> 0.868 with 3 passes). Patience then
+counts passes without a better validation NE, since a pass begins below the best.
+
 Warm start: `init_from` names a saved model (the pipelines pass the champion); its weights
 are the starting point when its feature set and model config equal this run's, else
 training starts from scratch and `train.init_reason` says why. The saved model's optimizer
@@ -223,17 +231,21 @@ def _train_worker(
     opt_dense, opt_sparse = make_optimizers(model, cfg)
     if init.optimizer is not None:  # a warm start from a model saved with it
         continue_optimizers(opt_dense, opt_sparse, init.optimizer, cfg)
+    # where every pass's tables start (before a checkpoint moves them): scratch or warm start
+    restart = None
+    if cfg.restart_tables and cfg.epochs > 1:
+        restart = TableStart.capture(model, opt_sparse)
     name = run_name(ds, cfg, batches_id(wh, ds, cfg.mode) + (init.uri or ""))
     ckpts = Checkpoints(wh, name, cfg.keep_checkpoints)
     step = 0
-    early = EarlyStopping(cfg.patience)
+    early = EarlyStopping(cfg.patience, per_pass=restart is not None)
     state = ckpts.latest()
     if state is not None:
         model.load_state_dict(state["model"])
         opt_dense.load_state_dict(state["opt_dense"])
         opt_sparse.load_state_dict(state["opt_sparse"])
         step = int(state["step"])
-        early = EarlyStopping.from_state(cfg.patience, state.get("early"))
+        early = EarlyStopping.from_state(cfg.patience, state.get("early"), restart is not None)
     net = DistributedDataParallel(model) if distributed else model
     n_batches = len(store)
     # every rank takes the same number of steps (DDP all-reduces each one): the batches
@@ -257,6 +269,8 @@ def _train_worker(
     while step < total and not early.stop:
         t0 = time.perf_counter()
         epoch, k = divmod(step, per_epoch)
+        if restart is not None and epoch > 0 and k == 0:
+            restart.restore(model, opt_sparse)
         b = int(epoch_order(n_batches, cfg.seed, epoch)[rank::world][k])
         batch = store[b].to(device)
         losses.append(
@@ -268,8 +282,11 @@ def _train_worker(
             torch.cuda.synchronize(device)
         seconds += time.perf_counter() - t0
         early.losses.append([step, float(losses[-1])])
-        if len(valid) and (step % every == 0 or step == total):
+        pass_end = step % per_epoch == 0
+        if len(valid) and (step % every == 0 or step == total or (early.per_pass and pass_end)):
             early.update(step, validate(model, valid, device), model)
+        if len(valid) and pass_end:
+            early.pass_done(step - per_epoch)
         if rank == 0 and (step % cfg.checkpoint_every == 0 or step == total or early.stop):
             ckpts.save(_checkpoint_state(model, opt_dense, opt_sparse, step, cfg, early))
     if early.best_state is not None and early.best_step != step:
@@ -332,12 +349,47 @@ def validate(model: DLRM, valid: BatchStore, device: torch.device) -> dict[str, 
     return score_batches(model, valid, device)
 
 
+@dataclass(frozen=True)
+class TableStart:
+    """The embedding tables and their optimizer state as the run started, on the CPU; each
+    pass after the first restores them (`TrainConfig.restart_tables`). Rebuilt the same way
+    on a resume (the seeded scratch init or the warm start), so it is not checkpointed."""
+
+    weights: list[torch.Tensor]
+    optimizer: dict
+
+    @classmethod
+    def capture(cls, model: DLRM, opt_sparse) -> TableStart:
+        weights = [p.detach().cpu().clone() for p in model.sparse_parameters()]
+        return cls(weights, _cpu_copy(opt_sparse.state_dict()))
+
+    def restore(self, model: DLRM, opt_sparse) -> None:
+        with torch.no_grad():
+            for p, w in zip(model.sparse_parameters(), self.weights, strict=True):
+                p.copy_(w)
+        opt_sparse.state.clear()
+        opt_sparse.load_state_dict(_cpu_copy(self.optimizer))
+
+
+def _cpu_copy(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_cpu_copy(v) for v in obj]
+    return obj
+
+
 @dataclass
 class EarlyStopping:
     """Keeps the best state by validation NE; stops after `patience` validations in a row
-    without a better one. Its history is what MLflow shows as the training curve."""
+    without a better one, or (`per_pass`: the tables restart each pass, so a pass's first
+    validations are expected to be worse) after `patience` passes in a row without one. Its
+    history is what MLflow shows as the training curve."""
 
     patience: int
+    per_pass: bool = False
     best_ne: float = float("inf")
     best_step: int = -1
     bad: int = 0
@@ -351,18 +403,29 @@ class EarlyStopping:
         ne = float(figures["eval.ne"])
         self.history.append([int(step), ne, float(figures["eval.auc"])])
         if ne < self.best_ne - 1e-6:
-            self.best_ne, self.best_step, self.bad = ne, step, 0
+            self.best_ne, self.best_step = ne, step
+            if not self.per_pass:
+                self.bad = 0
             self.best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        else:
+        elif not self.per_pass:
             self.bad += 1
             self.stop = self.bad >= self.patience
 
+    def pass_done(self, pass_start: int) -> None:
+        """A pass (steps after `pass_start`) ended: with `per_pass`, count it if it found no
+        better state."""
+        if self.per_pass:
+            self.bad = self.bad + 1 if self.best_step <= pass_start else 0
+            self.stop = self.bad >= self.patience
+
     def state(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "patience"}
+        return {
+            k: v for k, v in dataclasses.asdict(self).items() if k not in ("patience", "per_pass")
+        }
 
     @classmethod
-    def from_state(cls, patience: int, state: dict | None) -> EarlyStopping:
-        return cls(patience, **state) if state else cls(patience)
+    def from_state(cls, patience: int, state: dict | None, per_pass: bool = False) -> EarlyStopping:
+        return cls(patience, per_pass, **(state or {}))
 
     def summary(self) -> dict:
         if not self.history:
