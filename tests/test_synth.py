@@ -111,6 +111,30 @@ def test_the_oracle_figures_equal_a_direct_computation(tmp_path, features):
     assert read_oracle(tmp_path / "ds=1999-01-01") is None  # real logs: no oracle
 
 
+def test_the_logit_parts_add_up_to_the_oracles_click_probabilities(features):
+    """The learnable bound (bench) hands some parts of the click model over and estimates
+    others: the parts must be the generator's own, term by term."""
+    from recd_core.config import SynthConfig
+    from recd_core.data.synth import _World, generate_day, logit_parts
+
+    cfg = SynthConfig(users=50, items=200, samples_per_day=600)
+    world = _World(features, cfg)
+    day = generate_day(world, cfg.start_date)
+    p = logit_parts(world, day)
+    logit = (
+        cfg.base_ctr_logit
+        + cfg.topic_effect * p["topic_match"]
+        + p["affinity_seen"]
+        + p["affinity_ids"]
+        + p["user_bias"]
+        + p["item_bias"]
+        - 0.02 * p["position"]
+    )
+    np.testing.assert_allclose(1 / (1 + np.exp(-logit)), day.click_prob, rtol=1e-6)
+    assert p["topic_match"].mean() > 1 / cfg.topics  # targeted impressions match more often
+    assert np.abs(p["affinity_ids"]).sum() > 0 and np.abs(p["affinity_seen"]).sum() > 0
+
+
 def test_a_day_is_written_file_by_file_and_sized_from_the_command_line(tmp_path, monkeypatch):
     """`--samples-per-day` sizes a day without a config file; a day larger than a file is
     split into files of ROWS_PER_FILE lines, in order, holding the same rows."""

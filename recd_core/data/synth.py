@@ -225,14 +225,42 @@ class Day:
     """One synthesized day: its JSON lines, produced lazily in files' worth (`chunks`: lists
     of `ROWS_PER_FILE` lines, the last one shorter; memory stays one file's text whatever
     the day's size), its row and session counts, the labels and the true click
-    probabilities the labels were drawn from. Consume `chunks` before the next day: it
-    advances the users' click histories."""
+    probabilities the labels were drawn from, and each impression's user, item and position
+    (what `logit_parts` needs). Consume `chunks` before the next day: it advances the users'
+    click histories."""
 
     chunks: Iterator[list[str]]
     rows: int
     sessions: int
     labels: np.ndarray
     click_prob: np.ndarray
+    users: np.ndarray
+    items: np.ndarray
+    position: np.ndarray
+
+
+def logit_parts(world: _World, day: Day) -> dict[str, np.ndarray]:
+    """The terms of each impression's true click logit, apart from the base rate: the topic
+    match, the latent affinity split into the dimensions both sides' dense features carry
+    (`affinity_seen`) and the ones only ids can teach (`affinity_ids`), the two biases and
+    the position. Their sum (with `topic_effect` on the match) is the oracle's logit."""
+    dense = {
+        s.side: min(s.dim, world.cfg.latent_dim)
+        for s in world.features.features
+        if s.kind == "dense"
+    }
+    seen = min(dense.get("user", 0), dense.get("item", 0))
+    u, i = world.user_latent[day.users], world.item_latent[day.items]
+    scale = np.sqrt(world.cfg.latent_dim)
+    return {
+        "topic_match": (world.user_topic[day.users] == world.item_topic[day.items]).astype(float),
+        "affinity_seen": (u[:, :seen] * i[:, :seen]).sum(1) / scale,
+        "affinity_ids": (u[:, seen:] * i[:, seen:]).sum(1) / scale,
+        "user_bias": world.user_bias[day.users],
+        "item_bias": world.item_bias[day.items],
+        "position": day.position.astype(float),
+    }
+
 
 def oracle_figures(labels: np.ndarray, click_prob: np.ndarray) -> dict[str, float]:
     """NE, AUC and log loss of the true click probabilities: the best a model can do."""
@@ -337,7 +365,7 @@ def generate_day(world: _World, day: dt.date) -> Day:
         if lines:
             yield lines
 
-    return Day(chunks(), n, n_sessions, labels, click_prob)
+    return Day(chunks(), n, n_sessions, labels, click_prob, user_of_row, items, position)
 
 
 def _within_session_offsets(gaps: np.ndarray, lengths: np.ndarray) -> np.ndarray:
