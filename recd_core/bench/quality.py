@@ -219,17 +219,16 @@ def learnable_bounds(
     estimated from `train_days[: k + 1]` (the days a warm-started model has seen)."""
     from sklearn.linear_model import LogisticRegression
 
-    from recd_core.data.synth import _World, generate_day, logit_parts
+    from recd_core.data.synth import _World, click_logit, generate_day, logit_parts
 
     world = _World(features, synth)
     days = {d: generate_day(world, dt.date.fromisoformat(d)) for d in {*train_days, *eval_days}}
     parts = {d: logit_parts(world, day) for d, day in days.items()}
+    # the true logit without the two biases (the parts estimated)
     base = {
-        d: synth.base_ctr_logit
-        + synth.topic_effect * p["topic_match"]
-        + p["affinity_seen"]
-        + p["affinity_ids"]
-        - 0.02 * p["position"]
+        d: click_logit(
+            synth, p["topic_match"], p["affinity_seen"] + p["affinity_ids"], 0.0, 0.0, p["position"]
+        )
         for d, p in parts.items()
     }
     bounds = []

@@ -239,11 +239,23 @@ class Day:
     position: np.ndarray
 
 
+def click_logit(cfg: SynthConfig, topic_match, affinity, user_bias, item_bias, position):
+    """The generator's click model: the true logit of each impression from its terms."""
+    return (
+        cfg.base_ctr_logit
+        + cfg.topic_effect * topic_match
+        + 1.0 * affinity
+        + user_bias
+        + item_bias
+        - 0.02 * position
+    )
+
+
 def logit_parts(world: _World, day: Day) -> dict[str, np.ndarray]:
     """The terms of each impression's true click logit, apart from the base rate: the topic
     match, the latent affinity split into the dimensions both sides' dense features carry
     (`affinity_seen`) and the ones only ids can teach (`affinity_ids`), the two biases and
-    the position. Their sum (with `topic_effect` on the match) is the oracle's logit."""
+    the position: `click_logit` of them is the oracle's logit."""
     dense = {
         s.side: min(s.dim, world.cfg.latent_dim)
         for s in world.features.features
@@ -309,13 +321,8 @@ def generate_day(world: _World, day: dt.date) -> Day:
     affinity = (world.user_latent[user_of_row] * world.item_latent[items]).sum(1) / np.sqrt(
         cfg.latent_dim
     )
-    logit = (
-        cfg.base_ctr_logit
-        + cfg.topic_effect * topic_match
-        + 1.0 * affinity
-        + world.user_bias[user_of_row]
-        + world.item_bias[items]
-        - 0.02 * position
+    logit = click_logit(
+        cfg, topic_match, affinity, world.user_bias[user_of_row], world.item_bias[items], position
     )
     click_prob = 1.0 / (1.0 + np.exp(-logit))
     labels = (rng.random(n) < click_prob).astype(np.int64)

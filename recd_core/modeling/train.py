@@ -42,6 +42,7 @@ writes checkpoints and the model.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import datetime as dt
 import hashlib
@@ -351,9 +352,11 @@ def validate(model: DLRM, valid: BatchStore, device: torch.device) -> dict[str, 
 
 @dataclass(frozen=True)
 class TableStart:
-    """The embedding tables and their optimizer state as the run started, on the CPU; each
+    """The embedding tables (on the CPU) and their optimizer state as the run started; each
     pass after the first restores them (`TrainConfig.restart_tables`). Rebuilt the same way
-    on a resume (the seeded scratch init or the warm start), so it is not checkpointed."""
+    on a resume (the seeded scratch init or the warm start), so it is not checkpointed.
+    The state is deep-copied both ways: `load_state_dict` keeps tensors that already sit on
+    the parameters' device, and Adagrad then accumulates into them in place."""
 
     weights: list[torch.Tensor]
     optimizer: dict
@@ -361,24 +364,13 @@ class TableStart:
     @classmethod
     def capture(cls, model: DLRM, opt_sparse) -> TableStart:
         weights = [p.detach().cpu().clone() for p in model.sparse_parameters()]
-        return cls(weights, _cpu_copy(opt_sparse.state_dict()))
+        return cls(weights, copy.deepcopy(opt_sparse.state_dict()))
 
     def restore(self, model: DLRM, opt_sparse) -> None:
         with torch.no_grad():
             for p, w in zip(model.sparse_parameters(), self.weights, strict=True):
                 p.copy_(w)
-        opt_sparse.state.clear()
-        opt_sparse.load_state_dict(_cpu_copy(self.optimizer))
-
-
-def _cpu_copy(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_cpu_copy(v) for v in obj]
-    return obj
+        opt_sparse.load_state_dict(copy.deepcopy(self.optimizer))
 
 
 @dataclass
