@@ -188,14 +188,29 @@ class IngestConfig(_Strict):
     workers: int = Field(default=2, gt=0)
 
 
-class GenerateConfig(_Strict):
+class ParquetWrite(_Strict):
+    """How the warehouse's Parquet files are written: by ingest (events) and by generate
+    (samples, whose config carries these fields)."""
+
+    row_group_size: int = Field(default=65_536, gt=0)
+    compression: Literal["zstd", "snappy", "gzip", "lz4", "none"] = "zstd"
+    compression_level: int | None = 3
+
+    def options(self) -> dict:
+        """pyarrow's writer options (`none`: uncompressed, and no level)."""
+        none = self.compression == "none"
+        return {
+            "compression": None if none else self.compression,
+            "compression_level": None if none else self.compression_level,
+            "row_group_size": self.row_group_size,
+        }
+
+
+class GenerateConfig(ParquetWrite):
     """How samples are laid out and written (Parquet) and how dedup is profiled."""
 
     batch_size: int = Field(default=4096, gt=0)
-    row_group_size: int = Field(default=65_536, gt=0)
     max_rows_per_file: int = Field(default=1_000_000, gt=0)
-    compression: Literal["zstd", "snappy", "gzip", "lz4", "none"] = "zstd"
-    compression_level: int | None = 3
     # Dictionary-encode list columns? None = each layout's better choice: plain for
     # `clustered` (repeated lists stay byte-aligned, so zstd removes the repeats; bit-packed
     # dictionary indices shift by bits and hide them), dictionary for `shuffled`.

@@ -70,12 +70,10 @@ def parquet_options(cfg: GenerateConfig, schema: pa.Schema, layout: str) -> dict
     list_dict = cfg.list_dictionary if cfg.list_dictionary is not None else layout != "clustered"
     is_list = [pa.types.is_list(f.type) for f in schema]
     return {
-        "compression": None if cfg.compression == "none" else cfg.compression,
-        "compression_level": cfg.compression_level if cfg.compression != "none" else None,
+        **cfg.options(),
         "use_dictionary": True
         if list_dict
         else [f.name for f, lst in zip(schema, is_list, strict=True) if not lst],
-        "row_group_size": cfg.row_group_size,
     }
 
 

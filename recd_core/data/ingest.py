@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recd_core.config import ENVELOPE_COLUMNS, FeatureSet, GenerateConfig, IngestConfig
+from recd_core.config import ENVELOPE_COLUMNS, FeatureSet, IngestConfig, ParquetWrite
 from recd_core.data.sources import (
     Parsed,
     Rejects,
@@ -363,7 +363,7 @@ def ingest(
     ds: str,
     features: FeatureSet,
     cfg: IngestConfig,
-    write: GenerateConfig | None = None,
+    write: ParquetWrite | None = None,
     progress: Callable[[str, int], None] | None = None,
 ) -> dict:
     """Run the stage; returns the summary (contract keys `ingest.*`).
@@ -376,9 +376,8 @@ def ingest(
     validate_ds(ds)
     t0 = time.perf_counter()
     source = Path(source)
-    write = write or GenerateConfig()
-    options = dict(compression=write.compression, compression_level=write.compression_level)
-    file_options = dict(row_group_size=write.row_group_size, **options)  # the events files
+    file_options = (write or ParquetWrite()).options()  # the events files
+    options = {k: v for k, v in file_options.items() if k != "row_group_size"}
     base_schema = events_schema(features)
     schema = mark_sessions_checked(base_schema) if cfg.check_sessions else base_schema
     # hashed for the session check only (it is a fifth of a file's parse time)
