@@ -265,8 +265,8 @@ class TrainConfig(_Strict):
     # from where the run started (scratch or the warm start) and keeps the dense layers:
     # the tables see the day once, the layers above them several times, with new tables
     # each time (MEDA, Fan et al. 2024). A second pass over tables that have seen the day
-    # memorizes it (validation NE jumps by ~0.15 at its start); patience then counts
-    # passes without a better validation NE, not validations. Off for a small table that
+    # memorizes it (validation NE jumps by ~0.15 at its start); `pass_patience` then
+    # counts passes without a better validation NE, not validations. Off for a small table that
     # needs many passes (MovieLens-100k's ids: AUC 0.758 with restarts, 0.771 without)
     restart_tables: bool = True
     validations_per_epoch: int = Field(default=4, gt=0)
@@ -274,6 +274,10 @@ class TrainConfig(_Strict):
     # day the best state is about the end of the first pass: two more validations, half of
     # a second pass, confirm it)
     patience: int = Field(default=2, gt=0)
+    # with `restart_tables`: stop after this many passes in a row without a better
+    # validation NE (a warm-started day's best state is usually its first pass; a second
+    # pass that does not beat it ends the run instead of two more)
+    pass_patience: int = Field(default=1, gt=0)
     lr_dense: float = Field(default=3e-3, gt=0)
     # embedding tables: row-wise Adagrad (modeling/optim.py); its per-row accumulator starts here
     lr_sparse: float = Field(default=0.1, gt=0)

@@ -269,10 +269,10 @@ def test_each_pass_restarts_the_tables_from_where_the_run_started(fresh_warehous
         return real_step(model, batch, opt_dense, opt_sparse, amp)
 
     monkeypatch.setattr(training, "train_step", recording)
-    cfg = TrainConfig(batch_size=256, epochs=2, patience=1, model=SMALL_MODEL)
+    cfg = TrainConfig(batch_size=256, epochs=2, pass_patience=1, model=SMALL_MODEL)
     s = fit(fresh_warehouse, cfg)
     per_pass = s["train.steps_per_epoch"]
-    assert s["train.steps"] == 2 * per_pass  # patience 1 = one pass: not stopped mid-pass
+    assert s["train.steps"] == 2 * per_pass  # pass_patience 1: not stopped mid-pass
     (tables0, dense0, _), (tables1, _, _) = seen[0], seen[1]
     tables2, dense2, opt2 = seen[per_pass]  # the first step of the second pass
     assert not all(torch.equal(a, b) for a, b in zip(tables0, tables1, strict=True))
@@ -315,7 +315,54 @@ def test_warm_start_loads_the_given_models_weights_or_says_why_it_cannot(fresh_w
         train(fresh_warehouse, DAY, cfg, init_from=str(fresh_warehouse.root) + "/models/nothing")
 
 
-def test_warm_start_continues_the_saved_optimizer_state(fresh_warehouse):
+def improving_validation(monkeypatch) -> None:
+    """Every validation better than the one before: the best state is always the latest, so
+    a test sees the mechanism, not what the data happens to do."""
+    import recd_core.modeling.train as training
+
+    calls: list[int] = []
+
+    def validate(model, valid, device):
+        calls.append(0)
+        return {"eval.ne": 1.0 / len(calls), "eval.auc": 0.5}
+
+    monkeypatch.setattr(training, "validate", validate)
+
+
+def test_a_pass_without_a_better_state_ends_the_run_and_the_best_states_optimizer_is_saved(
+    fresh_warehouse, monkeypatch
+):
+    """With restarted tables, a pass that does not beat the previous ones ends the run
+    (`pass_patience` 1); the saved model is the best state, and the optimizer state saved
+    with it (what tomorrow's warm start continues) is that step's, not the last step's."""
+    import recd_core.modeling.train as training
+    from recd_core.dpp.batch_store import BatchStore
+
+    preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=256))
+    per_pass = len(BatchStore(fresh_warehouse, DAY, "dedup"))
+    steps: list[int] = []
+    real_step = training.train_step
+
+    def counting(*args):
+        steps.append(0)
+        return real_step(*args)
+
+    def validate(model, valid, device):  # better through the first pass, worse after it
+        return {
+            "eval.ne": 1.0 - 0.01 * len(steps) if len(steps) <= per_pass else 2.0,
+            "eval.auc": 0.5,
+        }
+
+    monkeypatch.setattr(training, "train_step", counting)
+    monkeypatch.setattr(training, "validate", validate)
+    s = train(fresh_warehouse, DAY, TrainConfig(batch_size=256, epochs=3, model=SMALL_MODEL))
+    assert s["train.steps"] == 2 * per_pass and s["train.stopped_early"]
+    assert s["train.best_step"] == per_pass
+    saved = torch.load(Path(s["train.model_uri"]) / "optimizer.pt", weights_only=True)
+    assert {int(v["step"]) for v in saved["dense"]["state"].values()} == {per_pass}
+
+
+def test_warm_start_continues_the_saved_optimizer_state(fresh_warehouse, monkeypatch):
     """Daily retraining continues yesterday's optimizers (Adam's moments and step count, the
     tables' Adagrad accumulators); a model saved without them starts fresh ones."""
 
@@ -326,6 +373,7 @@ def test_warm_start_continues_the_saved_optimizer_state(fresh_warehouse):
     def adam_steps(state: dict) -> set[int]:
         return {int(s["step"]) for s in state["dense"]["state"].values()}
 
+    improving_validation(monkeypatch)  # the best state is the last: its optimizer is saved
     first = fit(fresh_warehouse, TrainConfig(batch_size=256, max_steps=6, model=SMALL_MODEL))
     saved = optimizer(first)
     assert adam_steps(saved) == {6}

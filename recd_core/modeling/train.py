@@ -16,8 +16,10 @@ and their Adagrad state again from where the run started and keeps the dense lay
 Fan et al. 2024). A second pass over tables that have seen the day memorizes it: validation
 NE jumped from 0.870 to 1.04 at its start on the standard day. With restarts the tables see
 the day once and the layers above them learn from several passes, each over new tables
-(the standard day from scratch: next-day NE 0.877 -> 0.868 with 3 passes). Patience then
-counts passes without a better validation NE, since a pass begins below the best.
+(the standard day from scratch: next-day NE 0.877 -> 0.868 with 3 passes). `pass_patience`
+then counts passes without a better validation NE, since a pass begins below the best. The
+saved model is the best state, and the optimizer state saved with it (what the next day's
+warm start continues) is that step's, not the last step's.
 
 Warm start: `init_from` names a saved model (the pipelines pass the champion); its weights
 are the starting point when its feature set and model config equal this run's, else
@@ -135,10 +137,7 @@ class Checkpoints:
         if not paths:
             return None
         state = _torch_load(_read_bytes(self.wh, paths[-1]), paths[-1])
-        if (
-            not isinstance(state, dict)
-            or not {"model", "opt_dense", "opt_sparse", "step"} <= state.keys()
-        ):
+        if not isinstance(state, dict) or not {"model", "optimizer", "step"} <= state.keys():
             raise CheckpointError(
                 f"{paths[-1]} is not a recd checkpoint (keys: {sorted(state)[:6]})"
             )
@@ -239,14 +238,15 @@ def _train_worker(
     name = run_name(ds, cfg, batches_id(wh, ds, cfg.mode) + (init.uri or ""))
     ckpts = Checkpoints(wh, name, cfg.keep_checkpoints)
     step = 0
-    early = EarlyStopping(cfg.patience, per_pass=restart is not None)
+    patience = cfg.pass_patience if restart is not None else cfg.patience
+    early = EarlyStopping(patience, per_pass=restart is not None)
     state = ckpts.latest()
     if state is not None:
         model.load_state_dict(state["model"])
-        opt_dense.load_state_dict(state["opt_dense"])
-        opt_sparse.load_state_dict(state["opt_sparse"])
+        opt_dense.load_state_dict(state["optimizer"]["dense"])
+        opt_sparse.load_state_dict(state["optimizer"]["sparse"])
         step = int(state["step"])
-        early = EarlyStopping.from_state(cfg.patience, state.get("early"), restart is not None)
+        early = EarlyStopping.from_state(patience, state.get("early"), restart is not None)
     net = DistributedDataParallel(model) if distributed else model
     n_batches = len(store)
     # every rank takes the same number of steps (DDP all-reduces each one): the batches
@@ -265,8 +265,12 @@ def _train_worker(
     losses: list[float] = []
     samples = 0
     seconds = 0.0
+
+    def optimizers() -> dict:
+        return {"dense": opt_dense.state_dict(), "sparse": opt_sparse.state_dict()}
+
     if len(valid) and step == 0:
-        early.update(0, validate(model, valid, device), model)
+        early.update(0, validate(model, valid, device), model, optimizers())
     while step < total and not early.stop:
         t0 = time.perf_counter()
         epoch, k = divmod(step, per_epoch)
@@ -285,13 +289,15 @@ def _train_worker(
         early.losses.append([step, float(losses[-1])])
         pass_end = step % per_epoch == 0
         if len(valid) and (step % every == 0 or step == total or (early.per_pass and pass_end)):
-            early.update(step, validate(model, valid, device), model)
+            early.update(step, validate(model, valid, device), model, optimizers())
         if len(valid) and pass_end:
             early.pass_done(step - per_epoch)
         if rank == 0 and (step % cfg.checkpoint_every == 0 or step == total or early.stop):
-            ckpts.save(_checkpoint_state(model, opt_dense, opt_sparse, step, cfg, early))
+            ckpts.save(_checkpoint_state(model, optimizers(), step, cfg, early))
+    optimizer = optimizers()
     if early.best_state is not None and early.best_step != step:
         model.load_state_dict(early.best_state)  # the best validated state, not the last
+        optimizer = early.best_optimizer  # and the optimizers as they were then
     summary = {
         "train.mode": cfg.mode,
         "train.run": name,
@@ -313,7 +319,6 @@ def _train_worker(
         **early.summary(),
     }
     if rank == 0:
-        optimizer = {"dense": opt_dense.state_dict(), "sparse": opt_sparse.state_dict()}
         summary["train.model_uri"] = save_model(
             wh, name, model, cfg, store.manifest["prepared"], summary, optimizer
         )
@@ -373,6 +378,17 @@ class TableStart:
         opt_sparse.load_state_dict(copy.deepcopy(self.optimizer))
 
 
+def _on_cpu(state):
+    """A copy of a (nested) optimizer state dict with its tensors on the CPU."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu().clone()
+    if isinstance(state, dict):
+        return {k: _on_cpu(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_on_cpu(v) for v in state)
+    return state
+
+
 @dataclass
 class EarlyStopping:
     """Keeps the best state by validation NE; stops after `patience` validations in a row
@@ -387,10 +403,13 @@ class EarlyStopping:
     bad: int = 0
     stop: bool = False
     best_state: dict | None = None
+    # both optimizers' state at the best step: saved with the model, so tomorrow's warm
+    # start continues the optimizer that goes with the weights it starts from
+    best_optimizer: dict | None = None
     history: list[list[float]] = dataclasses.field(default_factory=list)  # step, NE, AUC
     losses: list[list[float]] = dataclasses.field(default_factory=list)  # step, loss
 
-    def update(self, step: int, figures: dict, model: DLRM) -> None:
+    def update(self, step: int, figures: dict, model: DLRM, optimizers: dict) -> None:
         # plain floats: the checkpoint is loaded with weights_only=True (no numpy scalars)
         ne = float(figures["eval.ne"])
         self.history.append([int(step), ne, float(figures["eval.auc"])])
@@ -399,6 +418,7 @@ class EarlyStopping:
             if not self.per_pass:
                 self.bad = 0
             self.best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            self.best_optimizer = _on_cpu(optimizers)
         elif not self.per_pass:
             self.bad += 1
             self.stop = self.bad >= self.patience
@@ -496,12 +516,12 @@ def batches_id(wh: Warehouse, ds: str, mode: str) -> str:
 
 
 def _checkpoint_state(
-    model, opt_dense, opt_sparse, step: int, cfg: TrainConfig, early: EarlyStopping
+    model, optimizer: dict, step: int, cfg: TrainConfig, early: EarlyStopping
 ) -> dict:
+    """Everything a resume needs; `optimizer` is laid out as the saved model's optimizer.pt."""
     return {
         "model": model.state_dict(),
-        "opt_dense": opt_dense.state_dict(),
-        "opt_sparse": opt_sparse.state_dict(),
+        "optimizer": optimizer,
         "step": step,
         "config": cfg.model_dump_json(),
         "early": early.state(),
