@@ -257,6 +257,42 @@ def learnable_bounds(
     return bounds
 
 
+def missed_terms(
+    warehouse: Warehouse, model_uri: str, eval_day: str, features: FeatureSet, synth: SynthConfig
+) -> dict[str, float]:
+    """Where a model's gap to the oracle lies, term by term. The model's logit on the
+    evaluated day, with one true term of the generator's click logit beside it, is refit as
+    a logistic regression on half of the day's rows and scored (NE) on the other half: the
+    term whose addition lowers NE most is the one the model learned least. Keys: `model`
+    (the model alone, recalibrated the same way), each term of `synth.logit_parts`, and
+    `all` (every term: near the oracle)."""
+    from sklearn.linear_model import LogisticRegression
+
+    from recd_core.data.synth import IDS_PER_DAY, _World, generate_day, logit_parts
+    from recd_core.modeling.saved import load_model, predict
+
+    world = _World(features, synth)
+    day = generate_day(world, dt.date.fromisoformat(eval_day))
+    samples = warehouse.read("samples", eval_day, layout="clustered")
+    model, meta = load_model(model_uri)
+    p = np.clip(predict(model, meta, samples).astype(np.float64), 1e-7, 1 - 1e-7)
+    rows = (
+        np.asarray(samples["event_id"]) - dt.date.fromisoformat(eval_day).toordinal() * IDS_PER_DAY
+    )
+    labels = day.labels[rows]
+    parts = {k: v[rows] for k, v in logit_parts(world, day).items()}
+    logit = np.log(p / (1 - p))
+    fit_half = np.arange(labels.size) % 2 == 0
+
+    def ne_with(terms: list[str]) -> float:
+        x = np.stack([logit, *(parts[t] for t in terms)], axis=1)
+        fit = LogisticRegression(C=1e6, max_iter=3000).fit(x[fit_half], labels[fit_half])
+        scored = fit.predict_proba(x[~fit_half])[:, 1]
+        return float(metrics.normalized_entropy(labels[~fit_half], scored))
+
+    return {"model": ne_with([]), **{t: ne_with([t]) for t in parts}, "all": ne_with(list(parts))}
+
+
 # -- a synthetic week, warm-started day after day ----------------------------------------------------
 def synthetic_week(
     out: Path, preset: str = "standard", days: int = 7, both_arms: bool = True
@@ -300,6 +336,10 @@ def synthetic_week(
             }
         )
         previous = trained["train.model_uri"]
+        if len(rows) in (1, days):  # where the first and the last model's gaps lie
+            rows[-1]["missed"] = missed_terms(
+                wh, previous, eval_day, pipeline.features, pipeline.synth
+            )
     bounds = learnable_bounds(pipeline.features, pipeline.synth, all_days[:-1], all_days[1:])
     for row, bound in zip(rows, bounds, strict=True):
         row["bound_ne"] = bound

@@ -250,6 +250,26 @@ def quality_markdown(r: dict) -> list[str]:
                 f"{w['oracle_ne']:.4f} | {w['gap']:+.4f} | "
                 f"{w['bound_ne']:.4f} ({w['bound_ne'] - w['oracle_ne']:+.4f}) |"
             )
+        missed = [w for w in r["week"] if "missed" in w]
+        if missed:
+            rows += [
+                "",
+                "Where the gap lies: next-day NE of the model's logit with one true term of the "
+                "click logit added (a logistic refit on half the day, scored on the other half); "
+                "the larger the drop, the less of that term the model learned.",
+                "",
+                "| term added | " + " | ".join(f"{w['day']} model" for w in missed) + " |",
+                "|---|" + "---|" * len(missed),
+            ]
+            for term in missed[0]["missed"]:
+                cells = []
+                for w in missed:
+                    ne, alone = w["missed"][term], w["missed"]["model"]
+                    cells.append(
+                        f"{ne:.4f}" if term == "model" else f"{ne:.4f} ({ne - alone:+.4f})"
+                    )
+                name = "none (the model, recalibrated)" if term == "model" else term
+                rows.append(f"| {name} | " + " | ".join(cells) + " |")
         if "bench.quality.week.baseline_first_ne" in r:
             rows += [
                 "",
