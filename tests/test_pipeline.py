@@ -180,6 +180,47 @@ def test_the_champion_warm_starts_only_days_after_those_it_was_trained_on(daily)
         assert {"model.pt", "model.json", "optimizer.pt"} <= {p.name for p in Path(local).iterdir()}
 
 
+def test_a_changed_model_continues_its_own_lineage_instead_of_the_champions(daily):
+    """Every version records its lineage key (its model features and model config). When the
+    champion's differs from the run's (the model config changed), the pipeline's warm start
+    continues the newest version of the run's own lineage, so a changed model accumulates
+    days as the champion did; with none of its own, the champion is offered and training
+    starts from scratch, saying why (test_train)."""
+    from recd_core.mlops.registry import init_model
+    from recd_core.mlops.tracking import Tracker
+    from recd_core.modeling.saved import saved_lineage_key
+
+    root, uri, _ = daily
+    client = MlflowClient(tracking_uri=uri)
+    current = client.get_model_version_by_alias("recd-dlrm", "champion")
+    ours = current.tags["recd.lineage_key"]
+    with init_model(Tracker(uri), f"models:/recd-dlrm/{current.version}", "recd-dlrm") as (
+        local,
+        _,
+    ):
+        assert saved_lineage_key(local) == ours
+    other = next(
+        v
+        for v in client.search_model_versions("name = 'recd-dlrm'")
+        if v.version != current.version
+    )
+    assert other.tags["recd.lineage_key"] == ours  # the same config all along
+    later = "2026-12-01"
+    client.set_model_version_tag("recd-dlrm", other.version, "recd.lineage_key", "changed")
+    try:  # as if `other` had been trained with another model config, and not promoted
+        with init_model(Tracker(uri), "champion", "recd-dlrm", later, "changed") as (_, label):
+            assert label == f"models:/recd-dlrm/{other.version}"
+        with init_model(Tracker(uri), "champion", "recd-dlrm", later, ours) as (_, label):
+            assert label == f"models:/recd-dlrm/{current.version}"
+        with init_model(Tracker(uri), "champion", "recd-dlrm", later, "unseen") as (_, label):
+            assert label == f"models:/recd-dlrm/{current.version}"
+        # its own lineage's versions are held to the same rule: trained before the day
+        with init_model(Tracker(uri), "champion", "recd-dlrm", DAY, "changed") as (local, _):
+            assert local is None
+    finally:
+        client.set_model_version_tag("recd-dlrm", other.version, "recd.lineage_key", ours)
+
+
 def test_mlflow_models_serve_answers_the_champions_own_serving_example(daily, tmp_path):
     """A real scoring server (`mlflow models serve`, local env) on loopback."""
     import os

@@ -174,19 +174,39 @@ def champion(tracker, name: str):
         return None
 
 
+def _last_day_trained(version) -> str:
+    return max((d for d in version.tags.get("recd.trained_on", "").split(",") if d), default="")
+
+
+def newest_of_lineage(tracker, name: str, key: str, before: str | None = None):
+    """The newest version of `name` whose `recd.lineage_key` is `key` (the same model
+    features and model config) and, with `before`, trained only on days before it; or None."""
+    found = [
+        v
+        for v in tracker.client().search_model_versions(f"name = '{name}'")
+        if v.tags.get("recd.lineage_key") == key and not (before and _last_day_trained(v) >= before)
+    ]
+    return max(found, key=lambda v: int(v.version), default=None)
+
+
 @contextlib.contextmanager
 def init_model(
-    tracker, init_from: str | None, name: str, before: str | None = None
+    tracker, init_from: str | None, name: str, before: str | None = None, key: str | None = None
 ) -> Iterator[tuple[str | None, str]]:
     """Resolve where training starts: yields (a local model directory or None, its label).
 
-    `init_from`: None (scratch), `champion` (the current champion of `name`, when there is
-    one and, with `before` (a day), it was trained only on days before it: the pipelines'
-    warm start; a champion that saw that day or later would leak the days being trained on
+    `init_from`: None (scratch), `champion` (the pipelines' warm start: the current champion
+    of `name`, when there is one and, with `before` (a day), it was trained only on days
+    before it; a champion that saw that day or later would leak the days being trained on
     and evaluated, e.g. in a backfill or a comparison of an older day), `models:/<name>@<alias>`
     or `models:/<name>/<version>` (downloaded from the registry), or a model directory /
     `<warehouse>/models/<run>`. The label is what the record shows:
-    `models:/<name>/<version>` for a registry copy, or why training starts from scratch."""
+    `models:/<name>/<version>` for a registry copy, or why training starts from scratch.
+
+    `key` (with `champion`): the run's `lineage_key`. When the champion's differs (the model
+    config or features changed), training continues the newest version of the run's own
+    lineage instead, when there is one: a changed model then accumulates days as the
+    champion did, and can win, instead of starting from scratch every day."""
     if not init_from:
         yield None, "from scratch: no model to start from"
         return
@@ -198,10 +218,18 @@ def init_model(
         if current is None:
             yield None, f"from scratch: {name} has no champion yet (the first model)"
             return
+        theirs = current.tags.get("recd.lineage_key")
+        own = (
+            newest_of_lineage(tracker, name, key, before)
+            if key and theirs not in (None, key)
+            else None
+        )
+        if own is not None:
+            current = own
         pinned = f"models:/{name}/{current.version}"  # the version checked, not the alias again
-        seen = [d for d in current.tags.get("recd.trained_on", "").split(",") if d]
-        if before and seen and max(seen) >= before:
-            reason = f"the champion ({pinned}) was trained on {max(seen)}, not before {before}"
+        last = _last_day_trained(current)
+        if before and last >= before:
+            reason = f"the champion ({pinned}) was trained on {last}, not before {before}"
             yield None, f"from scratch: {reason}"
             return
         init_from = pinned
@@ -300,13 +328,14 @@ def register_and_promote(
     """Log and register the model saved at `model_uri` (to MLflow run `run_id`) as
     `challenger`; score the current champion on `eval_ds`; move `champion` by NE (`cfg`: the
     pipeline's `RegistryConfig`). Returns the `registry.*` figures."""
-    from recd_core.modeling.saved import model_dir, saved_summary
+    from recd_core.modeling.saved import model_dir, saved_lineage_key, saved_summary
 
     trained = saved_summary(model_uri)
     lineage = {
         "recd.init_from": trained.get("train.init_from", ""),
         "recd.init_reason": trained.get("train.init_reason", ""),
         "recd.trained_on": ",".join(trained.get("train.days", [])),
+        "recd.lineage_key": saved_lineage_key(model_uri),
     }
 
     samples = warehouse.read("samples", eval_ds, layout="clustered").slice(0, EXAMPLE_ROWS)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -27,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from recd_core.config import FeatureSet, TrainConfig
+from recd_core.config import FeatureSet, ModelConfig, TrainConfig
 from recd_core.dpp.batch_store import decode_batch
 from recd_core.dpp.preprocess import Prepared, batch_ranges, encode_batch
 from recd_core.errors import BadInput
@@ -195,6 +196,22 @@ def saved_train_config(meta: dict) -> TrainConfig:
     train = dict(meta["train"])
     train["model"] = {**ADDED_MODEL_OPTIONS, **train.get("model", {})}
     return TrainConfig.model_validate(train)
+
+
+def lineage_key(features: FeatureSet, model: ModelConfig) -> str:
+    """What a warm start needs to match: the model's input features and its model config,
+    hashed. Two models with the same key have weights of the same shape and meaning, so one
+    can start from the other (`train.initial_state` checks the same two things)."""
+    text = json.dumps(
+        [features.model_dump(mode="json"), model.model_dump(mode="json")], sort_keys=True
+    )
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def saved_lineage_key(location: str) -> str:
+    """`lineage_key` of a saved model (a local directory or `<warehouse>/models/<run>`)."""
+    meta = json.loads(_saved_file(str(location), "model.json")[0])
+    return lineage_key(FeatureSet.model_validate(meta["features"]), saved_train_config(meta).model)
 
 
 def model_from(meta: dict, weights: bytes, where: str) -> DLRM:

@@ -211,14 +211,19 @@ def _preprocess(args: StageArgs) -> dict:
 def _train(args: StageArgs) -> dict:
     """Train each day, warm-started from `init_from` (default: the champion, when the
     config's `train.warm_start` is on and there is one)."""
+    from recd_core.dpp.batch_store import BatchStore
     from recd_core.mlops.registry import init_model
+    from recd_core.modeling.saved import lineage_key
     from recd_core.modeling.train import train
 
     cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
     tc = cfg.train.model_copy(update={"mode": args.mode})
     start = args.init_from or ("champion" if cfg.train.warm_start else None)
-    # the champion only when it was trained before the first day trained here (args.ds)
-    with init_model(args.tracker(), start, cfg.registry.model_name, args.ds) as (init_dir, label):
+    # the champion only when it was trained before the first day trained here (args.ds);
+    # when it is of another model config, this config's own newest version
+    key = lineage_key(BatchStore(wh, args.ds, args.mode).model_features, tc.model)
+    resolved = init_model(args.tracker(), start, cfg.registry.model_name, args.ds, key)
+    with resolved as (init_dir, label):
         out = _per_day(args, lambda day: train(wh, day, tc, init_from=init_dir, init_label=label))
     uris = [s["train.model_uri"] for s in (out["days"].values() if "days" in out else [out])]
     return {**out, "train.model_uris": ";".join(uris)}
