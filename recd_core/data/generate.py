@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recd_core.config import FeatureSet, GenerateConfig
-from recd_core.dedup.unique import batch_factors, group_hashes, row_hashes
+from recd_core.dedup.unique import batch_factors, combine_hashes, row_hashes
 from recd_core.schema import feature_set_of
 from recd_core.warehouse import Warehouse
 
@@ -137,7 +137,7 @@ class _Profile:
 
     def add(self, rows: pa.Table) -> None:
         hashes = {f: row_hashes(rows[f]) for f in self.features}
-        hashes["user_group"] = group_hashes(rows, self.user_cols)
+        hashes["user_group"] = combine_hashes([hashes[c] for c in self.user_cols], rows.num_rows)
         for k, h in hashes.items():
             h = np.concatenate([self.pending[k], h])
             full = h.size // self.bs * self.bs
