@@ -44,7 +44,6 @@ writes checkpoints and the model.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import datetime as dt
 import hashlib
@@ -355,31 +354,9 @@ def validate(model: DLRM, valid: BatchStore, device: torch.device) -> dict[str, 
     return score_batches(model, valid, device)
 
 
-@dataclass(frozen=True)
-class TableStart:
-    """The embedding tables (on the CPU) and their optimizer state as the run started; each
-    pass after the first restores them (`TrainConfig.restart_tables`). Rebuilt the same way
-    on a resume (the seeded scratch init or the warm start), so it is not checkpointed.
-    The state is deep-copied both ways: `load_state_dict` keeps tensors that already sit on
-    the parameters' device, and Adagrad then accumulates into them in place."""
-
-    weights: list[torch.Tensor]
-    optimizer: dict
-
-    @classmethod
-    def capture(cls, model: DLRM, opt_sparse) -> TableStart:
-        weights = [p.detach().cpu().clone() for p in model.sparse_parameters()]
-        return cls(weights, copy.deepcopy(opt_sparse.state_dict()))
-
-    def restore(self, model: DLRM, opt_sparse) -> None:
-        with torch.no_grad():
-            for p, w in zip(model.sparse_parameters(), self.weights, strict=True):
-                p.copy_(w)
-        opt_sparse.load_state_dict(copy.deepcopy(self.optimizer))
-
-
 def _on_cpu(state):
-    """A copy of a (nested) optimizer state dict with its tensors on the CPU."""
+    """A copy on the CPU of a tensor, or of the tensors in a (nested) state dict or list: a
+    kept state holds no device memory and shares no storage with the live one."""
     if isinstance(state, torch.Tensor):
         return state.detach().cpu().clone()
     if isinstance(state, dict):
@@ -387,6 +364,28 @@ def _on_cpu(state):
     if isinstance(state, list | tuple):
         return type(state)(_on_cpu(v) for v in state)
     return state
+
+
+@dataclass(frozen=True)
+class TableStart:
+    """The embedding tables and their optimizer state as the run started (on the CPU); each
+    pass after the first restores them (`TrainConfig.restart_tables`). Rebuilt the same way
+    on a resume (the seeded scratch init or the warm start), so it is not checkpointed.
+    The state is copied both ways: `load_state_dict` keeps tensors that already sit on the
+    parameters' device, and Adagrad then accumulates into them in place."""
+
+    weights: list[torch.Tensor]
+    optimizer: dict
+
+    @classmethod
+    def capture(cls, model: DLRM, opt_sparse) -> TableStart:
+        return cls(_on_cpu(model.sparse_parameters()), _on_cpu(opt_sparse.state_dict()))
+
+    def restore(self, model: DLRM, opt_sparse) -> None:
+        with torch.no_grad():
+            for p, w in zip(model.sparse_parameters(), self.weights, strict=True):
+                p.copy_(w)
+        opt_sparse.load_state_dict(_on_cpu(self.optimizer))
 
 
 @dataclass
@@ -417,7 +416,7 @@ class EarlyStopping:
             self.best_ne, self.best_step = ne, step
             if not self.per_pass:
                 self.bad = 0
-            self.best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            self.best_state = _on_cpu(model.state_dict())
             self.best_optimizer = _on_cpu(optimizers)
         elif not self.per_pass:
             self.bad += 1
