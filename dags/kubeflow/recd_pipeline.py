@@ -5,13 +5,14 @@ graph the Airflow DAG runs too, each stage a container component of the componen
     python dags/kubeflow/recd_pipeline.py [--image IMG] [--out build/kfp/recd_pipeline.yaml]
 
 compiles it (`make pipeline`); upload the YAML in the Kubeflow UI (docs/operations.md).
-`lightweight_pipeline` is the same graph with lightweight Python components calling
-`recd_core.orchestration.stages.run_stage` in the current environment: the tests run it end to end with
-`kfp.local.SubprocessRunner(use_venv=False)`.
+`lightweight_pipeline` is the same graph, with the same inputs, of lightweight Python
+components calling `recd_core.orchestration.stages.run_stage` in the current environment: the
+tests run it end to end with `kfp.local.SubprocessRunner(use_venv=False)`.
 
-Every stage component has one shape: `args` (a StageArgs JSON object), `start` and `train`
-(upstream summaries the stage takes its MLflow parent run and model from), `u_*` (the
-summaries `finish` merges), and its own summary as the output string.
+Every container component has one shape: `args` (a StageArgs JSON object), one input per
+upstream stage it takes arguments from (`graph.PULLED_FROM`: its MLflow parent run, the
+trained model), `u_<task>` per summary `finish` merges, and its own summary as the output
+string; all derived from the graph, none written here.
 """
 
 import argparse
@@ -60,30 +61,29 @@ def container_stage(name: str, image: str = IMAGE):
 
 
 def recd_stage(
-    name: str, args: dict, start: str = "{}", train: str = "{}", u_synth: str = "{}",
-    u_ingest: str = "{}", u_generate: str = "{}", u_preprocess: str = "{}", u_train: str = "{}",
-    u_evaluate: str = "{}", u_register: str = "{}",
-) -> str:  # fmt: skip
-    """Lightweight twin of the container components: the same call, in this environment.
-    (KFP runs a lightweight component from its source, so its inputs are spelled out; the
-    check below keeps them equal to the graph's.)"""
+    name: str,
+    args: dict,
+    executor_input: str = dsl.PIPELINE_TASK_EXECUTOR_INPUT_PLACEHOLDER,
+    **upstream: str,
+) -> str:
+    """Lightweight twin of the container components: the same inputs, the same call, in this
+    environment. KFP runs a lightweight component from its source, where `**upstream` cannot
+    name the inputs the graph gives it (`_with_inputs` does, for the component's spec); it
+    reads them from its executor input instead."""
     import json
 
     from recd_core.orchestration.graph import PULLED_FROM
     from recd_core.orchestration.stages import run_stage, with_upstream
 
-    inputs = dict(locals())
-    sources = {s: inputs[s] for s in PULLED_FROM}
-    items = [json.loads(v) for k, v in inputs.items() if k.startswith("u_") and v != "{}"]
-    return json.dumps(run_stage(name, with_upstream(name, args, sources), items or None))
+    given = json.loads(executor_input)["inputs"].get("parameterValues", {})
+    pulled = {s: given[s] for s in PULLED_FROM if s in given}
+    items = [json.loads(v) for k, v in given.items() if k.startswith("u_") and v != "{}"]
+    return json.dumps(run_stage(name, with_upstream(name, args, pulled), items or None))
 
 
-_EXPECTED = [*PULLED_FROM, *(f"u_{t}" for t in UPSTREAM)]
-if list(inspect.signature(recd_stage).parameters)[2:] != _EXPECTED:
-    raise RuntimeError(
-        f"recd_stage's inputs must be {_EXPECTED} (recd_core/orchestration/graph.py changed)"
-    )
-recd_stage = dsl.component(base_image=IMAGE)(recd_stage)
+recd_stage = dsl.component(base_image=IMAGE)(
+    _with_inputs(recd_stage, inspect.Parameter.VAR_KEYWORD)
+)
 
 
 def graph(op, args: dict) -> None:
