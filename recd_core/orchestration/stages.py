@@ -364,9 +364,10 @@ def run_stage(name: str, args: StageArgs | dict, upstream: list[dict] | None = N
             raise BadInput(f"bad arguments: {e}") from None
     tracker = args.tracker()
     run_id = None
-    if tracker is not None and name not in ("start", "finish") and args.parent_run_id:
+    stage = GRAPH_STAGES[name]
+    if tracker is not None and not stage.run_edge and args.parent_run_id:
         params = args.model_dump(exclude_none=True)
-        if name in ("synth", "ingest", "generate"):  # data stages serve both arms
+        if not (stage.per_arm or stage.gathers):  # data stages serve both arms
             params["mode"] = ""
         run_id = tracker.start(name, params, parent_id=args.parent_run_id)
     try:
