@@ -232,6 +232,10 @@ def generate_cmd(
         int | None, typer.Option(min=1, help="batch size of the dedup profile")
     ] = None,
     row_group_size: Annotated[int | None, typer.Option(min=1)] = None,
+    engine: Annotated[
+        Engine | None, typer.Option(help="spill and write files here or as Ray Data tasks")
+    ] = None,
+    workers: Annotated[int | None, typer.Option(min=1, help="parallel Ray tasks")] = None,
     config: ConfigOpt = None,
     summary: SummaryOpt = None,
 ):
@@ -240,7 +244,8 @@ def generate_cmd(
 
     def body():
         cfg = _pipeline(config).generate
-        overrides = {"batch_size": batch_size, "row_group_size": row_group_size}
+        overrides = {"batch_size": batch_size, "row_group_size": row_group_size,
+                     "engine": engine.value if engine else None, "workers": workers}  # fmt: skip
         cfg = GenerateConfig(**{**cfg.model_dump(), **{k: v for k, v in overrides.items() if v}})
         layouts = ("clustered", "shuffled") if layout == LayoutChoice.both else (layout.value,)
         with progress("generate", len(layouts)) as advance:

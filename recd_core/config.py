@@ -219,6 +219,14 @@ class GenerateConfig(ParquetWrite):
     # Memory the stage may hold for rows (the order keys, ~32 bytes a row, come on top):
     # generate moves rows through local spill files a bucket of this size at a time.
     memory_budget_mb: int = Field(default=512, ge=16)
+    # where rows are spilled (None: the system's temporary directory); with the Ray engine on
+    # a cluster, a directory every Ray node mounts (so is the warehouse, if it is local)
+    spill_dir: str | None = None
+    # where the spilling and the output files are done: here, one after another, or as Ray
+    # tasks (`workers` at a time) on the cluster of RAY_ADDRESS or a local instance; the
+    # partitions and figures are the same
+    engine: Literal["local", "ray"] = "local"
+    workers: int = Field(default=2, gt=0)
 
 
 class ModelConfig(_Strict):

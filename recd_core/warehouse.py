@@ -373,11 +373,12 @@ class PartitionWriter:
         self.extra: dict = {}  # more manifest fields
         self.rows: int | None = None  # the row count, for files written through add_file
 
-    def add_file(self, name: str) -> str:
-        """Register a file that someone else writes into the staging directory; its path."""
+    def add_file(self, name: str, rows: int = 0) -> str:
+        """Register a file that someone else writes into the staging directory (`rows`: its
+        row count, where known); its path."""
         self._close_file()
         self._files.append(name)
-        self._rows.append(0)
+        self._rows.append(rows)
         return f"{self.staging}/{name}"
 
     def write(

@@ -20,8 +20,8 @@ RECD = Path(sys.executable).parent / "recd"
 def _exception_classes() -> dict[str, type]:
     found = {}
     for mod in pkgutil.walk_packages(recd_core.__path__, "recd_core."):
-        if mod.name.startswith("recd_core.bench") or mod.name.endswith("ray_engine"):
-            continue  # optional heavy imports; they define no errors
+        if mod.name.startswith("recd_core.bench"):
+            continue  # heavy imports; it defines no errors
         module = importlib.import_module(mod.name)
         for name, obj in vars(module).items():
             mine = inspect.isclass(obj) and obj.__module__ == module.__name__

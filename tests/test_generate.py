@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -139,3 +141,30 @@ def test_a_small_memory_budget_streams_in_buckets_with_the_same_result(generated
     for k in ("storage.bytes", "storage.sessions", "dedup.factor.mean", "dedup.factor.user_group",
               "storage.lower_bound_bytes"):  # fmt: skip
         assert s_many[k] == s_one[k], k
+
+
+def test_the_ray_engine_writes_the_same_partitions_and_figures(generated):
+    """`engine: ray` (a local Ray instance): the spilling and each output file are Ray tasks;
+    the files, byte for byte, and every figure equal the local engine's (several files,
+    several buckets each, batches that straddle both)."""
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    wh, _ = generated
+    local = GenerateConfig(
+        batch_size=300, row_group_size=500, max_rows_per_file=1800, memory_budget_mb=16
+    )
+    on_ray = local.model_copy(update={"engine": "ray", "workers": 2})
+    layouts = ("clustered", "shuffled")
+    figures, files = {}, {}
+    for cfg in (local, on_ray):
+        s = generate(wh, DAY, cfg, layouts=layouts)
+        figures[cfg.engine] = {
+            k: v for k, v in s.items() if k.split(".")[0] in ("storage", "dedup")
+        }
+        files[cfg.engine] = [
+            [Path(f).read_bytes() for f in wh.files("samples", DAY, layout=lay)] for lay in layouts
+        ]
+        assert s["generate.engine"] == cfg.engine
+    assert len(files["local"][0]) > 1 and figures["local"]["storage.files"] > 1
+    assert s["generate.bucket_rows"] < 1800
+    assert files["ray"] == files["local"]
+    assert figures["ray"] == figures["local"]

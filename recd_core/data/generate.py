@@ -127,29 +127,66 @@ class _Bound:
 
 
 class _Profile:
-    """Per-batch dedup factors of a layout, accumulated bucket by bucket: batches are
-    `batch_size` consecutive rows of the whole layout, wherever the buckets cut."""
+    """Per-batch dedup factors of one output file's rows, accumulated bucket by bucket.
+    Batches are `batch_size` consecutive rows of the whole layout, wherever files and buckets
+    cut: the rows before the file's first batch boundary (`head`) and after its last (`tail`)
+    are kept as hashes for `merge_profiles` to join with the neighbouring files'."""
 
-    def __init__(self, features: list[str], user_cols: list[str], batch_size: int):
+    def __init__(self, features: list[str], user_cols: list[str], batch_size: int, start: int):
         self.features, self.user_cols, self.bs = features, user_cols, batch_size
-        self.pending = {k: np.zeros(0, np.uint64) for k in [*features, "user_group"]}
-        self.factors: dict[str, list[np.ndarray]] = {k: [] for k in self.pending}
+        self.head_left = -start % batch_size  # rows until the first batch boundary
+        keys = [*features, "user_group"]
+        self.head: dict[str, list[np.ndarray]] = {k: [] for k in keys}
+        self.pending = {k: np.zeros(0, np.uint64) for k in keys}
+        self.factors: dict[str, list[np.ndarray]] = {k: [] for k in keys}
+        self.rows = 0
 
     def add(self, rows: pa.Table) -> None:
         hashes = {f: row_hashes(rows[f]) for f in self.features}
         hashes["user_group"] = combine_hashes([hashes[c] for c in self.user_cols], rows.num_rows)
+        take = min(self.head_left, rows.num_rows)
+        self.head_left -= take
+        self.rows += rows.num_rows
         for k, h in hashes.items():
-            h = np.concatenate([self.pending[k], h])
+            self.head[k].append(h[:take])
+            h = np.concatenate([self.pending[k], h[take:]])
             full = h.size // self.bs * self.bs
             self.factors[k].append(batch_factors(h[:full], self.bs))
             self.pending[k] = h[full:]
 
-    def result(self) -> dict[str, float]:
-        out = {}
-        for k, parts in self.factors.items():
-            tail = batch_factors(self.pending[k], self.bs)  # the last, partial batch
-            out[k] = float(np.concatenate([*parts, tail]).mean()) if parts or tail.size else 0.0
-        return out
+    def piece(self) -> dict:
+        """What `merge_profiles` needs of this file: its head and tail hashes, the factors of
+        the batches in between, and whether the head reached a batch boundary."""
+        return {
+            "head": {k: np.concatenate([np.zeros(0, np.uint64), *v]) for k, v in self.head.items()},
+            "factors": {
+                k: np.concatenate(v) if v else np.zeros(0) for k, v in self.factors.items()
+            },
+            "tail": self.pending,
+            "closed": self.head_left == 0,
+        }
+
+
+def merge_profiles(pieces: list[dict], batch_size: int) -> dict[str, float]:
+    """The mean per-batch factor of each feature over the files' `_Profile` pieces, in order:
+    a batch that straddles files is measured on its joined hashes."""
+    keys = pieces[0]["head"].keys() if pieces else ()
+    out = {}
+    for k in keys:
+        pending, factors = np.zeros(0, np.uint64), []
+        for piece in pieces:
+            joined = np.concatenate([pending, piece["head"][k]])
+            if not piece["closed"]:  # the file ended before the batch did
+                pending = joined
+                continue
+            if joined.size:
+                factors.append(batch_factors(joined, batch_size))
+            factors.append(piece["factors"][k])
+            pending = piece["tail"][k]
+        factors.append(batch_factors(pending, batch_size))  # the last, partial batch
+        every = np.concatenate(factors)
+        out[k] = float(every.mean()) if every.size else 0.0
+    return out
 
 
 def _keys(warehouse: Warehouse, ds: str, user_key: str) -> pa.Table:
@@ -169,45 +206,123 @@ def _bucket_rows(warehouse: Warehouse, ds: str, budget_bytes: int, multiple: int
     return max(1, int(budget_bytes / (3 * per_row)) // multiple) * multiple
 
 
-def _in_order(warehouse: Warehouse, ds: str, order: np.ndarray, bucket: int, spill: Path):
-    """The events partition's rows in `order`, as tables of up to `bucket` rows, in bounded
-    memory: one pass distributes every input batch's rows to per-bucket spill files (Arrow
-    IPC, lz4), then each bucket is read back and sorted by its output position."""
-    n = order.size
-    position = np.empty(n, np.int64)
-    position[order] = np.arange(n)
-    nb = max(1, -(-n // bucket))
-    writers: dict[int, pa.ipc.RecordBatchStreamWriter] = {}
+def _piece_name(file: int, bucket: int, source: int) -> str:
+    return f"f{file:05d}-b{bucket:05d}-s{source:05d}.arrow"
+
+
+def spill_source(
+    uri: str, path: str, position: np.ndarray, file_rows: int, bucket: int, spill: str, source: int
+) -> None:
+    """Distribute one events file's rows to spill pieces (Arrow IPC, lz4), one per output
+    file and bucket of it they land in, each row tagged with its position in the layout.
+    `position`: the layout position of each of the file's rows. A task of its own on Ray."""
+    fs = Warehouse(uri).fs
+    writers: dict[tuple[int, int], pa.ipc.RecordBatchStreamWriter] = {}
     options = pa.ipc.IpcWriteOptions(compression="lz4")
     start = 0
     try:
-        for path in warehouse.files("events", ds):
-            pf = pq.ParquetFile(warehouse.fs.open_input_file(path))
-            for batch in pf.iter_batches(batch_size=65_536):
-                pos = position[start : start + batch.num_rows]
-                start += batch.num_rows
-                which = pos // bucket
-                by_bucket = np.argsort(which, kind="stable")  # one take, then a slice each
-                batch = batch.append_column("_pos", pa.array(pos)).take(pa.array(by_bucket))
-                buckets, starts = np.unique(which[by_bucket], return_index=True)
-                ends = np.append(starts[1:], batch.num_rows)
-                for b, lo, hi in zip(buckets.tolist(), starts.tolist(), ends.tolist(), strict=True):
-                    if b not in writers:
-                        sink = pa.OSFile(str(spill / f"bucket-{b:05d}.arrow"), "wb")
-                        writers[b] = pa.ipc.new_stream(sink, batch.schema, options=options)
-                    writers[b].write_batch(batch.slice(lo, hi - lo))
+        for batch in pq.ParquetFile(fs.open_input_file(path)).iter_batches(batch_size=65_536):
+            pos = position[start : start + batch.num_rows]
+            start += batch.num_rows
+            file, bucket_of = pos // file_rows, pos % file_rows // bucket
+            key = file * (file_rows // bucket + 1) + bucket_of
+            by_key = np.argsort(key, kind="stable")  # one take, then a slice each
+            batch = batch.append_column("_pos", pa.array(pos)).take(pa.array(by_key))
+            _, starts = np.unique(key[by_key], return_index=True)
+            ends = np.append(starts[1:], batch.num_rows)
+            for lo, hi in zip(starts.tolist(), ends.tolist(), strict=True):
+                f, b = int(file[by_key[lo]]), int(bucket_of[by_key[lo]])
+                if (f, b) not in writers:
+                    sink = pa.OSFile(f"{spill}/{_piece_name(f, b, source)}", "wb")
+                    writers[f, b] = pa.ipc.new_stream(sink, batch.schema, options=options)
+                writers[f, b].write_batch(batch.slice(lo, hi - lo))
     finally:
         for w in writers.values():
             w.close()
-    for b in range(nb):
-        path = spill / f"bucket-{b:05d}.arrow"
-        if not path.exists():
-            continue
-        with pa.OSFile(str(path), "rb") as f:
-            t = pa.ipc.open_stream(f).read_all()
-        path.unlink()
-        pos = np.asarray(t["_pos"])
-        yield t.drop_columns(["_pos"]).take(pa.array(np.argsort(pos, kind="stable")))
+
+
+def _bucket(spill: str, file: int, bucket: int, sources: int) -> pa.Table | None:
+    """One bucket's rows, read back from its pieces and sorted by layout position."""
+    parts = []
+    for source in range(sources):
+        path = Path(spill) / _piece_name(file, bucket, source)
+        if path.exists():
+            with pa.OSFile(str(path), "rb") as f:
+                parts.append(pa.ipc.open_stream(f).read_all())
+            path.unlink()
+    if not parts:
+        return None
+    t = pa.concat_tables(parts)
+    pos = np.asarray(t["_pos"])
+    return t.drop_columns(["_pos"]).take(pa.array(np.argsort(pos, kind="stable")))
+
+
+def write_file(
+    uri: str, path: str | None, spill: str, file: int, start: int, rows: int, bucket: int,
+    sources: int, schema: pa.Schema, cfg: GenerateConfig, layout: str, bound: bool,
+) -> dict:  # fmt: skip
+    """One output file of a layout: its rows from the spill pieces, a bucket at a time, written
+    to `path` (None: not written, only measured), the file's dedup-profile piece and, for the
+    clustered order (`bound`), the file's storage lower bound. A task of its own on Ray."""
+    features = feature_set_of(schema)
+    names = [f.name for f in features.features]
+    user_cols = [f.name for f in features.by_side("user")]
+    profile = _Profile(names, user_cols, cfg.batch_size, start)
+    measure = _Bound(schema, user_cols, cfg) if bound else None
+    opts = parquet_options(cfg, schema, layout)
+    rgs = opts.pop("row_group_size")
+    writer = pq.ParquetWriter(path, schema, filesystem=Warehouse(uri).fs, **opts) if path else None
+    try:
+        for b in range(-(-rows // bucket)):
+            t = _bucket(spill, file, b, sources)
+            if t is None:
+                continue
+            t = t.replace_schema_metadata(schema.metadata)
+            if writer is not None:
+                writer.write_table(t, row_group_size=rgs)
+                profile.add(t)
+            if measure is not None:
+                measure.add(t)
+    finally:
+        if writer is not None:
+            writer.close()
+    return {"rows": profile.rows, "profile": profile.piece(),
+            "bound": measure.bytes() if measure is not None else 0}  # fmt: skip
+
+
+def _write_layout(
+    warehouse: Warehouse, ds: str, order: np.ndarray, layout: str, w, cfg: GenerateConfig,
+    schema: pa.Schema, bucket: int, spill: Path, bound: bool,
+) -> list[dict]:  # fmt: skip
+    """The events partition's rows in `order`, written as the layout's files (into `w`, a
+    partition writer; None: measured only), in bounded memory: one pass distributes every
+    events file's rows to spill pieces, then each output file is written from its pieces a
+    bucket at a time (`spill_source`, `write_file`: the tasks of the Ray engine)."""
+    n = order.size
+    position = np.empty(n, np.int64)
+    position[order] = np.arange(n)
+    sources = warehouse.files("events", ds)
+    counts = [pq.ParquetFile(warehouse.fs.open_input_file(s)).metadata.num_rows for s in sources]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+    file_rows = min(cfg.max_rows_per_file, max(n, 1))
+    bucket = min(bucket, file_rows)
+    spills = [(warehouse.uri, src, position[offsets[i] : offsets[i + 1]], file_rows, bucket,
+               str(spill), i) for i, src in enumerate(sources)]  # fmt: skip
+    files = []
+    for f, lo in enumerate(range(0, max(n, 1), file_rows)):
+        rows = min(file_rows, n - lo)
+        name = f"part-{f:05d}-{w.write_id}.parquet" if w is not None else None
+        path = w.add_file(name, rows) if w is not None else None
+        files.append((warehouse.uri, path, str(spill), f, lo, rows, bucket, len(sources),
+                      schema, cfg, layout, bound))  # fmt: skip
+    if cfg.engine == "ray":
+        from recd_core.ray_cluster import ordered_map
+
+        list(ordered_map(spill_source, spills, cfg.workers))
+        return list(ordered_map(write_file, files, cfg.workers))
+    for args in spills:
+        spill_source(*args)
+    return [write_file(*args) for args in files]
 
 
 def generate(
@@ -220,41 +335,40 @@ def generate(
     """Write `samples/layout=<L>/ds=<ds>` for each layout; return the summary.
 
     Streams in bounded memory (`cfg.memory_budget_mb`): only the order keys (~32 bytes a
-    row) are held for the whole day; rows move through spill files on local disk, a bucket
-    at a time (see `_in_order`), and every figure is accumulated as the rows pass."""
+    row) are held for the whole day; rows move through spill files (`cfg.spill_dir`), a
+    bucket at a time (see `_write_layout`), and every figure is accumulated as the rows pass.
+    `cfg.engine == "ray"`: the spilling and the files are Ray tasks; the output is the same."""
     t0 = time.perf_counter()
     schema = warehouse.read_schema("events", ds)
     features = feature_set_of(schema)
     names = [f.name for f in features.features]
     list_features = [f.name for f in features.features if f.is_list]
-    user_cols = [f.name for f in features.by_side("user")]
     keys = _keys(warehouse, ds, features.user_key)
     sessions = int(len(np.unique(np.asarray(keys["session_id"]))))
     bucket = _bucket_rows(warehouse, ds, cfg.memory_budget_mb << 20, cfg.row_group_size)
-    summary: dict = {"generate.layouts": list(layouts)}
+    summary: dict = {"generate.layouts": list(layouts), "generate.engine": cfg.engine}
     per_layout: dict[str, dict] = {}
     bound = None
-    with tempfile.TemporaryDirectory(prefix="recd-generate-") as tmp:
+    ray = contextlib.nullcontext()
+    if cfg.engine == "ray":
+        from recd_core.ray_cluster import ray_session
+
+        ray = ray_session(cfg.workers)  # one instance for every map below
+    with ray, tempfile.TemporaryDirectory(prefix="recd-generate-", dir=cfg.spill_dir) as tmp:
         for layout in (*layouts, *(() if "clustered" in layouts else ("bound",))):
             order = layout_order(keys, features, "clustered" if layout == "bound" else layout,
                                  cfg.shuffle_seed)  # fmt: skip
-            profile = _Profile(names, user_cols, cfg.batch_size)
-            measure = _Bound(schema, user_cols, cfg) if layout in ("clustered", "bound") else None
-            opts = parquet_options(cfg, schema, layout)
+            measure = layout in ("clustered", "bound")
             writing = (contextlib.nullcontext() if layout == "bound"  # measured, not written
                        else warehouse.writing("samples", ds, layout=layout))  # fmt: skip
             with writing as w:
-                for rows in _in_order(warehouse, ds, order, bucket, Path(tmp)):
-                    if w is not None:
-                        w.write(rows, max_rows_per_file=cfg.max_rows_per_file, **opts)
-                        profile.add(rows)
-                    if measure is not None:
-                        measure.add(rows)
-            if measure is not None:
-                bound = measure.bytes()
+                files = _write_layout(warehouse, ds, order, layout, w, cfg, schema, bucket,
+                                      Path(tmp), measure)  # fmt: skip
+            if measure:
+                bound = sum(f["bound"] for f in files)
             if w is None:
                 continue
-            factors = profile.result()
+            factors = merge_profiles([f["profile"] for f in files], cfg.batch_size)
             per_layout[layout] = {
                 "storage.bytes": w.info.bytes,
                 "storage.rows": w.info.rows,

@@ -22,6 +22,7 @@ the quarantine is still written (for inspection) but the events partition is not
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections import deque
@@ -316,6 +317,13 @@ def _parse(path: Path, schema: pa.Schema, features: FeatureSet) -> tuple[Parsed,
     return parsed, rejects
 
 
+def _parse_columns(path: Path, schema: pa.Schema, features: FeatureSet) -> tuple[Parsed, Rejects]:
+    """`_parse` as a Ray task: the rows without the raw-line lookup (the driver re-attaches
+    it), so the result travels as Arrow tables and arrays."""
+    parsed, rejects = _parse(path, schema, features)
+    return dataclasses.replace(parsed, raw=None), rejects
+
+
 def _ordered(fn, items: list, threads: int) -> Iterator:
     """`map(fn, items)` on `threads` threads (gunzip and Arrow release the GIL), in order,
     at most `threads` results ahead of the consumer: memory is a few files, not a day."""
@@ -341,9 +349,10 @@ def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.S
         return nfiles, bytes_in, iter([(parsed, rejects, parsed.raw)])
     files = list_source_files(source, EVENT_SUFFIXES)
     if cfg.engine == "ray":
-        from recd_core.data.ray_ingest import parse_on_ray
+        from recd_core.ray_cluster import ordered_map
 
-        parsed_files = parse_on_ray(files, schema, features, _parse, cfg.workers)
+        args = [(p, schema, features) for p in files]
+        parsed_files = ordered_map(_parse_columns, args, cfg.workers)
     else:
         parsed_files = _ordered(lambda p: _parse(p, schema, features), files, cfg.workers)
 

@@ -453,9 +453,9 @@ def preprocess(
 
 def run_splits(args: list[tuple], cfg: PreprocessConfig, progress=None) -> list[dict]:
     if cfg.engine == "ray":
-        from recd_core.dpp.ray_engine import run_on_ray
+        from recd_core.ray_cluster import ordered_map
 
-        return run_on_ray(args, cfg.workers)
+        return list(ordered_map(process_split, args, cfg.workers))
     if cfg.workers == 1:
         out = []
         for a in args:
