@@ -210,12 +210,19 @@ class _Part:
     file: str | None = None
 
     @classmethod
-    def of(cls, parsed: Parsed, user_cols: list[str], raw) -> _Part:
+    def of(cls, parsed: Parsed, user: np.ndarray, raw) -> _Part:
         t = parsed.table
         key = lambda c: np.asarray(t[c], np.int64)  # noqa: E731
-        user = group_hashes(t, user_cols) if t.num_rows else np.zeros(0, np.uint64)
         return cls(parsed.source, parsed.lines, key("event_id"), key("session_id"), key("ts"),
                    user, raw)  # fmt: skip
+
+
+def user_hashes(table: pa.Table, user_cols: list[str]) -> np.ndarray:
+    """What the session check compares: a hash of each row's user-side values (none
+    without the check: hashing them is a fifth of a file's parse time)."""
+    if not user_cols or not table.num_rows:
+        return np.zeros(table.num_rows, np.uint64)
+    return group_hashes(table, user_cols)
 
 
 @dataclass
@@ -309,19 +316,23 @@ def list_source_files(source: Path, suffixes: tuple[str, ...]) -> list[Path]:
     return files
 
 
-def _parse(path: Path, schema: pa.Schema, features: FeatureSet) -> tuple[Parsed, Rejects]:
+def _parse(
+    path: Path, schema: pa.Schema, features: FeatureSet, user_cols: list[str]
+) -> tuple[Parsed, Rejects, np.ndarray]:
+    """One source file's work, in a parsing thread (or a Ray task): read, validate, hash the
+    user-side values for the session check."""
     reader = read_parquet_events if path.name.endswith(".parquet") else read_json_lines
     parsed, rejects = reader(path, schema)
     parsed, bad = validate(parsed, features)
     rejects.extend(bad)
-    return parsed, rejects
+    return parsed, rejects, user_hashes(parsed.table, user_cols)
 
 
-def _parse_columns(path: Path, schema: pa.Schema, features: FeatureSet) -> tuple[Parsed, Rejects]:
+def _parse_columns(*args) -> tuple[Parsed, Rejects, np.ndarray]:
     """`_parse` as a Ray task: the rows without the raw-line lookup (the driver re-attaches
     it), so the result travels as Arrow tables and arrays."""
-    parsed, rejects = _parse(path, schema, features)
-    return dataclasses.replace(parsed, raw=None), rejects
+    parsed, rejects, user = _parse(*args)
+    return dataclasses.replace(parsed, raw=None), rejects, user
 
 
 def _ordered(fn, items: list, threads: int) -> Iterator:
@@ -337,31 +348,34 @@ def _ordered(fn, items: list, threads: int) -> Iterator:
             yield pending.popleft().result()
 
 
-def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.Schema, progress):
+def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.Schema,
+             user_cols: list[str], progress):  # fmt: skip
     """The file count, the bytes to read, and an iterator of (parsed and validated rows,
-    their rejects, a re-reader of raw lines) per source file, in file order."""
+    their rejects, their user-side hashes, a re-reader of raw lines) per source file, in
+    file order."""
     if cfg.format == "movielens":
         from recd_core.data.movielens import read_movielens
 
         parsed, rejects, bytes_in, nfiles = read_movielens(source, features, cfg)
         parsed, bad = validate(parsed, features)
         rejects.extend(bad)
-        return nfiles, bytes_in, iter([(parsed, rejects, parsed.raw)])
+        user = user_hashes(parsed.table, user_cols)
+        return nfiles, bytes_in, iter([(parsed, rejects, user, parsed.raw)])
     files = list_source_files(source, EVENT_SUFFIXES)
+    args = [(p, schema, features, user_cols) for p in files]
     if cfg.engine == "ray":
         from recd_core.ray_cluster import ordered_map
 
-        args = [(p, schema, features) for p in files]
         parsed_files = ordered_map(_parse_columns, args, cfg.workers)
     else:
-        parsed_files = _ordered(lambda p: _parse(p, schema, features), files, cfg.workers)
+        parsed_files = _ordered(lambda a: _parse(*a), args, cfg.workers)
 
     def with_raw():
-        for path, (parsed, rejects) in zip(files, parsed_files, strict=True):
+        for path, (parsed, rejects, user) in zip(files, parsed_files, strict=True):
             if progress:
                 progress(path.name, 1)
             raw = None if path.name.endswith(".parquet") else functools.partial(raw_lines, path)
-            yield parsed, rejects, raw
+            yield parsed, rejects, user, raw
 
     return len(files), sum(p.stat().st_size for p in files), with_raw()
 
@@ -389,14 +403,13 @@ def ingest(
     options = {k: v for k, v in file_options.items() if k != "row_group_size"}
     base_schema = events_schema(features)
     schema = mark_sessions_checked(base_schema) if cfg.check_sessions else base_schema
-    # hashed for the session check only (it is a fifth of a file's parse time)
     user_cols = [f.name for f in features.by_side("user")] if cfg.check_sessions else []
     rejects, parts = Rejects(), []
-    nfiles, bytes_in, stream = _sources(source, features, cfg, base_schema, progress)
+    nfiles, bytes_in, stream = _sources(source, features, cfg, base_schema, user_cols, progress)
     with warehouse.writing("events", ds) as w:
-        for parsed, bad, raw in stream:
+        for parsed, bad, user, raw in stream:
             rejects.extend(bad)
-            part = _Part.of(parsed, user_cols, raw)
+            part = _Part.of(parsed, user, raw)
             if parsed.table.num_rows:
                 w.write(parsed.table.cast(schema), **file_options)
                 part.file = w.end_file()

@@ -30,21 +30,28 @@ _NULL = np.uint64(0x6A09E667F3BCC909)
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer: a bijective scramble of 64-bit words."""
-    x = x.astype(np.uint64, copy=True)
-    x ^= x >> np.uint64(30)
-    x *= _M1
-    x ^= x >> np.uint64(27)
-    x *= _M2
-    x ^= x >> np.uint64(31)
+    """splitmix64's finalizer: a bijective scramble of 64-bit words (a new array)."""
+    return _mix64_(x.astype(np.uint64, copy=True))
+
+
+def _mix64_(x: np.ndarray) -> np.ndarray:
+    """`mix64` in place, on a uint64 array the caller owns (hashing is most of a profile's
+    and of ingest's session check's time: no temporaries)."""
+    t = np.empty_like(x)
+    for shift, mult in ((30, _M1), (27, _M2), (31, None)):
+        np.right_shift(x, np.uint64(shift), out=t)
+        x ^= t
+        if mult is not None:
+            x *= mult
     return x
 
 
 def _as_words(values: pa.Array) -> np.ndarray:
+    """The values as uint64 words, a view where they are 64-bit already (read only)."""
     arr = np.asarray(values.fill_null(0) if values.null_count else values)
     if arr.dtype.kind == "f":
-        arr = arr.astype(np.float64).view(np.uint64)
-    return arr.astype(np.uint64)
+        arr = arr.astype(np.float64, copy=False)
+    return arr.view(np.uint64) if arr.itemsize == 8 else arr.astype(np.uint64)
 
 
 def row_hashes(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
@@ -98,15 +105,20 @@ def combine_hashes(hashes: list[np.ndarray], rows: int) -> np.ndarray:
 
 # -- exact unique rows over flat arrays ------------------------------------------------------------
 def _row_hash(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """One hash per list: the sum of its mixed (value, position in the list) words, mixed
+    with its length."""
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     with np.errstate(over="ignore"):
-        pos = np.arange(values.size, dtype=np.uint64) - np.repeat(offsets[:-1], lengths).astype(
-            np.uint64
-        )
-        mixed = mix64(values.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + pos)
-        csum = np.concatenate([[np.uint64(0)], np.cumsum(mixed, dtype=np.uint64)])
+        mixed = np.multiply(values.astype(np.uint64, copy=False), _GOLD)  # a new array
+        mixed += np.arange(values.size, dtype=np.uint64)
+        mixed -= np.repeat(offsets[:-1].astype(np.uint64), lengths)  # position in its list
+        _mix64_(mixed)
+        csum = np.empty(values.size + 1, np.uint64)
+        csum[0] = 0
+        np.cumsum(mixed, dtype=np.uint64, out=csum[1:])
         h = csum[offsets[1:]] - csum[offsets[:-1]]
-        return mix64(h ^ mix64(lengths.astype(np.uint64)))
+        h ^= mix64(lengths)
+        return _mix64_(h)
 
 
 def unique_rows(
