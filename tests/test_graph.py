@@ -68,9 +68,18 @@ def test_no_runner_keeps_its_own_list_of_stages_or_edges():
     names = set(STAGES) | {t.id for g in (DAILY, COMPARISON) for t in g.tasks}
     files = [*(REPO / "dags").rglob("*.py"), *(REPO / "components").glob("_*.py"),
              REPO / "recd_core" / "orchestration" / "runner.py"]  # fmt: skip
+    inputs = names | {f"u_{n}" for n in names}  # a component input per stage, spelled out
     for path in files:
         assert not (_code_strings(path) & names), path
         assert "chain(" not in path.read_text(), path
+        params = {n.arg for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.arg)}
+        assert not (params & inputs), (path, params & inputs)
+
+
+def test_the_dags_document_every_task_of_their_graph():
+    for graph in (DAILY, COMPARISON):
+        rows = graph.table().splitlines()[2:]
+        assert [r.split("|")[1].strip() for r in rows] == [t.id for t in graph.tasks]
 
 
 LAYERS = [

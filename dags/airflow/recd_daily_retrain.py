@@ -2,19 +2,8 @@
 ### recd_daily_retrain
 
 Every day, once the day's logs are complete, retrain the DLRM on the previous day and judge
-it on this one (the graph `recd_core.orchestration.graph.DAILY`; `recd run` runs the same one locally):
-
-| task | does | writes |
-|---|---|---|
-| start | opens the MLflow run of this pipeline run | |
-| synth | synthesizes logs for days without any (embedded default only) | logs |
-| ingest | validates both days' raw logs; bad rows quarantined with a reason | events, quarantine |
-| generate | session-clustered (and shuffled, for the storage figure) samples | samples |
-| preprocess | DPP: transforms once per unique value, IKJT batches | batches |
-| train | the DLRM, dedup-aware, checkpointed (a retry resumes) | models |
-| evaluate | NE, AUC, log loss, calibration on the evaluation day | |
-| register | MLflow model version `challenger`; `champion` if its NE is no worse | registry |
-| finish | closes the MLflow run with every stage's figures | |
+it on this one (the graph `recd_core.orchestration.graph.DAILY`; `recd run` runs the same one
+locally; its tasks are tabled below, from the graph).
 
 Keyed by the data interval: the run for interval [D, D+1) trains on D-1 and evaluates on D,
 so re-running a day replaces that day's partitions (idempotent) and records a new MLflow run.
@@ -36,7 +25,7 @@ TRAIN_DAY = "{{ macros.ds_add(ds, -1) }}"
     max_active_runs=1,
     default_args=default_args(),
     tags=["recd"],
-    doc_md=__doc__,
+    doc_md=__doc__ + "\n" + DAILY.table(),
 )
 def recd_daily_retrain():
     build(

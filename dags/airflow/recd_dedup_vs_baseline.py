@@ -30,7 +30,7 @@ LOGS = f"{SETTINGS.logs}/_compare/{PRESET}"  # raw logs stay files (the logs vol
     catchup=False,
     default_args=default_args(),
     tags=["recd", "benchmark"],
-    doc_md=__doc__,
+    doc_md=__doc__ + "\n" + COMPARISON.table(),
     params={
         "ds": Param("2026-11-01", type="string", format="date", description="first training day"),
         "days": Param(1, type="integer", minimum=1, maximum=31, description="training days"),

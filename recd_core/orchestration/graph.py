@@ -122,6 +122,22 @@ class Graph:
         """Every task whose summary some task merges (in order)."""
         return tuple(dict.fromkeys(g for t in self.tasks for g in t.gathers))
 
+    def table(self) -> str:
+        """The tasks as a Markdown table (task, what its stage does, what it writes, what it
+        runs after): the DAGs' `doc_md` shows it, so their documentation cannot drift from
+        the graph."""
+        rows = ["| task | does | writes | after |", "|---|---|---|---|"]
+        for t in self.tasks:
+            stage = STAGES[t.stage]
+            arm = (
+                f" ({t.mode} arm)"
+                if t.mode and len({x.mode for x in self.tasks} - {None}) > 1
+                else ""
+            )
+            rows.append(f"| {t.id} | {stage.doc}{arm} | {', '.join(stage.writes)} | "
+                        f"{', '.join(t.after)} |")  # fmt: skip
+        return "\n".join(rows) + "\n"
+
     def order(self) -> list[Task]:
         """The tasks in an order that runs every task after its upstreams (the declared
         order, checked)."""
