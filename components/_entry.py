@@ -1,7 +1,8 @@
 """What every component entrypoint does: typed arguments (generated from `StageArgs`, so the
 orchestrators and the library cannot drift apart), one stage call, the stage's summary
-written as the output-metadata file the orchestrator reads, and a one-line reason with the
-exit code of `recd_core.errors` (2 bad input, 3 quality gate, 4 tracking) on failure."""
+written as the output-metadata file the orchestrator reads and printed as `recd <stage>`
+prints it, and a one-line reason with the exit code of `recd_core.errors` (2 bad input,
+3 quality gate, 4 tracking) on failure."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from recd_core.errors import RecdError
 from recd_core.orchestration.graph import PULLED_FROM
 from recd_core.orchestration.stages import StageArgs, run_stage, with_upstream
+from recd_core.report import print_summary
 
 
 def parser(stage: str) -> argparse.ArgumentParser:
@@ -54,8 +56,5 @@ def main(stage: str, argv: list[str] | None = None) -> int:
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(summary, indent=1, default=str))
-    figures = [
-        k for k, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)
-    ]
-    print(f"recd {stage}: ok " + ", ".join(f"{k}={summary[k]}" for k in figures[:8]))
+    print_summary(f"recd {stage}", summary)  # what `recd <stage>` prints, in the task log
     return 0
