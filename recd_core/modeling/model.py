@@ -198,9 +198,15 @@ class DLRM(nn.Module):
         sparse = {id(p) for p in self.sparse_parameters()}
         return [p for p in self.parameters() if id(p) not in sparse]
 
-    def _check_ids(self, name: str, jt: JaggedTensor) -> None:
-        if jt.values.numel():
-            lo, hi = int(jt.values.min()), int(jt.values.max())
+    def _check_ids(self, features: list[tuple[str, JaggedTensor]]) -> None:
+        """Every feature's ids within its table (an out-of-range id would read another
+        table's memory on a GPU, or die in a device assert): the bounds of all features in
+        one tensor, read back once per batch (one device sync, not two per feature)."""
+        present = [(n, jt.values) for n, jt in features if jt.values.numel()]
+        if not present:
+            return
+        bounds = torch.stack([torch.stack(torch.aminmax(v)) for _, v in present]).tolist()
+        for (name, _), (lo, hi) in zip(present, bounds, strict=True):
             size = self.table_sizes[name]
             if lo < 0 or hi >= size:
                 raise JaggedError(
@@ -209,8 +215,8 @@ class DLRM(nn.Module):
 
     def _embed(self, name: str, jt: JaggedTensor, tokens: dict, inverse=None) -> torch.Tensor:
         """[rows, d] for one feature; a history also leaves its tokens (expanded to samples
-        by `inverse` when the rows are a group's unique rows) for target attention."""
-        self._check_ids(name, jt)
+        by `inverse` when the rows are a group's unique rows) for target attention. The
+        caller has checked the ids (`_check_ids`)."""
         if name not in self.history:
             return self.bags[self.table_of[name]](jt.values, jt.offsets[:-1])
         shared = self.history_table[name]
@@ -226,13 +232,14 @@ class DLRM(nn.Module):
         then each history attended by the sample's item (`<history>@item`)."""
         out: dict[str, torch.Tensor] = {}
         tokens: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        if batch.kjt is not None:
-            for name, jt in batch.kjt.to_dict().items():
-                out[name] = self._embed(name, jt, tokens)
-        for ik in batch.groups.values():
-            inverse = ik.inverse_indices
-            for name, jt in ik.unique.to_dict().items():
-                out[name] = self._embed(name, jt, tokens, inverse).index_select(0, inverse)
+        per_sample = list(batch.kjt.to_dict().items()) if batch.kjt is not None else []
+        unique = [(n, jt, ik.inverse_indices) for ik in batch.groups.values()
+                  for n, jt in ik.unique.to_dict().items()]  # fmt: skip
+        self._check_ids(per_sample + [(n, jt) for n, jt, _ in unique])
+        for name, jt in per_sample:
+            out[name] = self._embed(name, jt, tokens)
+        for name, jt, inverse in unique:
+            out[name] = self._embed(name, jt, tokens, inverse).index_select(0, inverse)
         missing = [n for n in self.order if n not in out]
         if missing:
             raise JaggedError(f"batch lacks features {missing}")
