@@ -139,14 +139,12 @@ class _Profile:
         self.head: dict[str, list[np.ndarray]] = {k: [] for k in keys}
         self.pending = {k: np.zeros(0, np.uint64) for k in keys}
         self.factors: dict[str, list[np.ndarray]] = {k: [] for k in keys}
-        self.rows = 0
 
     def add(self, rows: pa.Table) -> None:
         hashes = {f: row_hashes(rows[f]) for f in self.features}
         hashes["user_group"] = combine_hashes([hashes[c] for c in self.user_cols], rows.num_rows)
         take = min(self.head_left, rows.num_rows)
         self.head_left -= take
-        self.rows += rows.num_rows
         for k, h in hashes.items():
             self.head[k].append(h[:take])
             h = np.concatenate([self.pending[k], h[take:]])
@@ -286,8 +284,7 @@ def write_file(
     finally:
         if writer is not None:
             writer.close()
-    return {"rows": profile.rows, "profile": profile.piece(),
-            "bound": measure.bytes() if measure is not None else 0}  # fmt: skip
+    return {"profile": profile.piece(), "bound": measure.bytes() if measure is not None else 0}
 
 
 def _write_layout(
