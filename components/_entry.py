@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from recd_core.errors import RecdError
-from recd_core.orchestration.graph import PULLED_FROM
-from recd_core.orchestration.stages import StageArgs, run_stage, with_upstream
+from recd_core.orchestration.graph import PULLED_FROM, STAGES
+from recd_core.orchestration.stages import OPTIONS, StageArgs, run_stage, with_upstream
 from recd_core.report import print_summary
 
 
@@ -21,7 +21,10 @@ def parser(stage: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"python -m components.{stage}", description=f"recd stage: {stage}"
     )
+    own = set(STAGES[stage].options)
     for name, field in StageArgs.model_fields.items():
+        if name in OPTIONS and name not in own:  # another stage's own argument
+            continue
         flag = "--" + name.replace("_", "-")
         required = False  # may come from --args-json; StageArgs validates the whole
         p.add_argument(flag, dest=name, required=required, default=None,

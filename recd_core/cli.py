@@ -19,17 +19,10 @@ from typing import Annotated
 
 import typer
 
-from recd_core.config import (
-    GenerateConfig,
-    IngestConfig,
-    PipelineConfig,
-    load_feature_set,
-    load_pipeline_config,
-    synth_config,
-)
+from recd_core.config import PipelineConfig, load_pipeline_config
 from recd_core.errors import BadInput, GateFailed, RecdError, TrackingError, classify
 from recd_core.report import console, print_summary, progress, write_summary
-from recd_core.warehouse import PartitionNotFound, Warehouse, validate_ds
+from recd_core.warehouse import validate_ds
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
 
@@ -139,9 +132,14 @@ def _pipeline(config: Path | None, dataset: str = "synthetic") -> PipelineConfig
 @app.command()
 def synth(
     ctx: typer.Context,
-    out: Annotated[Path, typer.Option(help="directory for OUT/ds=YYYY-MM-DD/*.jsonl.gz")],
-    start_date: Annotated[str, typer.Option(help="first day, YYYY-MM-DD")] = "2026-11-01",
+    out: Annotated[
+        Path, typer.Option("--out", "--logs", help="the logs root: OUT/ds=YYYY-MM-DD/*.jsonl.gz")
+    ],
+    start_date: Annotated[
+        str, typer.Option("--start-date", "--ds", help="first day, YYYY-MM-DD")
+    ] = "2026-11-01",
     days: Annotated[int, typer.Option(min=1)] = 1,
+    days_of: DaysOfOpt = None,
     preset: Preset = Preset.small,
     samples_per_day: Annotated[
         int | None, typer.Option(min=1, help="impressions a day (default: the preset's)")
@@ -151,39 +149,24 @@ def synth(
     mean_session_length: Annotated[float | None, typer.Option(min=1.0)] = None,
     seed: int | None = None,
     features: Annotated[str, typer.Option(help="feature set name or YAML")] = "synthetic",
+    config: ConfigOpt = None,
     summary: SummaryOpt = None,
 ):
-    """Generate raw impression logs with session structure (deterministic per seed).
+    """Generate raw impression logs with session structure (deterministic per seed), for the
+    days that have none (a day with logs is kept). The `synth` stage of the pipelines.
 
     A preset sizes the workload; `--samples-per-day`, `--users` and `--items` resize it
     without a config file. Days are written a file at a time, so memory does not grow with
     the day's size."""
-    from recd_core.data.synth import synthesize
-
-    def body():
-        try:
-            start = dt.date.fromisoformat(validate_ds(start_date))
-        except ValueError:
-            raise BadInput(f"--start-date must be YYYY-MM-DD, got {start_date!r}") from None
-        cfg = synth_config(
-            preset.value,
-            samples_per_day=samples_per_day,
-            users=users,
-            items=items,
-            mean_session_length=mean_session_length,
-            seed=seed,
-            start_date=start,
-            days=days,
-        )
-        fs = load_feature_set(features)
-        with progress("synth", cfg.days * cfg.samples_per_day) as advance:
-            return {
-                "synth.preset": preset.value,
-                **synthesize(fs, cfg, out, advance),
-                "synth.out": str(out),
-            }
-
-    _run(ctx, "synth", summary, body)
+    try:
+        validate_ds(start_date)
+    except ValueError:
+        _fail("synth", f"--start-date must be YYYY-MM-DD, got {start_date!r}", 2)
+    _stage(ctx, "synth", summary, logs=out, ds=start_date, days=days,
+           days_of=days_of.value if days_of else None, preset=preset.value,
+           samples_per_day=samples_per_day, users=users, items=items,
+           mean_session_length=mean_session_length, seed=seed, features=features,
+           config=config)  # fmt: skip
 
 
 class Engine(StrEnum):
@@ -191,13 +174,64 @@ class Engine(StrEnum):
     ray = "ray"
 
 
+def _stage(ctx: typer.Context, name: str, summary_path: Path | None, **args) -> dict:
+    """`recd <stage>`: the stage itself, run as every orchestrator runs it
+    (`stages.run_stage`, the same arguments: the options given, unset ones left to the
+    stage and the config), with a progress bar, the summary printed and written, and the
+    failure's one-line reason and exit code. With a tracking URI the stage records a run of
+    its own."""
+    from recd_core.orchestration.stages import run_stage
+
+    tracker = ctx.find_root().obj
+    args = {k: str(v) if isinstance(v, Path) else v for k, v in args.items() if v is not None}
+    if tracker is not None:
+        args |= {"tracking_uri": tracker.uri, "experiment": tracker.experiment}
+    try:
+        summary = run_stage(name, args, progress=progress)
+    except RecdError as e:
+        write_summary(summary_path, {**e.summary, "status": "failed", "error": str(e)})
+        _fail(name, str(e), e.exit_code)
+    write_summary(summary_path, summary)
+    print_summary(f"recd {name}", summary)
+    return summary
+
+
+DaysOpt = Annotated[int | None, typer.Option(min=1, help="consecutive training days from --ds")]
+
+
+class DaysOf(StrEnum):
+    training = "training"
+    evaluation = "evaluation"
+    run = "run"
+
+
+DaysOfOpt = Annotated[
+    DaysOf | None,
+    typer.Option(
+        help="the run's training days (--ds, --days), its evaluation days (the day after "
+        "each, or --eval-ds), or both"
+    ),
+]
+EvalDayOpt = Annotated[
+    str | None, typer.Option(help="the evaluation day of a one-day run (default: the next day)")
+]
+
+
 @app.command("ingest")
 def ingest_cmd(
     ctx: typer.Context,
-    source: Annotated[Path, typer.Option(help="a log file or a directory of them")],
     warehouse: WarehouseOpt,
     ds: DsOpt,
-    format: Format = Format.events,  # noqa: A002
+    source: Annotated[
+        Path | None, typer.Option(help="a log file or a directory of them: the day --ds")
+    ] = None,
+    logs: Annotated[
+        Path | None, typer.Option(help="instead of --source: the logs root (<logs>/ds=<day>/)")
+    ] = None,
+    days: DaysOpt = None,
+    days_of: DaysOfOpt = None,
+    eval_ds: EvalDayOpt = None,
+    format: Format | None = None,  # noqa: A002
     max_quarantine_fraction: Annotated[float | None, typer.Option(min=0.0, max=1.0)] = None,
     engine: Annotated[
         Engine | None, typer.Option(help="parse files here (threads) or on Ray Data")
@@ -206,20 +240,13 @@ def ingest_cmd(
     config: ConfigOpt = None,
     summary: SummaryOpt = None,
 ):
-    """Validate raw logs into events/ds=D; rejected rows go to quarantine/ds=D with reasons."""
-    from recd_core.data.ingest import ingest
-
-    def body():
-        pipe = _pipeline(config, "movielens" if format == Format.movielens else "synthetic")
-        overrides = {"max_quarantine_fraction": max_quarantine_fraction, "workers": workers,
-                     "engine": engine.value if engine else None}  # fmt: skip
-        cfg = IngestConfig(**{**pipe.ingest.model_dump(), "format": format.value,
-                              **{k: v for k, v in overrides.items() if v is not None}})  # fmt: skip
-        wh = Warehouse(warehouse)
-        with progress("ingest", None) as advance:
-            return ingest(source, wh, ds, pipe.features, cfg, pipe.generate, advance)
-
-    _run(ctx, "ingest", summary, body)
+    """Validate raw logs into events/ds=D; rejected rows go to quarantine/ds=D with reasons.
+    The `ingest` stage of the pipelines, with the same arguments (`--source`: one day's files;
+    `--logs`: the run's days, as the pipelines give it)."""
+    _stage(ctx, "ingest", summary, warehouse=warehouse, ds=ds, source=source, logs=logs,
+           days=days, days_of=days_of.value if days_of else None, eval_ds=eval_ds,
+           format=format.value if format else None, max_quarantine_fraction=max_quarantine_fraction,
+           engine=engine.value if engine else None, workers=workers, config=config)  # fmt: skip
 
 
 @app.command("generate")
@@ -227,7 +254,13 @@ def generate_cmd(
     ctx: typer.Context,
     warehouse: WarehouseOpt,
     ds: DsOpt,
-    layout: LayoutChoice = LayoutChoice.clustered,
+    layout: Annotated[
+        LayoutChoice | None,
+        typer.Option(help="default: both for training days, clustered for evaluation days"),
+    ] = None,
+    days: DaysOpt = None,
+    days_of: DaysOfOpt = None,
+    eval_ds: EvalDayOpt = None,
     batch_size: Annotated[
         int | None, typer.Option(min=1, help="batch size of the dedup profile")
     ] = None,
@@ -239,19 +272,12 @@ def generate_cmd(
     config: ConfigOpt = None,
     summary: SummaryOpt = None,
 ):
-    """Write training samples in the session-clustered (RecD) or shuffled (baseline) layout."""
-    from recd_core.data.generate import generate
-
-    def body():
-        cfg = _pipeline(config).generate
-        overrides = {"batch_size": batch_size, "row_group_size": row_group_size,
-                     "engine": engine.value if engine else None, "workers": workers}  # fmt: skip
-        cfg = GenerateConfig(**{**cfg.model_dump(), **{k: v for k, v in overrides.items() if v}})
-        layouts = ("clustered", "shuffled") if layout == LayoutChoice.both else (layout.value,)
-        with progress("generate", len(layouts)) as advance:
-            return generate(Warehouse(warehouse), ds, cfg, layouts, advance)
-
-    _run(ctx, "generate", summary, body)
+    """Write training samples in the session-clustered (RecD) and shuffled (baseline)
+    layouts: the `generate` stage of the pipelines, with the same arguments."""
+    _stage(ctx, "generate", summary, warehouse=warehouse, ds=ds,
+           layout=layout.value if layout else None, days=days, days_of=days_of.value if days_of else None,
+           eval_ds=eval_ds, batch_size=batch_size, row_group_size=row_group_size,
+           engine=engine.value if engine else None, workers=workers, config=config)  # fmt: skip
 
 
 class Mode(StrEnum):
@@ -265,11 +291,12 @@ def preprocess_cmd(
     warehouse: WarehouseOpt,
     ds: DsOpt,
     mode: Mode = Mode.dedup,
+    days: DaysOpt = None,
     batch_size: Annotated[int | None, typer.Option(min=1)] = None,
     workers: Annotated[
         int | None, typer.Option(min=1, help="parallel workers (processes / Ray tasks)")
     ] = None,
-    engine: Engine = Engine.local,
+    engine: Engine | None = None,
     threads: Annotated[
         bool, typer.Option(help="local workers as threads instead of processes")
     ] = False,
@@ -280,25 +307,10 @@ def preprocess_cmd(
     summary: SummaryOpt = None,
 ):
     """DPP: transform samples/layout=clustered/ds=D into batches/mode=<mode>/ds=D; in dedup
-    mode once per unique value (IKJT)."""
-    from recd_core.dpp.preprocess import preprocess
-
-    def body():
-        base = _pipeline(config).preprocess
-        overrides = {
-            "mode": mode.value,
-            "engine": engine.value,
-            "batch_size": batch_size,
-            "workers": workers,
-            "executor": "thread" if threads else None,
-        }
-        cfg = base.model_copy(update={k: v for k, v in overrides.items() if v is not None})
-        with progress("preprocess", None) as advance:
-            return preprocess(
-                Warehouse(warehouse), ds, cfg, stats_from=stats_from, progress=advance
-            )
-
-    _run(ctx, "preprocess", summary, body)
+    mode once per unique value (IKJT). The `preprocess` stage of the pipelines."""
+    _stage(ctx, "preprocess", summary, warehouse=warehouse, ds=ds, mode=mode.value, days=days,
+           batch_size=batch_size, workers=workers, engine=engine.value if engine else None,
+           threads=threads or None, stats_from=stats_from, config=config)  # fmt: skip
 
 
 class DeviceChoice(StrEnum):
@@ -313,10 +325,11 @@ def train_cmd(
     warehouse: WarehouseOpt,
     ds: DsOpt,
     mode: Mode = Mode.dedup,
-    device: DeviceChoice = DeviceChoice.auto,
+    days: DaysOpt = None,
+    device: DeviceChoice | None = None,
     nproc: Annotated[
-        int, typer.Option(min=1, help="data-parallel processes (gloo on CPU, nccl on GPU)")
-    ] = 1,
+        int | None, typer.Option(min=1, help="data-parallel processes (gloo on CPU, nccl on GPU)")
+    ] = None,
     batch_size: Annotated[int | None, typer.Option(min=1)] = None,
     epochs: Annotated[int | None, typer.Option(min=1)] = None,
     max_steps: Annotated[int | None, typer.Option(min=1)] = None,
@@ -327,7 +340,8 @@ def train_cmd(
         typer.Option(
             help="start from this model's weights (warm start): a model directory, "
             "<warehouse>/models/<run>, or models:/<name>@<alias> | models:/<name>/<version> "
-            "(needs a tracking URI)"
+            "(needs a tracking URI); default: the champion, when the config's train.warm_start "
+            "and a tracking URI"
         ),
     ] = None,
     train_config: Annotated[
@@ -337,33 +351,13 @@ def train_cmd(
     summary: SummaryOpt = None,
 ):
     """Train the DLRM on the preprocessed batches/mode=<mode>/ds=D (dedup: IKJT, baseline:
-    KJT); resumes from the run's latest checkpoint. --batch-size must match preprocessing."""
-    from recd_core.config import TrainConfig, load_yaml, parse_config
-    from recd_core.modeling.train import train
-
-    def body():
-        base = (
-            parse_config(TrainConfig, load_yaml(train_config), str(train_config))
-            if train_config
-            else _pipeline(config).train
-        )
-        overrides = {
-            "mode": mode.value, "device": device.value, "amp": amp, "batch_size": batch_size,
-            "epochs": epochs, "max_steps": max_steps, "checkpoint_every": checkpoint_every,
-        }  # fmt: skip
-        cfg = TrainConfig(
-            **{**base.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
-        )
-        from recd_core.mlops.registry import init_model
-
-        tracker = ctx.find_root().obj
-        model_name = _pipeline(config).registry.model_name
-        with init_model(tracker, init_from, model_name) as (init_dir, label):
-            return train(
-                Warehouse(warehouse), ds, cfg, nproc=nproc, init_from=init_dir, init_label=label
-            )
-
-    _run(ctx, "train", summary, body)
+    KJT); resumes from the run's latest checkpoint. --batch-size must match preprocessing.
+    The `train` stage of the pipelines."""
+    _stage(ctx, "train", summary, warehouse=warehouse, ds=ds, mode=mode.value, days=days,
+           device=device.value if device else None, nproc=nproc, batch_size=batch_size,
+           epochs=epochs, max_steps=max_steps, checkpoint_every=checkpoint_every,
+           amp=amp or None, init_from=init_from, train_config=train_config,
+           config=config)  # fmt: skip
 
 
 @app.command("evaluate")
@@ -371,22 +365,20 @@ def evaluate_cmd(
     ctx: typer.Context,
     warehouse: WarehouseOpt,
     model: Annotated[str, typer.Option(help="the model URI (train's train.model_uri)")],
-    ds: DsOpt,
-    batch_size: Annotated[int, typer.Option(min=1)] = 4096,
+    ds: Annotated[str, typer.Option(help="the day scored, YYYY-MM-DD")],
+    mode: Annotated[Mode, typer.Option(help="the model's arm (labels its figures)")] = Mode.dedup,
+    batch_size: Annotated[int | None, typer.Option(min=1)] = None,
+    logs: Annotated[
+        Path | None, typer.Option(help="the logs root: the day's oracle figures, if synthetic")
+    ] = None,
+    config: ConfigOpt = None,
     summary: SummaryOpt = None,
 ):
-    """Score samples/layout=clustered/ds=D with a trained model: NE, AUC, log loss, calibration."""
-    from recd_core.modeling.evaluate import evaluate
-
-    def body():
-        try:
-            return evaluate(Warehouse(warehouse), model, ds, batch_size)
-        except PartitionNotFound:
-            raise
-        except FileNotFoundError as e:
-            raise BadInput(f"model not found: {model} ({e.strerror or e})") from None
-
-    _run(ctx, "evaluate", summary, body)
+    """Score samples/layout=clustered/ds=D with a trained model: NE, AUC, log loss,
+    calibration. The `evaluate` stage of the pipelines, for one model on the day given (its
+    evaluation day, `--eval-ds` there)."""
+    _stage(ctx, "evaluate", summary, warehouse=warehouse, ds=ds, eval_ds=ds, model_uri=model,
+           mode=mode.value, eval_batch_size=batch_size, logs=logs, config=config)  # fmt: skip
 
 
 def _day_or_yesterday(ds: str | None) -> str:

@@ -17,6 +17,7 @@ from airflow_env import DAGS, airflow_env
 from k8s_checks import assert_restricted
 from mlflow.tracking import MlflowClient
 
+from recd_core.orchestration.graph import DAILY
 from recd_core.orchestration.stages import STAGES as ALL_STAGES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,9 +100,13 @@ def test_the_dags_parse_with_their_schedule_and_structure(airflow_home, tmp_path
     daily = bag["dags"]["recd_daily_retrain"]
     assert daily["schedule"] == "@daily" and daily["catchup"] is False
     tasks = daily["tasks"]
-    assert list(tasks) == STAGES or set(tasks) == set(STAGES)
+    assert set(tasks) == {t.id for t in DAILY.tasks}
+    for t in DAILY.tasks:  # the graph's edges, no other
+        assert tasks[t.id]["downstream"] == sorted(d.id for d in DAILY.tasks if t.id in d.after)
     for a, b in zip(STAGES, STAGES[1:], strict=False):
-        assert tasks[a]["downstream"] == [b], a  # a chain, in stage order
+        assert b in tasks[a]["downstream"], a  # the chain of stages, in order
+    assert tasks["ingest_eval"]["downstream"] == ["generate_eval"]
+    assert sorted(tasks["generate_eval"]["downstream"]) == ["evaluate"]
     assert all(t["retries"] == 2 and t["backoff"] for t in tasks.values())
     wh = (tmp_path / "wh").as_uri()
     assert tasks["ingest"]["outlets"] == [f"{wh}/events", f"{wh}/quarantine"]
@@ -136,17 +141,18 @@ def test_the_kubernetes_switch_runs_each_stage_as_a_pod_of_the_components_image(
         assert pod["spec"]["serviceAccountName"] == "recd-pipeline"
         assert {c["name"] for c in pod["spec"]["containers"]} == {"base", "airflow-xcom-sidecar"}
     for name, t in tasks.items():
+        stage = DAILY.task(name).stage
         assert "KubernetesPodOperator" in t["bases"], name
         assert t["image"] == "registry.example/recd:1.2.3"
-        assert t["cmds"] == ["python", "-m", f"components.{name}"]
-        assert (REPO / "components" / f"{name}.py").exists()
+        assert t["cmds"] == ["python", "-m", f"components.{stage}"]
+        assert (REPO / "components" / f"{stage}.py").exists()
         assert "--output-metadata" in t["arguments"] and "s3://bucket/wh" in t["arguments"]
         assert t["arguments"][t["arguments"].index("--synthesize") + 1] == "False"
     assert (
         "nvidia.com/gpu" in tasks["train"]["gpu"] and "nvidia.com/gpu" not in tasks["ingest"]["gpu"]
     )
     for a, b in zip(STAGES, STAGES[1:], strict=False):
-        assert tasks[a]["downstream"] == [b]
+        assert b in tasks[a]["downstream"]
 
 
 @pytest.fixture(scope="module")
@@ -224,8 +230,8 @@ def test_a_failing_stage_fails_its_task_with_its_reason_and_nothing_downstream_r
     out = r.stdout + r.stderr
     assert r.returncode == 1
     assert "recd ingest: " in out and "quarantine" in out
-    assert "starting task_id=ingest" in out and "starting task_id=generate" not in out
-    assert not (tmp_path / "wh" / "samples").exists()
+    assert "starting task_id=ingest " in out and "starting task_id=generate " not in out
+    assert not list((tmp_path / "wh").glob(f"samples/*/ds={TRAIN_DAY}"))
     assert not (tmp_path / "wh" / "events" / f"ds={TRAIN_DAY}").exists()
 
 

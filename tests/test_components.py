@@ -34,8 +34,54 @@ def test_a_component_writes_its_summary_for_the_orchestrator(tmp_path, small_log
     assert r.returncode == 0, r.stderr
     summary = json.loads(meta.read_text())
     assert summary["status"] == "ok" and summary["ingest.rows_ok"] == summary["ingest.rows_in"] > 0
-    assert sorted(summary["ingest.days"]) == [DAY, "2026-11-02"]  # and the evaluation day
+    assert sorted(summary["ingest.days"]) == [DAY]  # the training day
+    assert not (tmp_path / "wh/events/ds=2026-11-02").exists()
+    # the evaluation day: the same stage on the run's evaluation days (the graph's ingest_eval)
+    r = component("ingest", "--warehouse", tmp_path / "wh", "--ds", DAY, "--logs", small_logs,
+                  "--days-of", "evaluation")  # fmt: skip
+    assert r.returncode == 0, r.stderr
     assert (tmp_path / "wh/events/ds=2026-11-02/_manifest.json").exists()
+
+
+RECD = Path(sys.executable).parent / "recd"
+
+
+@pytest.mark.parametrize("stage", ["ingest", "generate"])
+def test_a_command_and_its_component_are_the_same_stage(tmp_path, small_logs, stage):
+    """`recd <stage>` and `python -m components.<stage>` with the same arguments do the same
+    work: the same partitions, the same figures."""
+    figures = []
+    for runner in ("recd", "component"):
+        wh = tmp_path / runner
+        args = ["--warehouse", wh, "--ds", DAY]
+        if stage == "generate":  # its input, the same way for both
+            r = component("ingest", *args, "--logs", small_logs)
+            assert r.returncode == 0, r.stderr
+        else:
+            args += ["--logs", small_logs]
+        out = tmp_path / f"{runner}.json"
+        if runner == "recd":
+            r = subprocess.run([str(RECD), stage, *map(str, args), "--summary", out],
+                               capture_output=True, text=True)  # fmt: skip
+        else:
+            r = component(stage, *args, "--output-metadata", out)
+        assert r.returncode == 0, r.stderr
+        summary = json.loads(out.read_text())
+        figures.append({k: v for k, v in summary.items() if k.endswith(("rows_ok", "rows_in",
+                        "storage.ratio", "storage.bytes.dedup", "storage.bytes.baseline"))})  # fmt: skip
+        tables = sorted(str(p.relative_to(wh).parent) for p in wh.rglob("_manifest.json"))
+        figures[-1]["partitions"] = tables
+    assert figures[0] == figures[1] and len(figures[0]) > 1
+    if stage == "generate":  # the stage's default: both layouts of the training day
+        assert "samples/layout=shuffled/ds=2026-11-01" in figures[0]["partitions"]
+
+
+def test_a_stage_refuses_another_stages_argument(tmp_path):
+    r = component("ingest", "--warehouse", tmp_path / "wh", "--ds", DAY, "--args-json",
+                  json.dumps({"epochs": 2}))  # fmt: skip
+    assert r.returncode == 2 and "stage ingest takes no --epochs" in r.stderr
+    assert "--epochs" not in component("ingest", "--help").stdout
+    assert "--epochs" in component("train", "--help").stdout
 
 
 def test_a_component_fails_with_one_line_and_the_stage_exit_code(tmp_path):

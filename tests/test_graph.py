@@ -13,11 +13,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_daily_graph_is_the_chain_of_its_stages():
-    order = [t.id for t in DAILY.order()]
-    assert order == ["start", "synth", "ingest", "generate", "preprocess", "train", "evaluate",
-                     "register", "finish"]  # fmt: skip
-    for a, b in zip(order, order[1:], strict=False):
-        assert DAILY.task(b).after == (a,)
+    chain = ["start", "synth", "ingest", "generate", "preprocess", "train", "evaluate",
+             "register", "finish"]  # fmt: skip
+    for a, b in zip(chain, chain[1:], strict=False):
+        assert a in DAILY.task(b).after
+    # the evaluation day: the same two stages, beside the training day's work, before evaluate
+    for task_id, after in (("ingest_eval", ("synth",)), ("generate_eval", ("ingest_eval",))):
+        task = DAILY.task(task_id)
+        assert task.after == after and task.args() == {"days_of": "evaluation"}
+    assert DAILY.task("evaluate").after == ("train", "generate_eval")
+    assert [t.id for t in DAILY.order()] == [t.id for t in DAILY.tasks]
     # evaluate and register take the model (and register the train run) from train's summary
     pulls = {(p.arg, src) for p, src in DAILY.pulls(DAILY.task("register"))}
     assert pulls == {("parent_run_id", "start"), ("model_uri", "train"),
@@ -113,3 +118,15 @@ def test_each_layer_imports_only_from_the_layers_above_it():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("recd_core."):
                 target = _layer(node.module)
                 assert LAYERS.index(target) <= LAYERS.index(own), (path, node.module)
+
+
+def test_every_stage_argument_is_common_or_one_stages_own():
+    """`Stage.options` name real `StageArgs` fields, and a field no stage claims is common
+    (every stage may take it): a component's `--help` shows exactly what its stage reads."""
+    from recd_core.orchestration.stages import OPTIONS, StageArgs
+
+    assert OPTIONS <= set(StageArgs.model_fields)
+    common = set(StageArgs.model_fields) - OPTIONS
+    assert {"warehouse", "ds", "days", "eval_ds", "logs", "config", "tracking_uri"} <= common
+    for task in (*DAILY.tasks, *COMPARISON.tasks):  # a task's fixed arguments are its stage's
+        assert set(dict(task.fixed)) <= set(STAGES[task.stage].options), task.id

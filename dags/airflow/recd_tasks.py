@@ -94,12 +94,12 @@ def asset(table: str, warehouse: str = SETTINGS.warehouse) -> Asset:
 
 def build(graph: Graph, args: dict, assets: bool = True) -> dict:
     """`graph` as this DAG's tasks, in its declared order: each task's arguments are `args`
-    plus its arm and the values it pulls from upstream summaries (XCom templates), its
-    upstream tasks its edges. With `assets`, the tables a stage writes in `args`'s warehouse
+    plus its own (`Task.args`: its arm, fixed arguments) and the values it pulls from
+    upstream summaries (XCom templates), its upstream tasks its edges. With `assets`, the tables a stage writes in `args`'s warehouse
     are its outlets (a warehouse path with templates cannot name an Asset)."""
     tasks: dict = {}
     for t in graph.order():
-        targs = {**args, **({"mode": t.mode} if t.mode else {})}
+        targs = {**args, **t.args()}
         targs |= {pull.arg: xcom(src, pull.key) for pull, src in graph.pulls(t)}
         tables = [w for w in STAGES[t.stage].writes if w != "logs"] if assets else []
         tasks[t.id] = stage(t.stage, targs, t.id, list(t.gathers), tables)

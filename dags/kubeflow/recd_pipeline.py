@@ -87,23 +87,23 @@ recd_stage = dsl.component(base_image=IMAGE)(
 
 
 def graph(op, args: dict) -> None:
-    """`DAILY` as KFP tasks; `op(stage, **inputs)` makes one. A stage's upstream summaries
+    """`DAILY` as KFP tasks; `op(stage, task id, **inputs)` makes one. A stage's upstream summaries
     arrive as inputs named after the stage they come from (`start`, `train`) or, for the
     summaries finish merges, `u_<task>`; the declared order becomes `.after()`."""
     tasks: dict = {}
     for task in DAILY.order():
-        inputs = {"args": {**args, **({"mode": task.mode} if task.mode else {})}}
+        inputs = {"args": {**args, **task.args()}}
         inputs |= {p.stage: tasks[src].output for p, src in DAILY.pulls(task)}
         inputs |= {f"u_{t}": tasks[t].output for t in task.gathers}
-        tasks[task.id] = op(task.stage, **inputs).after(*(tasks[a] for a in task.after))
+        tasks[task.id] = op(task.stage, task.id, **inputs).after(*(tasks[a] for a in task.after))
 
 
 def build_pipeline(image: str = IMAGE):
     components = {t.stage: container_stage(t.stage, image) for t in DAILY.tasks}
 
-    def op(name, **inputs):
+    def op(name, task_id, **inputs):
         task = components[name](**inputs)
-        task.set_display_name(name)
+        task.set_display_name(task_id)
         if STAGES[name].accelerated:
             task.set_cpu_request("2").set_memory_request("8G").set_memory_limit("16G")
         return task
@@ -129,8 +129,8 @@ def build_pipeline(image: str = IMAGE):
 def lightweight_pipeline(
     warehouse: str, ds: str, logs: str, tracking_uri: str = "", config: str = ""
 ):
-    def op(name, **inputs):
-        return recd_stage(name=name, **inputs).set_display_name(name)
+    def op(name, task_id, **inputs):
+        return recd_stage(name=name, **inputs).set_display_name(task_id)
 
     graph(op, {"warehouse": warehouse, "ds": ds, "logs": logs, "tracking_uri": tracking_uri,
                "config": config, "pipeline": "recd kubeflow (local)"})  # fmt: skip

@@ -445,10 +445,16 @@ def logs_for_day(logs: str | Path, ds: str) -> Path:
 
 
 def synthesize_missing(
-    logs: str | Path, days: list[str], features: FeatureSet, cfg: SynthConfig
+    logs: str | Path,
+    days: list[str],
+    features: FeatureSet,
+    cfg: SynthConfig,
+    progress: Callable[[str, int], None] | None = None,
 ) -> dict:
-    """Synthesize the days that have no logs yet; consecutive missing days in one run, so
-    the users' click histories carry over from one day to the next."""
+    """Synthesize the days that have no logs yet (a day with logs is kept: delete it to
+    synthesize it anew); consecutive missing days in one run, so the users' click histories
+    carry over from one day to the next. The summary: `synthesize`'s, summed over the runs
+    (the pooled oracle only when the days were one run)."""
     missing = sorted(
         d
         for d in set(days)
@@ -460,11 +466,18 @@ def synthesize_missing(
             runs[-1].append(d)
         else:
             runs.append([d])
-    rows = 0
+    out: dict = {"synth.days": len(missing), "synth.rows": 0, "synth.kept": len(set(days)) - len(missing)}
     for run in runs:
         one = cfg.model_copy(update={"start_date": run[0], "days": len(run)})
-        rows += synthesize(features, one, Path(logs))["synth.rows"]
-    return {"synth.days": len(missing), "synth.rows": rows}
+        summary = synthesize(features, one, Path(logs), progress)
+        for k, v in summary.items():
+            if k in ("synth.rows", "synth.sessions", "synth.bytes_gz"):
+                out[k] = out.get(k, 0) + v
+            elif k.startswith(("synth.oracle_ne.", "synth.oracle_auc.")) or len(runs) == 1:
+                out.setdefault(k, v)
+    if out.get("synth.sessions"):
+        out["synth.mean_session_length"] = out["synth.rows"] / out["synth.sessions"]
+    return out
 
 
 def eval_oracle(logs: str | Path | None, ds: str) -> dict:

@@ -6,19 +6,26 @@ runner behind `recd run` / `recd compare` (`recd_core.orchestration.runner`), th
 work of each stage is `recd_core.orchestration.stages`; adding a stage means a `Stage` here, its function
 there, and a `Task` in the graphs that run it.
 
-A `Stage` says what it reads and writes in the warehouse and which arguments it takes from
-an upstream stage's summary (`Pull`). A `Task` places a stage in a graph: its id, the arm it
-runs for, the tasks it waits for, and the tasks whose summaries it merges (compare, finish).
+A `Stage` says what it reads and writes in the warehouse, the arguments of its own it
+takes (`options`: `StageArgs` fields beyond the common ones) and which it takes from an
+upstream stage's summary (`Pull`). A `Task` places a stage in a graph: its id, the arm it
+runs for, fixed arguments, the tasks it waits for, and the tasks whose summaries it merges
+(compare, finish). The evaluation day is prepared by tasks of its own (`ingest_eval`,
+`generate_eval`: the same stages on the run's evaluation days, `days_of`), beside the
+training day's work; synth writes every day of the run at once (the users' click
+histories carry over into the evaluation day).
 
     daily (`DAILY`, one arm, registered):
 
         start → synth → ingest → generate → preprocess → train → evaluate → register → finish
+                      └ ingest_eval → generate_eval ──────────────┘
 
     comparison (`COMPARISON`, both arms on the same samples, a quality gate):
 
                                         ┌ preprocess_dedup → train_dedup → evaluate_dedup ┐
         start → synth → ingest → generate                                                 compare → finish
-                                        └ preprocess_baseline → …        → evaluate_baseline ┘
+                     │                  └ preprocess_baseline → …        → evaluate_baseline ┘
+                     └ ingest_eval → generate_eval (→ both evaluates)
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ class Stage:
     gathers: bool = False  # works on upstream stages' summaries (compare, finish)
     run_edge: bool = False  # opens or closes the pipeline's MLflow run (start, finish)
     accelerated: bool = False  # the stage a GPU (and the most memory) is for
+    options: tuple[str, ...] = ()  # its own `StageArgs` fields (the common ones: every stage)
 
 
 STAGES: dict[str, Stage] = {
@@ -61,20 +69,29 @@ STAGES: dict[str, Stage] = {
     for s in (
         Stage("start", "opens the pipeline's MLflow run", pulls=(), run_edge=True),
         Stage("synth", "synthesizes logs for days without any (embedded default)",
-              writes=("logs",)),
+              writes=("logs",), options=("days_of", "samples_per_day", "users", "items",
+                                         "mean_session_length", "seed", "features")),
         Stage("ingest", "validates raw logs; bad rows quarantined with a reason",
-              reads=("logs",), writes=("events", "quarantine")),
+              reads=("logs",), writes=("events", "quarantine"),
+              options=("days_of", "source", "format", "max_quarantine_fraction", "engine",
+                       "workers")),
         Stage("generate", "session-clustered and shuffled samples, storage figures",
-              reads=("events",), writes=("samples",)),
+              reads=("events",), writes=("samples",),
+              options=("days_of", "layout", "row_group_size", "engine", "workers")),
         Stage("preprocess", "DPP: transforms once per unique value, IKJT (or KJT) batches",
-              reads=("samples",), writes=("batches",), per_arm=True),
+              reads=("samples",), writes=("batches",), per_arm=True,
+              options=("engine", "workers", "threads", "stats_from")),
         Stage("train", "the DLRM, warm-started from the champion, checkpointed",
-              reads=("batches",), writes=("models",), per_arm=True, accelerated=True),
+              reads=("batches",), writes=("models",), per_arm=True, accelerated=True,
+              options=("init_from", "device", "nproc", "epochs", "max_steps",
+                       "checkpoint_every", "amp", "train_config")),
         Stage("evaluate", "NE, AUC, log loss, calibration on the next day",
-              reads=("models", "samples"), pulls=(RUN, MODEL), per_arm=True),
+              reads=("models", "samples"), pulls=(RUN, MODEL), per_arm=True,
+              options=("model_uri", "eval_batch_size")),
         Stage("register", "MLflow model version `challenger`; `champion` if no worse",
               reads=("models", "samples"), per_arm=True,
-              pulls=(RUN, MODEL, Pull("register_run_id", "train", "mlflow.run_id"))),
+              pulls=(RUN, MODEL, Pull("register_run_id", "train", "mlflow.run_id")),
+              options=("model_uri", "register_run_id")),
         Stage("compare", "both arms side by side: table, chart, quality gate",
               gathers=True),
         Stage("finish", "closes the pipeline's MLflow run with every stage's figures",
@@ -93,6 +110,11 @@ class Task:
     after: tuple[str, ...] = ()
     mode: str | None = None  # the arm, for per-arm stages
     gathers: tuple[str, ...] = ()  # task ids whose summaries the stage merges
+    fixed: tuple[tuple[str, object], ...] = ()  # further arguments of this task's stage
+
+    def args(self) -> dict:
+        """The arguments this task adds to the graph's shared ones: its arm and `fixed`."""
+        return {**({"mode": self.mode} if self.mode else {}), **dict(self.fixed)}
 
 
 @dataclass(frozen=True)
@@ -151,17 +173,21 @@ class Graph:
 
 
 def pipeline_graph(arms: tuple[str, ...], register: bool, compare: bool, name: str) -> Graph:
-    """The graph over `arms`: the data stages once, DPP → train → evaluate per arm, then
-    `register` (the first arm's model) and/or `compare` (needs both arms), then finish."""
-    tasks = [Task("start", "start"), Task("synth", "synth", ("start",)),
-             Task("ingest", "ingest", ("synth",)), Task("generate", "generate", ("ingest",))]  # fmt: skip
+    """The graph over `arms`: the data stages once (for the training days, and apart for the
+    evaluation day), DPP → train → evaluate per arm, then `register` (the first arm's
+    model) and/or `compare` (needs both arms), then finish."""
+    evaluation = (("days_of", "evaluation"),)
+    tasks = [Task("start", "start"), Task("synth", "synth", ("start",), fixed=(("days_of", "run"),)),
+             Task("ingest", "ingest", ("synth",)), Task("generate", "generate", ("ingest",)),
+             Task("ingest_eval", "ingest", ("synth",), fixed=evaluation),
+             Task("generate_eval", "generate", ("ingest_eval",), fixed=evaluation)]  # fmt: skip
     ends = []
     for arm in arms:
         suffix = f"_{arm}" if len(arms) > 1 else ""
         ids = [f"{s}{suffix}" for s in ("preprocess", "train", "evaluate")]
         tasks += [Task(ids[0], "preprocess", ("generate",), arm),
                   Task(ids[1], "train", (ids[0],), arm),
-                  Task(ids[2], "evaluate", (ids[1],), arm)]  # fmt: skip
+                  Task(ids[2], "evaluate", (ids[1], "generate_eval"), arm)]  # fmt: skip
         ends.append(ids)
     arm_tasks = tuple(i for ids in ends for i in ids)
     last = tuple(ids[-1] for ids in ends)

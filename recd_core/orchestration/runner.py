@@ -26,7 +26,7 @@ def run_graph(
     taxonomy knows it), after its MLflow run is closed FAILED."""
     done: dict[str, dict] = {}
     for task in graph.order():
-        targs = {**args, **({"mode": task.mode} if task.mode else {})}
+        targs = {**args, **task.args()}
         edge = STAGES[task.stage].run_edge
         if run_id is not None and edge:
             targs.pop("tracking_uri", None)  # the caller's run: neither opened nor closed here

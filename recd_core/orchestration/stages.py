@@ -22,16 +22,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from recd_core.config import PipelineConfig, load_pipeline_config
+from recd_core.config import PipelineConfig, load_feature_set, load_pipeline_config
 from recd_core.errors import BadInput, GateFailed, TrackingError, classify
 from recd_core.mlops.tracking import Tracker
 from recd_core.orchestration.graph import ARM_LAYOUT
 from recd_core.orchestration.graph import STAGES as GRAPH_STAGES
-from recd_core.warehouse import Warehouse
+from recd_core.warehouse import PartitionNotFound, Warehouse, validate_ds
 
 STAGES = tuple(GRAPH_STAGES)
+OPTIONS = {o for s in GRAPH_STAGES.values() for o in s.options}  # the stages' own arguments
+Advance = Callable[[str, int], None]  # a progress bar's `advance(label, n)`
 
 
 class StageArgs(BaseModel):
@@ -40,12 +42,14 @@ class StageArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    warehouse: str = Field(description="warehouse root: a directory or a URI (s3://...)")
-    ds: str = Field(pattern=r"^\d{4}-\d{2}-\d{2}$", description="the (first) training day")
+    warehouse: str | None = Field(
+        default=None,
+        description="warehouse root: a directory or a URI (s3://...); every stage but synth",
+    )
+    ds: str = Field(description="the (first) training day, YYYY-MM-DD")
     days: int = Field(default=1, ge=1, le=31, description="consecutive training days")
     eval_ds: str | None = Field(
         default=None,
-        pattern=r"^\d{4}-\d{2}-\d{2}$",
         description="the evaluation day of a one-day run (default: the day after each training day)",
     )
     logs: str | None = Field(
@@ -61,13 +65,13 @@ class StageArgs(BaseModel):
         default=None, description="synthetic workload size; overrides the config's synth preset"
     )
     batch_size: int | None = Field(
-        default=None, gt=0, description="overrides DPP's and training's batch size"
+        default=None,
+        gt=0,
+        description="the batch size of generate's dedup profile, DPP and training (they "
+        "must agree)",
     )
     mode: Literal["dedup", "baseline"] = Field(
         default="dedup", description="the training arm: dedup (IKJT) or baseline (KJT)"
-    )
-    model_uri: str | None = Field(
-        default=None, description="evaluate, register: the trained model(s), ';'-joined over days"
     )
     tracking_uri: str | None = Field(default=None, description="MLflow tracking URI; off if unset")
     experiment: str = Field(default="recd", description="MLflow experiment")
@@ -75,14 +79,85 @@ class StageArgs(BaseModel):
         default=None, description="the pipeline's MLflow run (start's mlflow.run_id)"
     )
     pipeline: str = Field(default="recd", description="the pipeline run's name in MLflow")
-    register_run_id: str | None = Field(
-        default=None, description="register: the train stage's MLflow run, which logs the model"
+    # the stages' own arguments (`graph.Stage.options`): unset, the config's value holds
+    days_of: Literal["training", "evaluation", "run"] = Field(
+        default="training",
+        description="synth, ingest, generate: the run's training days (--ds and --days), its "
+        "evaluation days that are not training days (the day after each, or --eval-ds), or "
+        "both; generate writes evaluation days clustered, the layout every arm is scored on",
+    )
+    samples_per_day: int | None = Field(default=None, ge=1, description="synth: impressions a day")
+    users: int | None = Field(default=None, ge=1, description="synth: users")
+    items: int | None = Field(default=None, ge=2, description="synth: items")
+    mean_session_length: float | None = Field(default=None, ge=1.0, description="synth")
+    seed: int | None = Field(default=None, description="synth: the workload's seed")
+    features: str | None = Field(
+        default=None, description="synth: a feature set (name or YAML) in place of the config's"
+    )
+    source: str | None = Field(
+        default=None,
+        description="ingest: a log file or a directory of them, ingested as the one day --ds "
+        "(instead of <logs>/ds=<day>/)",
+    )
+    format: Literal["events", "movielens"] | None = Field(
+        default=None, description="ingest: the raw logs' format (movielens: ml-100k's files)"
+    )
+    max_quarantine_fraction: float | None = Field(
+        default=None, ge=0.0, le=1.0, description="ingest: the share of bad rows that fails the day"
+    )
+    engine: Literal["local", "ray"] | None = Field(
+        default=None, description="ingest, generate, preprocess: work here or as Ray Data tasks"
+    )
+    workers: int | None = Field(
+        default=None, ge=1, description="ingest, generate, preprocess: parallel workers"
+    )
+    layout: Literal["clustered", "shuffled", "both"] | None = Field(
+        default=None,
+        description="generate: the samples layout(s) written (default: both for training "
+        "days, clustered for evaluation days)",
+    )
+    row_group_size: int | None = Field(default=None, ge=1, description="generate: Parquet rows")
+    threads: bool = Field(
+        default=False, description="preprocess: local workers as threads instead of processes"
+    )
+    stats_from: str | None = Field(
+        default=None,
+        description="preprocess: the standardization statistics of this preprocessed day",
     )
     init_from: str | None = Field(
         default=None,
         description="train: the model to start from (a model directory, <warehouse>/models/<run> "
         "or models:/<name>@<alias>); default: the champion when the config's train.warm_start",
     )
+    device: Literal["auto", "cpu", "cuda"] | None = Field(default=None, description="train")
+    nproc: int = Field(
+        default=1, ge=1, description="train: data-parallel processes (gloo on CPU, nccl on GPU)"
+    )
+    epochs: int | None = Field(default=None, ge=1, description="train: passes at most")
+    max_steps: int | None = Field(default=None, ge=1, description="train: steps at most")
+    checkpoint_every: int | None = Field(default=None, ge=1, description="train: steps")
+    amp: bool = Field(default=False, description="train: bf16 autocast on CUDA")
+    train_config: str | None = Field(
+        default=None, description="train: a TrainConfig YAML in place of the config's train part"
+    )
+    model_uri: str | None = Field(
+        default=None, description="evaluate, register: the trained model(s), ';'-joined over days"
+    )
+    eval_batch_size: int | None = Field(default=None, ge=1, description="evaluate: rows a batch")
+    register_run_id: str | None = Field(
+        default=None, description="register: the train stage's MLflow run, which logs the model"
+    )
+
+    @field_validator("ds", "eval_ds")
+    @classmethod
+    def _a_real_day(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        try:
+            return validate_ds(value)
+        except ValueError:
+            flag = "--" + info.field_name.replace("_", "-")
+            raise ValueError(f"{flag} must be a date YYYY-MM-DD, got {value!r}") from None
 
     def training_days(self) -> list[str]:
         first = dt.date.fromisoformat(self.ds)
@@ -97,28 +172,79 @@ class StageArgs(BaseModel):
         days = self.training_days()
         return [*days, *(self.eval_day(d) for d in days if self.eval_day(d) not in days)]
 
-    def pipeline_config(self) -> PipelineConfig:
-        from recd_core.config import SYNTH_PRESETS, SynthConfig
+    def data_days(self) -> list[str]:
+        """The days synth, ingest and generate work on (`days_of`)."""
+        if self.days_of == "run":
+            return self.all_days()
+        training = self.training_days()
+        return [d for d in self.all_days() if (d in training) == (self.days_of == "training")]
 
-        cfg = load_pipeline_config(self.config)
-        update = {}
-        if self.preset:
-            update["synth"] = SynthConfig(
-                **{**cfg.synth.model_dump(), **SYNTH_PRESETS[self.preset]}
+    def pipeline_config(self) -> PipelineConfig:
+        """The config file (or the built-in one: MovieLens' for `format: movielens`) with
+        the arguments that override it applied; unset arguments leave the config's values."""
+        from recd_core.config import (
+            SYNTH_PRESETS,
+            SynthConfig,
+            TrainConfig,
+            load_yaml,
+            parse_config,
+        )
+
+        dataset = "movielens" if self.format == "movielens" else "synthetic"
+        cfg = load_pipeline_config(self.config, dataset=dataset)
+        train = cfg.train
+        if self.train_config:
+            train = parse_config(TrainConfig, load_yaml(self.train_config), self.train_config)
+        sections = {
+            "ingest": (cfg.ingest, {"format": self.format, "engine": self.engine,
+                                    "workers": self.workers,
+                                    "max_quarantine_fraction": self.max_quarantine_fraction}),
+            "generate": (cfg.generate, {"batch_size": self.batch_size, "engine": self.engine,
+                                        "workers": self.workers,
+                                        "row_group_size": self.row_group_size}),
+            "preprocess": (cfg.preprocess, {"mode": self.mode, "batch_size": self.batch_size,
+                                            "engine": self.engine, "workers": self.workers,
+                                            "executor": "thread" if self.threads else None}),
+            "train": (train, {"mode": self.mode, "batch_size": self.batch_size,
+                              "device": self.device, "epochs": self.epochs,
+                              "max_steps": self.max_steps, "amp": self.amp or None,
+                              "checkpoint_every": self.checkpoint_every}),
+            "registry": (cfg.registry, {"eval_batch_size": self.eval_batch_size}),
+        }  # fmt: skip
+        update = {
+            name: type(section).model_validate(
+                {**section.model_dump(), **{k: v for k, v in over.items() if v is not None}}
             )
-        if self.batch_size:
-            update["preprocess"] = cfg.preprocess.model_copy(update={"batch_size": self.batch_size})
-            update["train"] = cfg.train.model_copy(update={"batch_size": self.batch_size})
+            for name, (section, over) in sections.items()
+        }
+        sizes = {"samples_per_day": self.samples_per_day, "users": self.users,
+                 "items": self.items, "mean_session_length": self.mean_session_length,
+                 "seed": self.seed}  # fmt: skip
+        update["synth"] = SynthConfig.model_validate(
+            {
+                **cfg.synth.model_dump(),
+                **(SYNTH_PRESETS[self.preset] if self.preset else {}),
+                **{k: v for k, v in sizes.items() if v is not None},
+            }  # fmt: skip
+        )
+        if self.features:
+            update["features"] = load_feature_set(self.features)
         return cfg.model_copy(update=update)
+
+    def store(self) -> Warehouse:
+        if not self.warehouse:
+            raise BadInput("no --warehouse given")
+        return Warehouse(self.warehouse)
 
     def tracker(self) -> Tracker | None:
         return Tracker(self.tracking_uri, self.experiment) if self.tracking_uri else None
 
 
-def _per_day(args: StageArgs, fn: Callable[[str], dict]) -> dict:
-    """Run `fn` per training day. One day: its summary. Several: each under `days.<ds>`,
-    and at the top the first day's labels (mode, ...) with the mean of every number."""
-    days = args.training_days()
+def _per_day(args: StageArgs, fn: Callable[[str], dict], days: list[str] | None = None) -> dict:
+    """Run `fn` per day (default: the training days). One day: its summary. Several: each
+    under `days.<ds>`, and at the top the first day's labels (mode, ...) with the mean of
+    every number."""
+    days = days or args.training_days()
     if len(days) == 1:
         return fn(days[0])
     per = {d: fn(d) for d in days}
@@ -132,7 +258,7 @@ def _per_day(args: StageArgs, fn: Callable[[str], dict]) -> dict:
     return {**out, "days": per}
 
 
-def _start(args: StageArgs) -> dict:
+def _start(args: StageArgs, advance: Advance) -> dict:
     tracker = args.tracker()
     if tracker is None:
         return {"mlflow.run_id": None}
@@ -153,62 +279,80 @@ def _logs(args: StageArgs) -> str:
     return args.logs
 
 
-def _synth(args: StageArgs) -> dict:
+def _synth(args: StageArgs, advance: Advance) -> dict:
+    """The days of `days_of` that have no logs (the pipelines: every day of the run,
+    synthesized together so the users' click histories carry over into the evaluation day)."""
     from recd_core.data.synth import synthesize_missing
 
     logs = _logs(args)
     if not args.synthesize:
         return {"synth.days": 0, "synth.rows": 0}
     cfg = args.pipeline_config()
-    return synthesize_missing(logs, args.all_days(), cfg.features, cfg.synth)
+    summary = synthesize_missing(logs, args.data_days(), cfg.features, cfg.synth, advance)
+    return {**summary, "synth.out": logs}
 
 
-def _ingest(args: StageArgs) -> dict:
-    """Every day the run needs: the training days and their evaluation days."""
+def _ingest(args: StageArgs, advance: Advance) -> dict:
+    """The days of `days_of`, each from `<logs>/ds=<day>/`, or the one day --ds from
+    `source`."""
     from recd_core.data.ingest import ingest
     from recd_core.data.synth import logs_for_day
 
-    logs = _logs(args)
-    cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
+    days = args.data_days()
+    if args.source and (len(days) != 1 or args.days_of != "training"):
+        raise BadInput("--source holds one day's logs: give --ds of that day, no --days or "
+                       "--days-of (or --logs, the root of every day's logs)")  # fmt: skip
+    sources = {days[0]: args.source} if args.source else {}
+    if not sources:
+        logs = _logs(args)
+        sources = {day: logs_for_day(logs, day) for day in days}
+    cfg, wh = args.pipeline_config(), args.store()
     out = {
-        day: ingest(logs_for_day(logs, day), wh, day, cfg.features, cfg.ingest, cfg.generate)
-        for day in args.all_days()
+        day: ingest(src, wh, day, cfg.features, cfg.ingest, cfg.generate, advance)
+        for day, src in sources.items()
     }
-    first = out[args.ds]
+    first = out[days[0]]
     return {**first, "ingest.days": {d: s["ingest.rows_ok"] for d, s in out.items()}}
 
 
-def _generate(args: StageArgs) -> dict:
-    """Training days in both layouts (each arm's, and the storage figure); evaluation days
-    clustered only (every model scores the same rows)."""
+LAYOUTS = {"clustered": ("clustered",), "shuffled": ("shuffled",),
+           "both": tuple(ARM_LAYOUT[arm] for arm in ("dedup", "baseline"))}  # fmt: skip
+
+
+def _generate(args: StageArgs, advance: Advance) -> dict:
+    """The days of `days_of`: training days in both layouts (each arm's, and the storage
+    figure), evaluation days clustered only (every model scores the same rows); `layout`
+    chooses otherwise."""
     from recd_core.data.generate import generate
 
-    cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
-    both = tuple(ARM_LAYOUT[arm] for arm in ("dedup", "baseline"))
+    cfg, wh = args.pipeline_config(), args.store()
+    training = args.training_days()
 
     def one(day: str) -> dict:
-        s = generate(wh, day, cfg.generate, layouts=both)
-        layouts = s.pop("layouts")
+        layouts = LAYOUTS[args.layout or ("both" if day in training else "clustered")]
+        s = generate(wh, day, cfg.generate, layouts, advance)
+        per_layout = s.pop("layouts", {layouts[0]: s})  # one layout: its figures at the top
         for arm, layout in ARM_LAYOUT.items():
-            s[f"storage.bytes.{arm}"] = layouts[layout]["storage.bytes"]
+            if layout in per_layout:
+                s[f"storage.bytes.{arm}"] = per_layout[layout]["storage.bytes"]
         return s
 
-    out = _per_day(args, one)
-    for day in args.all_days():
-        if day not in args.training_days():
-            generate(wh, day, cfg.generate, layouts=(ARM_LAYOUT["dedup"],))
-    return out
+    return _per_day(args, one, args.data_days())
 
 
-def _preprocess(args: StageArgs) -> dict:
+def _preprocess(args: StageArgs, advance: Advance) -> dict:
     from recd_core.dpp.preprocess import preprocess
 
-    cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
-    prep = cfg.preprocess.model_copy(update={"mode": args.mode})
-    return _per_day(args, lambda day: preprocess(wh, day, prep))
+    cfg, wh = args.pipeline_config(), args.store()
+    return _per_day(
+        args,
+        lambda day: preprocess(
+            wh, day, cfg.preprocess, stats_from=args.stats_from, progress=advance
+        ),
+    )
 
 
-def _train(args: StageArgs) -> dict:
+def _train(args: StageArgs, advance: Advance) -> dict:
     """Train each day, warm-started from `init_from` (default: the champion, when the
     config's `train.warm_start` is on and there is one)."""
     from recd_core.dpp.batch_store import BatchStore
@@ -216,38 +360,46 @@ def _train(args: StageArgs) -> dict:
     from recd_core.modeling.saved import lineage_key
     from recd_core.modeling.train import train
 
-    cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
-    tc = cfg.train.model_copy(update={"mode": args.mode})
-    start = args.init_from or ("champion" if cfg.train.warm_start else None)
+    cfg, wh = args.pipeline_config(), args.store()
+    tc = cfg.train
+    start = args.init_from or ("champion" if tc.warm_start else None)
     # the champion only when it was trained before the first day trained here (args.ds);
     # when it is of another model config, this config's own newest version
     key = lineage_key(BatchStore(wh, args.ds, args.mode).model_features, tc.model)
     resolved = init_model(args.tracker(), start, cfg.registry.model_name, args.ds, key)
     with resolved as (init_dir, label):
-        out = _per_day(args, lambda day: train(wh, day, tc, init_from=init_dir, init_label=label))
+        out = _per_day(args, lambda day: train(wh, day, tc, nproc=args.nproc,
+                                               init_from=init_dir, init_label=label))  # fmt: skip
     uris = [s["train.model_uri"] for s in (out["days"].values() if "days" in out else [out])]
     return {**out, "train.model_uris": ";".join(uris)}
 
 
-def _evaluate(args: StageArgs) -> dict:
+def _evaluate(args: StageArgs, advance: Advance) -> dict:
+    """Each training day's model scored on its evaluation day."""
     from recd_core.data.synth import eval_oracle
     from recd_core.modeling.evaluate import evaluate
 
     if not args.model_uri:
         raise BadInput("no --model-uri given")
-    cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
-    uris = dict(zip(args.training_days(), args.model_uri.split(";"), strict=True))
-    return _per_day(
-        args,
-        lambda day: {
-            "train.mode": args.mode,
-            **evaluate(wh, uris[day], args.eval_day(day), cfg.registry.eval_batch_size),
-            **eval_oracle(args.logs, args.eval_day(day)),
-        },
-    )
+    cfg, wh = args.pipeline_config(), args.store()
+    uris = args.model_uri.split(";")
+    if len(uris) != args.days:
+        raise BadInput(f"--model-uri names {len(uris)} models for {args.days} training day(s)")
+    uris = dict(zip(args.training_days(), uris, strict=True))
+
+    def one(day: str) -> dict:
+        try:
+            scored = evaluate(wh, uris[day], args.eval_day(day), cfg.registry.eval_batch_size)
+        except PartitionNotFound:
+            raise
+        except FileNotFoundError as e:
+            raise BadInput(f"model not found: {uris[day]} ({e.strerror or e})") from None
+        return {"train.mode": args.mode, **scored, **eval_oracle(args.logs, args.eval_day(day))}
+
+    return _per_day(args, one)
 
 
-def _register(args: StageArgs) -> dict:
+def _register(args: StageArgs, advance: Advance) -> dict:
     """Log the last day's model to the train run, register it, decide the champion."""
     from recd_core.mlops.registry import register_and_promote
     from recd_core.modeling.evaluate import evaluate
@@ -257,7 +409,7 @@ def _register(args: StageArgs) -> dict:
         return {"registry.decision": "off (no tracking URI)"}
     if not args.model_uri or not args.register_run_id:
         raise BadInput("--model-uri and --register-run-id are required")
-    cfg, wh = args.pipeline_config(), Warehouse(args.warehouse)
+    cfg, wh = args.pipeline_config(), args.store()
     eval_ds, uri = args.eval_day(args.training_days()[-1]), args.model_uri.split(";")[-1]
     # scored here again (seconds), so the stage needs only the train stage's outputs
     ne = evaluate(wh, uri, eval_ds, cfg.registry.eval_batch_size)["eval.ne"]
@@ -280,7 +432,7 @@ def _compare(args: StageArgs, upstream: list[dict]) -> dict:
         raise BadInput(f"upstream summaries lack {', '.join(missing)}")
     for label, d, b, gain in table_rows(summary):
         print(f"{label:<26} dedup {d:>14,.4f}   baseline {b:>14,.4f}   {gain}")
-    wh = Warehouse(args.warehouse)
+    wh = args.store()
     with tempfile.TemporaryDirectory() as tmp:
         png = chart(summary, Path(tmp) / f"compare-{args.ds}.png")
         target = f"{wh.root}/reports/compare/ds={args.ds}"
@@ -317,7 +469,7 @@ def _finish(args: StageArgs, upstream: list[dict]) -> dict:
     return summary
 
 
-IMPLS: dict[str, Callable[[StageArgs], dict]] = {
+IMPLS: dict[str, Callable[[StageArgs, Advance], dict]] = {
     "start": _start,
     "synth": _synth,
     "ingest": _ingest,
@@ -347,52 +499,83 @@ def with_upstream(stage: str, args: dict, summaries: dict[str, str | dict | None
     return out
 
 
-def run_stage(name: str, args: StageArgs | dict, upstream: list[dict] | None = None) -> dict:
-    """Run one stage and record it (a child of the pipeline run); return its summary.
-
-    A failure the taxonomy knows (`recd_core.errors`) is raised as that `RecdError`, with a
-    one-line reason; the stage's MLflow run and the pipeline's run are closed FAILED.
-    `upstream` (compare, finish): the other stages' summaries."""
-    if name not in STAGES:
-        raise BadInput(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+def stage_args(name: str, args: StageArgs | dict) -> StageArgs:
+    """`args` validated for stage `name`: templated values an orchestrator could not fill
+    ("", "None") are unset; another stage's own argument (`graph.Stage.options`) is refused,
+    so a misdirected flag fails instead of doing nothing."""
     if isinstance(args, dict):
-        # templated values an orchestrator could not fill arrive as "" or "None": unset
         args = {k: v for k, v in args.items() if v not in (None, "", "None")}
         try:
             args = StageArgs.model_validate(args)
-        except ValueError as e:
-            raise BadInput(f"bad arguments: {e}") from None
+        except ValidationError as e:
+            reasons = "; ".join(
+                err["msg"].removeprefix("Value error, ")
+                if err["type"] == "value_error"
+                else f"--{'.'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}"
+                for err in e.errors()
+            )
+            raise BadInput(f"bad arguments: {reasons}") from None
+    foreign = sorted(args.model_fields_set & (OPTIONS - set(GRAPH_STAGES[name].options)))
+    if foreign:
+        flags = ", ".join("--" + f.replace("_", "-") for f in foreign)
+        raise BadInput(f"stage {name} takes no {flags} (another stage's argument)")
+    return args
+
+
+def run_stage(
+    name: str,
+    args: StageArgs | dict,
+    upstream: list[dict] | None = None,
+    progress: Callable | None = None,
+) -> dict:
+    """Run one stage and record it; return its summary. Every runner calls this: `recd
+    <stage>`, the local runner, Airflow tasks, components.
+
+    The MLflow record: a child run of the pipeline run (`parent_run_id`), or a run of its
+    own when the stage runs alone (`recd <stage>` with a tracking URI). A failure the
+    taxonomy knows (`recd_core.errors`) is raised as that `RecdError`, with a one-line
+    reason; the stage's run and the pipeline's run are closed FAILED. `upstream` (compare,
+    finish): the other stages' summaries. `progress`: `report.progress`, for a bar."""
+    if name not in STAGES:
+        raise BadInput(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    args = stage_args(name, args)
     tracker = args.tracker()
     run_id = None
     stage = GRAPH_STAGES[name]
-    if tracker is not None and not stage.run_edge and args.parent_run_id:
+    if tracker is not None and not stage.run_edge:
         params = args.model_dump(exclude_none=True)
         if not (stage.per_arm or stage.gathers):  # data stages serve both arms
             params["mode"] = ""
+        if not args.parent_run_id:
+            tracker.check()  # alone: fail fast, before any work, when the server is away
         run_id = tracker.start(name, params, parent_id=args.parent_run_id)
+    bar = progress(name, None) if progress else contextlib.nullcontext(lambda label, n=1: None)
     try:
-        if name in UPSTREAM_IMPLS:
-            summary = UPSTREAM_IMPLS[name](args, upstream or [])
-        else:
-            summary = IMPLS[name](args)
+        with bar as advance:
+            if name in UPSTREAM_IMPLS:
+                summary = UPSTREAM_IMPLS[name](args, upstream or [])
+            else:
+                summary = IMPLS[name](args, advance)
     except Exception as e:
         err = classify(e)
         if tracker is not None:
             for rid in (run_id, args.parent_run_id):
                 if rid:
                     with contextlib.suppress(TrackingError):
-                        tracker.finish(rid, {"status": "failed", "error": f"{name}: {err or e}"})
+                        tracker.finish(rid, {"status": "failed", "error": f"{name}: {err or e}",
+                                             **(err.summary if err else {})})  # fmt: skip
         if err is not None and err is not e:
             raise err from None
         raise
     summary = {"status": "ok", "stage": name, **_json_safe(summary)}
     if tracker is not None:
-        if name == "finish" and args.parent_run_id:
-            tracker.finish(args.parent_run_id, summary)
-            summary["mlflow.run_id"] = args.parent_run_id
-        elif run_id:
-            tracker.finish(run_id, summary)
-            summary["mlflow.run_id"] = run_id
+        rid = args.parent_run_id if name == "finish" else run_id
+        if rid:
+            try:
+                tracker.finish(rid, summary)
+            except TrackingError as e:
+                raise type(e)(f"the stage succeeded but {e}", summary) from None
+            summary["mlflow.run_id"] = rid
     return summary
 
 
