@@ -7,7 +7,6 @@ accumulate over batches (`StreamingMetrics`). Normally the day after training.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 
@@ -83,18 +82,12 @@ def score_batches(model, batches, device="cpu") -> dict[str, float]:
 
 def score_day(warehouse: Warehouse, model, meta: dict, ds: str, batch_size: int = 4096) -> dict:
     """NE, AUC, log loss and calibration of a loaded model on a day's samples."""
-    from recd_core.dpp.batch_store import decode_batch
-    from recd_core.dpp.preprocess import Prepared, batch_ranges, encode_batch
+    from recd_core.modeling.saved import batches_of
 
     t0 = time.perf_counter()
-    prep = Prepared.from_json(json.dumps(meta["prepared"]))
     table = warehouse.read("samples", ds, layout="clustered")
-    batches = (
-        decode_batch(encode_batch(table.slice(lo, hi - lo), prep), prep.model, prep.groups)
-        for lo, hi in batch_ranges(table.num_rows, batch_size)
-    )
     return {
-        **score_batches(model, batches),
+        **score_batches(model, batches_of(meta, table, batch_size)),
         "eval.ds": ds,
         "eval.trained_on": meta["summary"].get("train.run"),
         "eval.seconds": time.perf_counter() - t0,

@@ -22,6 +22,7 @@ import json
 import os
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,7 @@ import pyarrow as pa
 import torch
 
 from recd_core.config import FeatureSet, ModelConfig, TrainConfig
-from recd_core.dpp.batch_store import decode_batch
+from recd_core.dpp.batch_store import Batch, decode_batch
 from recd_core.dpp.preprocess import Prepared, batch_ranges, encode_batch
 from recd_core.errors import BadInput
 from recd_core.modeling.model import DLRM
@@ -221,6 +222,21 @@ def model_from(meta: dict, weights: bytes, where: str) -> DLRM:
     return model.eval()
 
 
+def batches_of(
+    meta: dict, table: pa.Table, batch_size: int = 4096, trust_sessions: bool = True
+) -> Iterator[Batch]:
+    """A samples table as model batches, preprocessed exactly as in training (the run's
+    transforms and statistics) and deduplicated like the training batches: what every
+    scoring path feeds the model (`predict`, `evaluate.score_day`). Rows that did not pass
+    ingest's session check (`trust_sessions=False`, e.g. served requests) are deduplicated by
+    comparing values instead of by session id."""
+    prep = Prepared.from_json(json.dumps(meta["prepared"]))
+    if not trust_sessions and prep.dedup_method == "session":
+        prep = dataclasses.replace(prep, dedup_method="runs")
+    for lo, hi in batch_ranges(table.num_rows, batch_size):
+        yield decode_batch(encode_batch(table.slice(lo, hi - lo), prep), prep.model, prep.groups)
+
+
 def predict(
     model: DLRM,
     meta: dict,
@@ -229,18 +245,10 @@ def predict(
     device: str = "cpu",
     trust_sessions: bool = True,
 ) -> np.ndarray:
-    """Click probabilities for a samples table, preprocessed exactly as in training (the
-    run's transforms and statistics), deduplicated like the training batches. Rows that did
-    not pass ingest's session check (`trust_sessions=False`, e.g. served requests) are
-    deduplicated by comparing values instead of by session id."""
-    prep = Prepared.from_json(json.dumps(meta["prepared"]))
-    if not trust_sessions and prep.dedup_method == "session":
-        prep = dataclasses.replace(prep, dedup_method="runs")
+    """Click probabilities for a samples table (`batches_of`)."""
     out = []
     model = model.to(device)
     with torch.no_grad():
-        for lo, hi in batch_ranges(table.num_rows, batch_size):
-            rb = encode_batch(table.slice(lo, hi - lo), prep)
-            batch = decode_batch(rb, prep.model, prep.groups).to(device)
-            out.append(torch.sigmoid(model(batch)).cpu().numpy())
+        for batch in batches_of(meta, table, batch_size, trust_sessions):
+            out.append(torch.sigmoid(model(batch.to(device))).cpu().numpy())
     return np.concatenate(out) if out else np.zeros(0, np.float32)
