@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from recd_core.config import PipelineConfig, load_feature_set, load_pipeline_config
 from recd_core.errors import BadInput, GateFailed, TrackingError, classify
 from recd_core.mlops.tracking import Tracker
-from recd_core.orchestration.graph import ARM_LAYOUT
+from recd_core.orchestration.graph import ARM_LAYOUT, ARMS
 from recd_core.orchestration.graph import STAGES as GRAPH_STAGES
 from recd_core.warehouse import PartitionNotFound, Warehouse, validate_ds
 
@@ -316,7 +316,7 @@ def _ingest(args: StageArgs, advance: Advance) -> dict:
 
 
 LAYOUTS = {"clustered": ("clustered",), "shuffled": ("shuffled",),
-           "both": tuple(ARM_LAYOUT[arm] for arm in ("dedup", "baseline"))}  # fmt: skip
+           "both": tuple(ARM_LAYOUT[arm] for arm in ARMS)}  # fmt: skip
 
 
 def _generate(args: StageArgs, advance: Advance) -> dict:
