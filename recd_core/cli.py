@@ -8,7 +8,6 @@ gate, 4 an unusable tracking server).
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import os
 import sys
@@ -79,47 +78,37 @@ def _root(
 def _run(
     ctx: typer.Context, command: str, summary_path: Path | None, fn, tracked: bool = False
 ) -> dict:
-    """Run a command body; map expected failures to a one-line reason and an exit code;
-    record the run in MLflow when a tracking URI is set: opened before the work (so a
-    pipeline's stages nest under it: `tracked=True` hands the body a `RunHandle`), closed
-    FINISHED or FAILED with the summary's figures and its `artifacts` files."""
-    from recd_core.mlops.tracking import RunHandle
+    """Run the body of a command that is not a stage (run, compare, bench); map expected
+    failures to a one-line reason and an exit code; record the run in MLflow when a tracking
+    URI is set (`RunRecord`, as a stage's): opened before the work, so a pipeline's stages
+    nest under it (`tracked=True` hands the body the `RunRecord`), closed FINISHED or FAILED
+    with the summary's figures and its `artifacts` files."""
+    from recd_core.mlops.tracking import RunRecord
 
     tracker = ctx.find_root().obj
     params = {k: v for k, v in ctx.params.items() if k != "summary"}
-    run_id = None
+    record = None
 
     def failed(err: RecdError) -> None:
-        summary = {**err.summary, "status": "failed", "error": str(err)}
-        write_summary(summary_path, summary)
-        if run_id is not None:
-            with contextlib.suppress(TrackingError):
-                tracker.finish(run_id, summary)
+        write_summary(summary_path, {**err.summary, "status": "failed", "error": str(err)})
+        if record is not None:
+            record.fail(str(err), err.summary)
         _fail(command, str(err), err.exit_code)
 
     if tracker is not None:
         try:
-            tracker.check()
-            run_id = tracker.start(command, params)
+            record = RunRecord.open(tracker, command, params)
         except TrackingError as e:
             failed(e)
-
-    handle = RunHandle(tracker, run_id) if run_id is not None else None
     try:
-        summary = fn(handle) if tracked else fn()
+        summary = {"status": "ok", **(fn(record) if tracked else fn())}
+        if record is not None:
+            summary = record.close(summary)
     except Exception as e:  # noqa: BLE001 - the taxonomy decides; the rest re-raised
         err = classify(e)
         if err is None:
             raise
         failed(err)
-    summary = {"status": "ok", **summary}
-    if run_id is not None:
-        summary["mlflow.run_id"] = run_id
-        try:
-            tracker.finish(run_id, summary)
-        except TrackingError as e:
-            write_summary(summary_path, summary)
-            _fail(command, f"the stage succeeded but {e}", 4)
     write_summary(summary_path, summary)
     print_summary(f"recd {command}", summary)
     return summary

@@ -156,12 +156,6 @@ class Tracker:
         with self._errors():
             self.client().log_dict(run_id, config.model_dump(mode="json"), "config.yaml")
 
-    def log(self, stage: str, params: dict, summary: dict, **kw) -> str:
-        """Record one finished command run; returns the MLflow run id."""
-        run_id = self.start(stage, params, **kw)
-        self.finish(run_id, summary)
-        return run_id
-
     @contextlib.contextmanager
     def _errors(self):
         try:
@@ -175,16 +169,38 @@ class Tracker:
 
 
 @dataclass(frozen=True)
-class RunHandle:
-    """An open MLflow run a command's body may nest child runs under."""
+class RunRecord:
+    """One MLflow run's lifecycle, the same for a stage (`run_stage`) and for a command that
+    is not one (`recd run`, `compare`, `bench`): opened before the work (a run of its own
+    after a check, so an unreachable server fails before any work is done), then closed
+    FAILED with the one-line reason (`fail`, with the runs it belongs to) or FINISHED with
+    the summary (`close`). A command's body nests the stages' runs under its `run_id`."""
 
     tracker: Tracker
     run_id: str
 
-    def child(self, stage: str, params: dict, summary: dict) -> str:
-        run_id = self.tracker.start(stage, params, parent_id=self.run_id)
-        self.tracker.finish(run_id, summary)
-        return run_id
+    @classmethod
+    def open(cls, tracker: Tracker, name: str, params: dict, parent_id: str | None = None):
+        if not parent_id:
+            tracker.check()
+        return cls(tracker, tracker.start(name, params, parent_id=parent_id))
+
+    def fail(self, reason: str, summary: dict | None = None, also: tuple[str, ...] = ()) -> None:
+        """Close this run (and the runs `also` names) FAILED. A tracking failure here is not
+        raised: the work's own failure is the one to report."""
+        for run_id in (self.run_id, *also):
+            with contextlib.suppress(TrackingError):
+                self.tracker.finish(run_id, {**(summary or {}), "status": "failed",
+                                             "error": reason})  # fmt: skip
+
+    def close(self, summary: dict) -> dict:
+        """Close FINISHED with `summary`; returns it with `mlflow.run_id`. If the server
+        fails now, a `TrackingError` says the work succeeded and carries the summary."""
+        try:
+            self.tracker.finish(self.run_id, summary)
+        except TrackingError as e:
+            raise type(e)(f"the work succeeded but {e}", summary) from None
+        return {**summary, "mlflow.run_id": self.run_id}
 
 
 def histories(summary: dict) -> list[tuple[str, int, float]]:

@@ -25,8 +25,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from recd_core.config import PipelineConfig, load_feature_set, load_pipeline_config
-from recd_core.errors import BadInput, GateFailed, TrackingError, classify
-from recd_core.mlops.tracking import Tracker
+from recd_core.errors import BadInput, GateFailed, classify
+from recd_core.mlops.tracking import RunRecord, Tracker
 from recd_core.orchestration.graph import ARM_LAYOUT, ARMS
 from recd_core.orchestration.graph import STAGES as GRAPH_STAGES
 from recd_core.warehouse import PartitionNotFound, Warehouse, validate_ds
@@ -540,15 +540,13 @@ def run_stage(
         raise BadInput(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
     args = stage_args(name, args)
     tracker = args.tracker()
-    run_id = None
     stage = GRAPH_STAGES[name]
+    record = None
     if tracker is not None and not stage.run_edge:
         params = args.model_dump(exclude_none=True)
         if not (stage.per_arm or stage.gathers):  # data stages serve both arms
             params["mode"] = ""
-        if not args.parent_run_id:
-            tracker.check()  # alone: fail fast, before any work, when the server is away
-        run_id = tracker.start(name, params, parent_id=args.parent_run_id)
+        record = RunRecord.open(tracker, name, params, args.parent_run_id)
     bar = progress(name, None) if progress else contextlib.nullcontext(lambda label, n=1: None)
     try:
         with bar as advance:
@@ -558,25 +556,18 @@ def run_stage(
                 summary = IMPLS[name](args, advance)
     except Exception as e:
         err = classify(e)
-        if tracker is not None:
-            for rid in (run_id, args.parent_run_id):
-                if rid:
-                    with contextlib.suppress(TrackingError):
-                        tracker.finish(rid, {"status": "failed", "error": f"{name}: {err or e}",
-                                             **(err.summary if err else {})})  # fmt: skip
+        runs = [r for r in (record and record.run_id, args.parent_run_id) if r]
+        if tracker is not None and runs:  # this stage's run and the pipeline's
+            RunRecord(tracker, runs[0]).fail(
+                f"{name}: {err or e}", err.summary if err else None, tuple(runs[1:])
+            )
         if err is not None and err is not e:
             raise err from None
         raise
     summary = {"status": "ok", "stage": name, **_json_safe(summary)}
-    if tracker is not None:
-        rid = args.parent_run_id if name == "finish" else run_id
-        if rid:
-            try:
-                tracker.finish(rid, summary)
-            except TrackingError as e:
-                raise type(e)(f"the stage succeeded but {e}", summary) from None
-            summary["mlflow.run_id"] = rid
-    return summary
+    if tracker is not None and name == "finish" and args.parent_run_id:
+        return RunRecord(tracker, args.parent_run_id).close(summary)  # the pipeline's run
+    return record.close(summary) if record else summary
 
 
 def merge(upstream: list[dict], base: dict) -> dict:
