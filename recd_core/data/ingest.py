@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from recd_core.config import ENVELOPE_COLUMNS, FeatureSet, IngestConfig, ParquetWrite
 from recd_core.data.sources import (
@@ -317,22 +318,40 @@ def list_source_files(source: Path, suffixes: tuple[str, ...]) -> list[Path]:
 
 
 def _parse(
-    path: Path, schema: pa.Schema, features: FeatureSet, user_cols: list[str]
-) -> tuple[Parsed, Rejects, np.ndarray]:
+    path: Path, schema: pa.Schema, features: FeatureSet, user_cols: list[str], sink=None
+) -> tuple[Parsed, Rejects, np.ndarray, str | None]:
     """One source file's work, in a parsing thread (or a Ray task): read, validate, hash the
-    user-side values for the session check."""
+    user-side values for the session check, and with a `sink` write the clean rows as the
+    file's events file (its name; None when the rows are left to the caller)."""
     reader = read_parquet_events if path.name.endswith(".parquet") else read_json_lines
     parsed, rejects = reader(path, schema)
     parsed, bad = validate(parsed, features)
     rejects.extend(bad)
-    return parsed, rejects, user_hashes(parsed.table, user_cols)
+    user = user_hashes(parsed.table, user_cols)
+    return parsed, rejects, user, sink(parsed.table) if sink and parsed.table.num_rows else None
 
 
-def _parse_columns(*args) -> tuple[Parsed, Rejects, np.ndarray]:
+def _parse_columns(*args) -> tuple[Parsed, Rejects, np.ndarray, None]:
     """`_parse` as a Ray task: the rows without the raw-line lookup (the driver re-attaches
-    it), so the result travels as Arrow tables and arrays."""
-    parsed, rejects, user = _parse(*args)
-    return dataclasses.replace(parsed, raw=None), rejects, user
+    it), so the result travels as Arrow tables and arrays; the driver writes the rows."""
+    parsed, rejects, user, _ = _parse(*args)
+    return dataclasses.replace(parsed, raw=None), rejects, user, None
+
+
+def _file_sink(w, schema: pa.Schema, options: dict) -> Callable[[int], Callable]:
+    """Per source file (by index), a function writing its clean rows into the partition's
+    staging as one events file, in the parsing thread: both cores parse and write (the
+    writing thread alone wrote ~2 s of the standard day's ~6.5 s)."""
+
+    def for_file(index: int):
+        def sink(table: pa.Table) -> str:
+            name = f"events-{index:05d}-{w.write_id}.parquet"
+            pq.write_table(table.cast(schema), f"{w.staging}/{name}", filesystem=w.fs, **options)
+            return name
+
+        return sink
+
+    return for_file
 
 
 def _ordered(fn, items: list, threads: int) -> Iterator:
@@ -349,10 +368,10 @@ def _ordered(fn, items: list, threads: int) -> Iterator:
 
 
 def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.Schema,
-             user_cols: list[str], progress):  # fmt: skip
+             user_cols: list[str], progress, sinks=None):  # fmt: skip
     """The file count, the bytes to read, and an iterator of (parsed and validated rows,
-    their rejects, their user-side hashes, a re-reader of raw lines) per source file, in
-    file order."""
+    their rejects, their user-side hashes, a re-reader of raw lines, the events file the
+    parsing thread wrote them to, if `sinks`) per source file, in file order."""
     if cfg.format == "movielens":
         from recd_core.data.movielens import read_movielens
 
@@ -360,7 +379,7 @@ def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.S
         parsed, bad = validate(parsed, features)
         rejects.extend(bad)
         user = user_hashes(parsed.table, user_cols)
-        return nfiles, bytes_in, iter([(parsed, rejects, user, parsed.raw)])
+        return nfiles, bytes_in, iter([(parsed, rejects, user, parsed.raw, None)])
     files = list_source_files(source, EVENT_SUFFIXES)
     args = [(p, schema, features, user_cols) for p in files]
     if cfg.engine == "ray":
@@ -368,14 +387,18 @@ def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.S
 
         parsed_files = ordered_map(_parse_columns, args, cfg.workers)
     else:
-        parsed_files = _ordered(lambda a: _parse(*a), args, cfg.workers)
+        tasks = [(*a, sinks(i) if sinks else None) for i, a in enumerate(args)]
+        parsed_files = _ordered(lambda a: _parse(*a), tasks, cfg.workers)
 
     def with_raw():
-        for path, (parsed, rejects, user) in zip(files, parsed_files, strict=True):
-            if progress:
-                progress(path.name, 1)
-            raw = None if path.name.endswith(".parquet") else functools.partial(raw_lines, path)
-            yield parsed, rejects, user, raw
+        try:
+            for path, (parsed, rejects, user, file) in zip(files, parsed_files, strict=True):
+                if progress:
+                    progress(path.name, 1)
+                raw = None if path.name.endswith(".parquet") else functools.partial(raw_lines, path)
+                yield parsed, rejects, user, raw, file
+        finally:  # a failure downstream: the parsing threads finish before staging goes
+            getattr(parsed_files, "close", lambda: None)()
 
     return len(files), sum(p.stat().st_size for p in files), with_raw()
 
@@ -405,15 +428,23 @@ def ingest(
     schema = mark_sessions_checked(base_schema) if cfg.check_sessions else base_schema
     user_cols = [f.name for f in features.by_side("user")] if cfg.check_sessions else []
     rejects, parts = Rejects(), []
-    nfiles, bytes_in, stream = _sources(source, features, cfg, base_schema, user_cols, progress)
     with warehouse.writing("events", ds) as w:
-        for parsed, bad, user, raw in stream:
-            rejects.extend(bad)
-            part = _Part.of(parsed, user, raw)
-            if parsed.table.num_rows:
-                w.write(parsed.table.cast(schema), **file_options)
-                part.file = w.end_file()
-            parts.append(part)
+        sinks = _file_sink(w, schema, file_options)
+        nfiles, bytes_in, stream = _sources(source, features, cfg, base_schema, user_cols,
+                                            progress, sinks)  # fmt: skip
+        try:
+            for parsed, bad, user, raw, file in stream:
+                rejects.extend(bad)
+                part = _Part.of(parsed, user, raw)
+                if file:  # written by its parsing thread
+                    w.add_file(file, parsed.table.num_rows)
+                    part.file = file
+                elif parsed.table.num_rows:
+                    w.write(parsed.table.cast(schema), **file_options)
+                    part.file = w.end_file()
+                parts.append(part)
+        finally:
+            getattr(stream, "close", lambda: None)()
         drops = duplicate_events(parts)
         if cfg.check_sessions:
             bad_rows, refs = inconsistent_sessions(parts, drops)
