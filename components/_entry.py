@@ -19,16 +19,20 @@ from recd_core.report import print_summary
 
 def parser(stage: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=f"python -m components.{stage}", description=f"recd stage: {stage}"
+        prog=f"python -m components.{stage}",
+        description=f"recd stage {stage}: {STAGES[stage].doc}",
     )
     own = set(STAGES[stage].options)
     for name, field in StageArgs.model_fields.items():
         if name in OPTIONS and name not in own:  # another stage's own argument
             continue
-        flag = "--" + name.replace("_", "-")
-        required = False  # may come from --args-json; StageArgs validates the whole
-        p.add_argument(flag, dest=name, required=required, default=None,
-                       help=(field.description or "") + ("" if required else f" (default: {field.default})"))  # fmt: skip
+        text = field.description or ""
+        if field.is_required():
+            text += " (required)"
+        elif "(default" not in text and field.default is not None:
+            text += f" (default: {field.default})"
+        # not `required=` here: a value may come from --args-json; StageArgs validates
+        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=text)
     p.add_argument("--args-json", help="further arguments as one JSON object (flags win)")
     for source in PULLED_FROM:  # the summaries stages take arguments from (graph.Pull)
         p.add_argument(f"--{source}-json", help=f"{source}'s summary (JSON)")
