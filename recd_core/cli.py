@@ -185,6 +185,10 @@ def _stage(ctx: typer.Context, name: str, summary_path: Path | None, **args) -> 
     return summary
 
 
+EngineOpt = Annotated[
+    Engine | None, typer.Option(help="do the work here (threads, processes) or as Ray Data tasks")
+]
+WorkersOpt = Annotated[int | None, typer.Option(min=1, help="parallel workers")]
 DaysOpt = Annotated[int | None, typer.Option(min=1, help="consecutive training days from --ds")]
 
 
@@ -222,10 +226,8 @@ def ingest_cmd(
     eval_ds: EvalDayOpt = None,
     format: Format | None = None,  # noqa: A002
     max_quarantine_fraction: Annotated[float | None, typer.Option(min=0.0, max=1.0)] = None,
-    engine: Annotated[
-        Engine | None, typer.Option(help="parse files here (threads) or on Ray Data")
-    ] = None,
-    workers: Annotated[int | None, typer.Option(min=1, help="parallel parsers")] = None,
+    engine: EngineOpt = None,
+    workers: WorkersOpt = None,
     config: ConfigOpt = None,
     summary: SummaryOpt = None,
 ):
@@ -254,10 +256,8 @@ def generate_cmd(
         int | None, typer.Option(min=1, help="batch size of the dedup profile")
     ] = None,
     row_group_size: Annotated[int | None, typer.Option(min=1)] = None,
-    engine: Annotated[
-        Engine | None, typer.Option(help="spill and write files here or as Ray Data tasks")
-    ] = None,
-    workers: Annotated[int | None, typer.Option(min=1, help="parallel Ray tasks")] = None,
+    engine: EngineOpt = None,
+    workers: WorkersOpt = None,
     config: ConfigOpt = None,
     summary: SummaryOpt = None,
 ):
@@ -282,10 +282,8 @@ def preprocess_cmd(
     mode: Mode = Mode.dedup,
     days: DaysOpt = None,
     batch_size: Annotated[int | None, typer.Option(min=1)] = None,
-    workers: Annotated[
-        int | None, typer.Option(min=1, help="parallel workers (processes / Ray tasks)")
-    ] = None,
-    engine: Engine | None = None,
+    workers: WorkersOpt = None,
+    engine: EngineOpt = None,
     threads: Annotated[
         bool, typer.Option(help="local workers as threads instead of processes")
     ] = False,
