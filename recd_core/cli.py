@@ -461,12 +461,7 @@ def run_cmd(
         _copy_chart(result, out)
         return result
 
-    result = _run(ctx, "run", summary, body, tracked=True)
-    if mode == "both":
-        from recd_core.mlops.compare import print_table
-
-        print_table(result, console)
-    _print_decision(result)
+    _print_decision(_run(ctx, "run", summary, body, tracked=True))
 
 
 @app.command("compare")
@@ -483,7 +478,6 @@ def compare_cmd(
     """The comparison graph in-process (the `recd_dedup_vs_baseline` DAG): both arms on the
     same data, a table, a PNG chart (the warehouse's reports/compare/, MLflow, --out), and
     exit 3 when the arms' next-day NE or AUC differ beyond the configured tolerance."""
-    from recd_core.mlops.compare import print_table
     from recd_core.orchestration.graph import COMPARISON
 
     def body(handle):
@@ -495,7 +489,7 @@ def compare_cmd(
         _copy_chart(result, out)
         return result
 
-    print_table(_run(ctx, "compare", summary, body, tracked=True), console)
+    _run(ctx, "compare", summary, body, tracked=True)  # the compare stage printed the table
 
 
 @app.command("bench")

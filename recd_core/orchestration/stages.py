@@ -421,7 +421,8 @@ def _compare(args: StageArgs, upstream: list[dict]) -> dict:
     run) and in the warehouse (`reports/compare/ds=D/`), and the quality gate."""
     import tempfile
 
-    from recd_core.mlops.compare import chart, quality_gap, ratios, table_rows
+    from recd_core.mlops.compare import chart, print_table, quality_gap, ratios
+    from recd_core.report import console
 
     cfg = args.pipeline_config()
     summary = merge(
@@ -430,8 +431,7 @@ def _compare(args: StageArgs, upstream: list[dict]) -> dict:
     missing = [k for k in ("eval.ne.dedup", "eval.ne.baseline") if k not in summary]
     if missing:
         raise BadInput(f"upstream summaries lack {', '.join(missing)}")
-    for label, d, b, gain in table_rows(summary):
-        print(f"{label:<26} dedup {d:>14,.4f}   baseline {b:>14,.4f}   {gain}")
+    print_table(summary, console)  # in the task log; `recd compare` shows it the same way
     wh = args.store()
     with tempfile.TemporaryDirectory() as tmp:
         png = chart(summary, Path(tmp) / f"compare-{args.ds}.png")
