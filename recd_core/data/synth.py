@@ -466,7 +466,11 @@ def synthesize_missing(
             runs[-1].append(d)
         else:
             runs.append([d])
-    out: dict = {"synth.days": len(missing), "synth.rows": 0, "synth.kept": len(set(days)) - len(missing)}
+    out: dict = {
+        "synth.days": len(missing),
+        "synth.rows": 0,
+        "synth.kept": len(set(days)) - len(missing),
+    }
     for run in runs:
         one = cfg.model_copy(update={"start_date": run[0], "days": len(run)})
         summary = synthesize(features, one, Path(logs), progress)
