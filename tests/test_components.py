@@ -140,3 +140,14 @@ def test_the_dockerfile_is_multi_stage_pinned_and_non_root():
     dockerignore = (REPO / ".dockerignore").read_text()
     for ignored in (".venv", "data", ".git"):
         assert ignored in dockerignore
+
+
+def test_a_stage_names_the_days_it_works_on_or_refuses():
+    from recd_core.orchestration.stages import StageArgs
+
+    args = {"warehouse": "w", "ds": DAY, "days": 2}
+    assert StageArgs(**args).data_days() == [DAY, "2026-11-02"]
+    assert StageArgs(**args, days_of="evaluation").data_days() == ["2026-11-03"]
+    assert StageArgs(**args, days_of="run").data_days() == [DAY, "2026-11-02", "2026-11-03"]
+    with pytest.raises(BadInput, match="no such day"):  # the evaluation day is a training day
+        StageArgs(warehouse="w", ds=DAY, eval_ds=DAY, days_of="evaluation").data_days()

@@ -338,20 +338,13 @@ def _parse_columns(*args) -> tuple[Parsed, Rejects, np.ndarray, None]:
     return dataclasses.replace(parsed, raw=None), rejects, user, None
 
 
-def _file_sink(w, schema: pa.Schema, options: dict) -> Callable[[int], Callable]:
-    """Per source file (by index), a function writing its clean rows into the partition's
-    staging as one events file, in the parsing thread: both cores parse and write (the
-    writing thread alone wrote ~2 s of the standard day's ~6.5 s)."""
-
-    def for_file(index: int):
-        def sink(table: pa.Table) -> str:
-            name = f"events-{index:05d}-{w.write_id}.parquet"
-            pq.write_table(table.cast(schema), f"{w.staging}/{name}", filesystem=w.fs, **options)
-            return name
-
-        return sink
-
-    return for_file
+def _write_events(w, schema: pa.Schema, options: dict, index: int, table: pa.Table) -> str:
+    """Source file `index`'s clean rows as one events file in the partition's staging,
+    written by its parsing thread: both cores parse and write (the writing thread alone
+    wrote ~2 s of the standard day's ~6.5 s). Its name."""
+    name = f"events-{index:05d}-{w.write_id}.parquet"
+    pq.write_table(table.cast(schema), f"{w.staging}/{name}", filesystem=w.fs, **options)
+    return name
 
 
 def _ordered(fn, items: list, threads: int) -> Iterator:
@@ -368,10 +361,11 @@ def _ordered(fn, items: list, threads: int) -> Iterator:
 
 
 def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.Schema,
-             user_cols: list[str], progress, sinks=None):  # fmt: skip
+             user_cols: list[str], progress, sink=None):  # fmt: skip
     """The file count, the bytes to read, and an iterator of (parsed and validated rows,
     their rejects, their user-side hashes, a re-reader of raw lines, the events file the
-    parsing thread wrote them to, if `sinks`) per source file, in file order."""
+    parsing thread wrote them to with `sink(index, table)`, if given) per source file, in
+    file order."""
     if cfg.format == "movielens":
         from recd_core.data.movielens import read_movielens
 
@@ -387,7 +381,7 @@ def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.S
 
         parsed_files = ordered_map(_parse_columns, args, cfg.workers)
     else:
-        tasks = [(*a, sinks(i) if sinks else None) for i, a in enumerate(args)]
+        tasks = [(*a, sink and functools.partial(sink, i)) for i, a in enumerate(args)]
         parsed_files = _ordered(lambda a: _parse(*a), tasks, cfg.workers)
 
     def with_raw():
@@ -429,9 +423,9 @@ def ingest(
     user_cols = [f.name for f in features.by_side("user")] if cfg.check_sessions else []
     rejects, parts = Rejects(), []
     with warehouse.writing("events", ds) as w:
-        sinks = _file_sink(w, schema, file_options)
+        sink = functools.partial(_write_events, w, schema, file_options)
         nfiles, bytes_in, stream = _sources(source, features, cfg, base_schema, user_cols,
-                                            progress, sinks)  # fmt: skip
+                                            progress, sink)  # fmt: skip
         try:
             for parsed, bad, user, raw, file in stream:
                 rejects.extend(bad)

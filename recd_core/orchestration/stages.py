@@ -177,7 +177,10 @@ class StageArgs(BaseModel):
         if self.days_of == "run":
             return self.all_days()
         training = self.training_days()
-        return [d for d in self.all_days() if (d in training) == (self.days_of == "training")]
+        days = [d for d in self.all_days() if (d in training) == (self.days_of == "training")]
+        if not days:  # --eval-ds among the training days: no evaluation day of its own
+            raise BadInput(f"--days-of {self.days_of}: the run has no such day")
+        return days
 
     def pipeline_config(self) -> PipelineConfig:
         """The config file (or the built-in one: MovieLens' for `format: movielens`) with
@@ -244,7 +247,7 @@ def _per_day(args: StageArgs, fn: Callable[[str], dict], days: list[str] | None 
     """Run `fn` per day (default: the training days). One day: its summary. Several: each
     under `days.<ds>`, and at the top the first day's labels (mode, ...) with the mean of
     every number."""
-    days = days or args.training_days()
+    days = args.training_days() if days is None else days
     if len(days) == 1:
         return fn(days[0])
     per = {d: fn(d) for d in days}
@@ -302,8 +305,9 @@ def _ingest(args: StageArgs, advance: Advance) -> dict:
     if args.source and (len(days) != 1 or args.days_of != "training"):
         raise BadInput("--source holds one day's logs: give --ds of that day, no --days or "
                        "--days-of (or --logs, the root of every day's logs)")  # fmt: skip
-    sources = {days[0]: args.source} if args.source else {}
-    if not sources:
+    if args.source:
+        sources = {days[0]: args.source}
+    else:
         logs = _logs(args)
         sources = {day: logs_for_day(logs, day) for day in days}
     cfg, wh = args.pipeline_config(), args.store()
