@@ -216,6 +216,12 @@ class GenerateConfig(ParquetWrite):
     # dictionary indices shift by bits and hide them), dictionary for `shuffled`.
     list_dictionary: bool | None = None
     shuffle_seed: int = 0
+    # Store the clustered layout session-normalized (a session's user-side features once, in
+    # a side file beside each data file; warehouse.py's module doc) where ingest checked the
+    # sessions: the storage lower bound, and DPP's dedup never decodes a repeated value.
+    # Readers through the warehouse see whole rows either way; false writes plain files for
+    # engines that read the Parquet files directly.
+    normalize_sessions: bool = True
     # Memory the stage may hold for rows (the order keys, ~32 bytes a row, come on top):
     # generate moves rows through local spill files a bucket of this size at a time.
     memory_budget_mb: int = Field(default=512, ge=16)

@@ -51,6 +51,10 @@ def feature_set_of(schema: pa.Schema) -> FeatureSet:
 SESSIONS_CHECKED_KEY = b"recd.sessions_checked"
 
 
+# A session-normalized samples file's index into its side file's row group (warehouse.py)
+SIDE_ROW = "_side_row"
+
+
 def sessions_checked(schema: pa.Schema) -> bool:
     """Did ingest verify that user-side values are constant within every session?"""
     return (schema.metadata or {}).get(SESSIONS_CHECKED_KEY) == b"true"

@@ -7,6 +7,17 @@
     <root>/<table>/_trash/…     the previous version during a swap
     <root>/<table>/_locks/…     one lock file per partition (local warehouses)
 
+A partition may be stored **normalized**: columns that repeat over runs of rows (a session's
+user-side features) are kept once per run in a side file beside each data file, and the data
+file points into it. Readers get the full rows back (`read`, `read_range`, `read_schema`); a
+reader that can work on the runs themselves (DPP's dedup) asks for them as stored
+(`read_range_normalized`) and never decodes a repeated value:
+
+    part-00000-<id>.parquet        row group k: the per-row columns + `<index>` (int32)
+    _side-part-00000-<id>.parquet  row group k: the normalized columns, one row per run of
+                                   the data file's row group k; `<index>` is a row of it
+    _manifest.json                 "normalized": {"columns", "index", "order", "sides"}
+
 A write goes to a fresh staging directory (files named `part-NNNNN-<write id>.parquet`),
 then is committed:
 
@@ -45,6 +56,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -65,6 +77,34 @@ class PartitionInfo:
     files: list[str]
     rows: int
     bytes: int
+
+
+@dataclass(frozen=True)
+class Normalized:
+    """Rows of a normalized partition as stored: `rows` (the per-row columns), `index` (each
+    row's position in `side`) and `side` (the normalized columns, one row per run, in row
+    order; a run cut by a row-group boundary appears once on each side of it)."""
+
+    rows: pa.Table
+    index: np.ndarray
+    side: pa.Table
+
+
+def _expand(rows: pa.Table, index: np.ndarray, side: pa.Table, order: list[str], meta) -> pa.Table:
+    """The full rows: each row's normalized columns taken from its side row, in `order`."""
+    if side.num_columns:
+        taken = side.take(pa.array(index, pa.int32()))
+        cols = {
+            **{n: rows[n] for n in rows.column_names},
+            **{n: taken[n] for n in side.column_names},
+        }
+    else:
+        cols = {n: rows[n] for n in rows.column_names}
+    names = [n for n in order if n in cols]
+    fields = [
+        rows.schema.field(n) if n in rows.column_names else side.schema.field(n) for n in names
+    ]
+    return pa.Table.from_arrays([cols[n] for n in names], schema=pa.schema(fields, metadata=meta))
 
 
 def validate_ds(ds: str) -> str:
@@ -256,7 +296,7 @@ class Warehouse:
 
     def _commit_by_manifest(self, staging: str, live: str) -> None:
         with self.fs.open_input_stream(f"{staging}/{MANIFEST}") as f:
-            files = json.loads(f.read())["files"]
+            files = _stored_files(json.loads(f.read()))
         for name in files:
             self.fs.copy_file(f"{staging}/{name}", f"{live}/{name}")
         self.fs.copy_file(f"{staging}/{MANIFEST}", f"{live}/{MANIFEST}")  # the commit point
@@ -291,6 +331,11 @@ class Warehouse:
         base = self.partition_path(table, ds, **keys)
         return [f"{base}/{name}" for name in self.manifest(table, ds, **keys)["files"]]
 
+    def stored_files(self, table: str, ds: str, **keys: str) -> list[str]:
+        """Every file of the partition: its data files and, normalized, their side files."""
+        base = self.partition_path(table, ds, **keys)
+        return [f"{base}/{name}" for name in _stored_files(self.manifest(table, ds, **keys))]
+
     def info(self, table: str, ds: str, **keys: str) -> PartitionInfo:
         m = self.manifest(table, ds, **keys)
         return PartitionInfo(
@@ -299,24 +344,37 @@ class Warehouse:
 
     def read(self, table: str, ds: str, columns: list[str] | None = None, **keys: str) -> pa.Table:
         """The partition's rows in write order (file by file, as listed in the manifest); one
-        version, even while another process re-writes the partition (local warehouses)."""
+        version, even while another process re-writes the partition (local warehouses).
+        A normalized partition's rows come back whole."""
         self.recover(table, ds, **keys)
         base = self.partition_path(table, ds, **keys)
         with self._partition_lock(table, ds, keys, shared=True):
-            parts = [
-                pq.read_table(f"{base}/{name}", columns=columns, filesystem=self.fs)
-                for name in self._manifest(table, ds, keys)["files"]
-            ]
+            m = self._manifest(table, ds, keys)
+            parts = [self._file(base, name, m).read(columns) for name in m["files"]]
         if not parts:
             raise PartitionNotFound(f"partition {self._rel(table, ds, keys)} holds no files")
         return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
 
+    def _file(self, base: str, name: str, manifest: dict) -> _StoredFile:
+        return _StoredFile(self.fs, base, name, manifest.get("normalized"))
+
+    def _files(self, table: str, ds: str, keys: dict[str, str]) -> list[_StoredFile]:
+        base = self.partition_path(table, ds, **keys)
+        m = self.manifest(table, ds, **keys)
+        return [self._file(base, name, m) for name in m["files"]]
+
     def read_schema(self, table: str, ds: str, **keys: str) -> pa.Schema:
-        """The partition's schema (with its metadata), from its first file's footer."""
-        files = self.files(table, ds, **keys)
+        """The partition's schema (with its metadata), from its first file's footer (and its
+        side file's, normalized)."""
+        files = self._files(table, ds, keys)
         if not files:
             raise PartitionNotFound(f"partition {self._rel(table, ds, keys)} holds no files")
-        return pq.ParquetFile(self.fs.open_input_file(files[0])).schema_arrow
+        return files[0].schema()
+
+    def file_schemas(self, table: str, ds: str, **keys: str) -> Iterator[tuple[str, pa.Schema]]:
+        """Each file's path and schema (whole rows), for checks that name the file."""
+        for f in self._files(table, ds, keys):
+            yield f.path, f.schema()
 
     def row_group_rows(self, table: str, ds: str, **keys: str) -> int | None:
         """The row-group size of a Parquet partition (its first row group), None if empty."""
@@ -330,20 +388,52 @@ class Warehouse:
         self, table: str, ds: str, lo: int, hi: int, columns: list[str] | None = None, **keys: str
     ) -> pa.Table:
         """Rows [lo, hi) of a partition, reading only the row groups that hold them."""
-        parts, start = [], 0
-        for path in self.files(table, ds, **keys):
-            pf = pq.ParquetFile(self.fs.open_input_file(path))
-            for rg in range(pf.metadata.num_row_groups):
-                n = pf.metadata.row_group(rg).num_rows
+        return pa.concat_tables(
+            [
+                f.read_row_group(rg, columns).slice(a, b - a)
+                for f, rg, a, b in self._row_groups(table, ds, lo, hi, keys)
+            ]  # fmt: skip
+        )
+
+    def read_range_normalized(
+        self, table: str, ds: str, lo: int, hi: int, columns: list[str] | None = None, **keys: str
+    ) -> Normalized:
+        """Rows [lo, hi) as stored: the per-row columns of `columns` (all by default), each
+        row's index into `side`, and the side rows of the normalized columns asked for,
+        never expanded. A partition stored whole comes back with every row its own side row
+        and no side columns."""
+        rows, index, side, offset = [], [], [], 0
+        for f, rg, a, b in self._row_groups(table, ds, lo, hi, keys):
+            r, i, sd = f.read_row_group_normalized(rg, columns)
+            rows.append(r.slice(a, b - a))
+            index.append(i[a:b] + offset)
+            side.append(sd)
+            offset += int(i[-1]) + 1 if i.size else 0  # every side row starts a run
+        side = [t for t in side if t.num_columns]
+        return Normalized(
+            pa.concat_tables(rows),
+            np.concatenate(index),
+            pa.concat_tables(side) if side else pa.table({}),
+        )
+
+    def normalized_columns(self, table: str, ds: str, **keys: str) -> list[str]:
+        """The columns a normalized partition stores once per run ([] if stored whole)."""
+        return list((self.manifest(table, ds, **keys).get("normalized") or {}).get("columns", []))
+
+    def _row_groups(self, table: str, ds: str, lo: int, hi: int, keys: dict[str, str]):
+        """(file, row group, first, end) of each row group holding rows of [lo, hi); first
+        and end relative to the row group."""
+        out, start = [], 0
+        for f in self._files(table, ds, keys):
+            for rg, n in enumerate(f.row_group_sizes()):
                 if start < hi and start + n > lo:
-                    t = pf.read_row_group(rg, columns=columns)
-                    parts.append(t.slice(max(lo - start, 0), min(hi, start + n) - max(lo, start)))
+                    out.append((f, rg, max(lo - start, 0), min(hi, start + n) - start))
                 start += n
-        if not parts:
+        if not out:
             raise ValueError(
                 f"rows [{lo}, {hi}) are outside partition {self._rel(table, ds, keys)}"
             )
-        return pa.concat_tables(parts)
+        return out
 
     def partitions(self, table: str, **keys: str) -> list[str]:
         """The `ds` values present for a table (and key values), sorted."""
@@ -351,6 +441,73 @@ class Warehouse:
         return sorted(
             i.base_name[3:] for i in self._children(base) if i.base_name.startswith("ds=")
         )
+
+
+def _stored_files(manifest: dict) -> list[str]:
+    """Every file a manifest names: the data files and, normalized, their side files."""
+    sides = (manifest.get("normalized") or {}).get("sides", {})
+    return [*manifest["files"], *(sides[n] for n in manifest["files"] if n in sides)]
+
+
+class _StoredFile:
+    """One data file of a partition, with its side file where the partition is normalized."""
+
+    def __init__(self, fs: pafs.FileSystem, base: str, name: str, normalized: dict | None):
+        self.fs, self.path = fs, f"{base}/{name}"
+        self.norm = normalized if normalized and name in normalized.get("sides", {}) else None
+        self.side_path = f"{base}/{self.norm['sides'][name]}" if self.norm else None
+        self._pf: pq.ParquetFile | None = None
+        self._side: pq.ParquetFile | None = None
+
+    def pf(self) -> pq.ParquetFile:
+        if self._pf is None:
+            self._pf = pq.ParquetFile(self.fs.open_input_file(self.path))
+        return self._pf
+
+    def side(self) -> pq.ParquetFile:
+        if self._side is None:
+            self._side = pq.ParquetFile(self.fs.open_input_file(self.side_path))
+        return self._side
+
+    def schema(self) -> pa.Schema:
+        main = self.pf().schema_arrow
+        if not self.norm:
+            return main
+        side = self.side().schema_arrow
+        fields = [main.field(n) if n in main.names else side.field(n) for n in self.norm["order"]]
+        return pa.schema(fields, metadata=main.metadata)
+
+    def row_group_sizes(self) -> list[int]:
+        meta = self.pf().metadata
+        return [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+
+    def read(self, columns: list[str] | None) -> pa.Table:
+        if not self.norm:
+            return pq.read_table(self.path, columns=columns, filesystem=self.fs)
+        parts = [self.read_row_group(rg, columns) for rg in range(self.pf().num_row_groups)]
+        return pa.concat_tables(parts) if parts else self.schema().empty_table()
+
+    def read_row_group(self, rg: int, columns: list[str] | None) -> pa.Table:
+        if not self.norm:
+            return self.pf().read_row_group(rg, columns=columns)
+        rows, index, side = self.read_row_group_normalized(rg, columns)
+        order = columns if columns is not None else self.norm["order"]
+        return _expand(rows, index, side, order, self.pf().schema_arrow.metadata)
+
+    def read_row_group_normalized(
+        self, rg: int, columns: list[str] | None
+    ) -> tuple[pa.Table, np.ndarray, pa.Table]:
+        if not self.norm:
+            rows = self.pf().read_row_group(rg, columns=columns)
+            return rows, np.arange(rows.num_rows), pa.table({})  # every row its own run
+        wanted = self.norm["order"] if columns is None else columns
+        side_cols = [c for c in wanted if c in self.norm["columns"]]
+        row_cols = [c for c in wanted if c not in self.norm["columns"]]
+        key = self.norm["index"]
+        rows = self.pf().read_row_group(rg, columns=[*row_cols, key])
+        index = np.asarray(rows[key], np.int64)
+        side = self.side().read_row_group(rg, columns=side_cols) if side_cols else pa.table({})
+        return rows.drop_columns([key]), index, side
 
 
 def _reason(e: OSError) -> str:
@@ -372,6 +529,7 @@ class PartitionWriter:
         self._totals: tuple[list[str], int, int] | None = None
         self.extra: dict = {}  # more manifest fields
         self.rows: int | None = None  # the row count, for files written through add_file
+        self._normalized: dict | None = None  # columns, index, order, sides (module doc)
 
     def add_file(self, name: str, rows: int = 0) -> str:
         """Register a file that someone else writes into the staging directory (`rows`: its
@@ -380,6 +538,18 @@ class PartitionWriter:
         self._files.append(name)
         self._rows.append(rows)
         return f"{self.staging}/{name}"
+
+    def normalize(self, columns: list[str], index: str, order: list[str]) -> None:
+        """Store the partition normalized (module doc): `columns` once per run in side files,
+        the data files' `index` column pointing into them; `order` is the whole rows'."""
+        self._normalized = {"columns": columns, "index": index, "order": order, "sides": {}}
+
+    def add_side_file(self, name: str) -> str:
+        """Register the side file of data file `name` (normalized partitions); its path."""
+        assert self._normalized is not None, "normalize() first"
+        side = f"_side-{name}"  # '_': not a data file to Hive-style readers
+        self._normalized["sides"][name] = side
+        return f"{self.staging}/{side}"
 
     def write(
         self, table: pa.Table, *, max_rows_per_file: int = 1 << 40, **parquet_options
@@ -433,7 +603,8 @@ class PartitionWriter:
     def totals(self) -> tuple[list[str], int, int]:
         if self._totals is not None:
             return self._totals
-        sizes = [self.fs.get_file_info(f"{self.staging}/{n}").size for n in self._files]
+        stored = _stored_files({"files": self._files, "normalized": self._normalized})
+        sizes = [self.fs.get_file_info(f"{self.staging}/{n}").size for n in stored]
         rows = self.rows if self.rows is not None else sum(self._rows)
         return list(self._files), rows, int(sum(s or 0 for s in sizes))
 
@@ -447,6 +618,7 @@ class PartitionWriter:
             "bytes": nbytes,
             "rows_per_file": self._rows,
             "written_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            **({"normalized": self._normalized} if self._normalized else {}),
             **self.extra,
         }
         with self.fs.open_output_stream(f"{self.staging}/{MANIFEST}") as f:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import mlflow.pyfunc
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
 
 from recd_core.mlops.registry import decide
 from recd_core.modeling.saved import load_model, predict
+from recd_core.warehouse import Warehouse
 
 RECD = Path(sys.executable).parent / "recd"
 DAY, NEXT, THIRD = "2026-11-01", "2026-11-02", "2026-11-03"
@@ -109,8 +109,7 @@ def test_the_registered_model_scores_sample_rows_like_the_trained_model(daily):
     loaded = mlflow.pyfunc.load_model(f"{v1.source}")
     sig = loaded.metadata.signature
     assert "user_history" in sig.inputs.input_names() and "label" not in sig.inputs.input_names()
-    files = sorted((root / "wh/samples/layout=clustered" / f"ds={NEXT}").glob("*.parquet"))
-    table = pq.read_table(files[0]).slice(0, 300)
+    table = Warehouse(root / "wh").read_range("samples", NEXT, 0, 300, layout="clustered")
     scored = loaded.predict(table.drop_columns(["label", "event_id", "ts"]).to_pandas())
     model, meta = load_model(json.loads((root / "day1.json").read_text())["train.model_uri.dedup"])
     np.testing.assert_allclose(scored, predict(model, meta, table), rtol=1e-5, atol=1e-6)
@@ -294,7 +293,7 @@ def test_a_model_registered_by_the_flat_layout_still_loads_and_scores(daily, tmp
         "set_model(SampleScorer())\n"
     )
     loaded = mlflow.pyfunc.load_model(str(local))
-    files = sorted((root / "wh/samples/layout=clustered" / f"ds={NEXT}").glob("*.parquet"))
-    rows = pq.read_table(files[0]).slice(0, 50).drop_columns(["label", "event_id", "ts"])
+    rows = Warehouse(root / "wh").read_range("samples", NEXT, 0, 50, layout="clustered")
+    rows = rows.drop_columns(["label", "event_id", "ts"])
     scores = np.asarray(loaded.predict(rows.to_pandas()))
     assert scores.shape == (50,) and ((scores > 0) & (scores < 1)).all()

@@ -140,3 +140,80 @@ def test_object_store_warehouse_commits_by_manifest(s3_uri):
         w.write(_table(300), max_rows_per_file=100)
         raise RuntimeError("crash before the commit")
     assert wh.read("t", DAY)["x"].to_pylist() == list(range(1000, 1120))
+
+
+def _sessions_table(n):
+    """Rows in runs of 1-4 with a per-run list value and key, and a per-row value."""
+    import numpy as np
+
+    run = np.repeat(np.arange(n), np.random.default_rng(0).integers(1, 5, n))[:n]
+    return pa.table(
+        {
+            "x": pa.array(range(n), pa.int64()),
+            "run": pa.array(run, pa.int64()),
+            "user": pa.array([[int(r), int(r) * 2] for r in run], pa.list_(pa.int64())),
+        }
+    )
+
+
+def _write_normalized(wh, table, rows_per_file=100, row_group=32):
+    """Store `table` normalized on `run` (as generate does): `user` once per run of each row
+    group, in the side file; the data file keeps `x`, `run` and the index."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    with wh.writing("t", DAY) as w:
+        w.normalize(["user"], "_side_row", table.column_names)
+        for f, lo in enumerate(range(0, table.num_rows, rows_per_file)):
+            part = table.slice(lo, rows_per_file)
+            name = f"part-{f:05d}-{w.write_id}.parquet"
+            path, side_path = w.add_file(name, part.num_rows), w.add_side_file(name)
+            with (
+                pq.ParquetWriter(path, pa.schema([*part.schema][:2] + [pa.field("_side_row", pa.int32())]), filesystem=wh.fs) as rows_w,
+                pq.ParquetWriter(side_path, pa.schema([part.schema.field("user")]), filesystem=wh.fs) as side_w,
+            ):  # fmt: skip
+                for g in range(0, part.num_rows, row_group):
+                    chunk = part.slice(g, row_group)
+                    run = np.asarray(chunk["run"])
+                    first = np.r_[True, run[1:] != run[:-1]]
+                    index = pa.array(np.cumsum(first, dtype=np.int32) - 1)
+                    rows_w.write_table(chunk.select(["x", "run"]).append_column("_side_row", index))
+                    side_w.write_table(chunk.select(["user"]).filter(pa.array(first)))
+    return w.info
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_a_normalized_partition_reads_back_whole_and_as_stored(tmp_path, store, request):
+    wh = (
+        Warehouse(tmp_path) if store == "local" else Warehouse(request.getfixturevalue("s3_uri")[0])
+    )
+    table = _sessions_table(250)
+    _write_normalized(wh, _sessions_table(300))  # an older version, replaced
+    info = _write_normalized(wh, table)
+    assert info.rows == 250 and len(info.files) == 3
+    assert wh.read("t", DAY).equals(table)
+    assert wh.read_schema("t", DAY) == table.schema
+    assert wh.read("t", DAY, columns=["user", "x"]).equals(table.select(["user", "x"]))
+    assert wh.read_range("t", DAY, 20, 170).equals(table.slice(20, 150))  # files, row groups
+    stored = wh.read_range_normalized("t", DAY, 20, 170)
+    assert stored.rows.column_names == ["x", "run"]
+    assert stored.side.num_rows < 150, "each run's value once (per row group)"
+    expanded = stored.side.take(pa.array(stored.index))["user"]
+    assert expanded.to_pylist() == table.slice(20, 150)["user"].to_pylist()
+    assert wh.normalized_columns("t", DAY) == ["user"]
+    if store == "s3":  # committed by manifest: the side files came along, the old ones went
+        import pyarrow.fs as pafs
+
+        s3 = request.getfixturevalue("s3_uri")[1]
+        left = [
+            i.base_name for i in s3.get_file_info(pafs.FileSelector(f"recd-bucket/wh/t/ds={DAY}"))
+        ]
+        assert len(left) == 7 and sum(n.startswith("_side-") for n in left) == 3
+
+
+def test_a_partition_stored_whole_reads_as_its_own_runs(tmp_path):
+    wh = Warehouse(tmp_path)
+    _write(wh, _table(250))
+    stored = wh.read_range_normalized("t", DAY, 10, 230)
+    assert stored.rows.equals(_table(220, start=10)) and stored.side.num_columns == 0
+    assert wh.normalized_columns("t", DAY) == []

@@ -4,6 +4,10 @@ standard workload. `python -m recd_core.bench.scaling` (`make bench-scaling`) wr
 `build/bench/scaling.md`.
 
 Peak RSS is the process's own (`wait4`'s `ru_maxrss`), so each figure is one stage's memory.
+
+`dpp` (a stage name of its own, after `generate`): DPP's dedup vs baseline at each size,
+`recd preprocess --mode dedup|baseline` as processes, interleaved, `--repeats` each; the
+medians of the stage's own time (`dpp.seconds`) and of the process's wall time.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 
 DAY = "2026-11-01"
 STAGES = ("synth", "ingest", "generate", "preprocess", "train")
+EXTRA = ("dpp",)  # not in the default run: the dedup-vs-baseline DPP ratio per size
 
 
 def _commands(n: int, root: Path) -> dict[str, list[str]]:
@@ -47,8 +52,30 @@ def run_stage(args: list, summary: Path) -> dict:
             "summary": json.loads(summary.read_text())}  # fmt: skip
 
 
-def scaling(sizes: list[int], stages: tuple[str, ...], work: Path) -> list[dict]:
-    rows = []
+def dpp_ratio(root: Path, n: int, repeats: int) -> dict:
+    """DPP dedup vs baseline on this size's samples: processes, interleaved, medians."""
+    import statistics
+
+    wh = root / "wh"
+    runs: dict[str, list[dict]] = {"dedup": [], "baseline": []}
+    for i in range(repeats):
+        for mode in runs:
+            args = ["preprocess", "--warehouse", wh, "--ds", DAY, "--mode", mode]
+            runs[mode].append(run_stage(args, root / f"dpp-{mode}-{i}.json"))
+    med = {m: statistics.median(r["summary"]["dpp.seconds"] for r in v) for m, v in runs.items()}
+    wall = {m: statistics.median(r["seconds"] for r in v) for m, v in runs.items()}
+    out = {"samples_per_day": n, "repeats": repeats, "seconds": med, "wall_seconds": wall,
+           "speedup": med["baseline"] / med["dedup"],
+           "wall_speedup": wall["baseline"] / wall["dedup"]}  # fmt: skip
+    print(f"{n:>9,} dpp        dedup {med['dedup']:.2f} s, baseline {med['baseline']:.2f} s: "
+          f"{out['speedup']:.2f}x ({out['wall_speedup']:.2f}x wall)", flush=True)  # fmt: skip
+    return out
+
+
+def scaling(
+    sizes: list[int], stages: tuple[str, ...], work: Path, repeats: int = 3
+) -> tuple[list[dict], list[dict]]:
+    rows, dpp = [], []
     for n in sizes:
         root = work / f"n{n}"
         shutil.rmtree(root, ignore_errors=True)
@@ -64,9 +91,11 @@ def scaling(sizes: list[int], stages: tuple[str, ...], work: Path) -> list[dict]
             rows.append({"samples_per_day": n, "stage": stage, "samples": samples, **r})
             print(f"{n:>9,} {stage:<10} {r['seconds']:7.1f} s  "
                   f"{r['peak_rss_bytes'] / 2**30:5.2f} GiB", flush=True)  # fmt: skip
+            if stage == "generate" and "dpp" in stages:
+                dpp.append(dpp_ratio(root, n, repeats))
         shutil.rmtree(root / "logs", ignore_errors=True)
         shutil.rmtree(root / "wh", ignore_errors=True)
-    return rows
+    return rows, dpp
 
 
 def markdown(rows: list[dict]) -> str:
@@ -84,20 +113,38 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def dpp_markdown(dpp: list[dict]) -> str:
+    out = [
+        "| samples/day | DPP dedup s | baseline s | dedup / baseline | wall (processes) |",
+        "|---|---|---|---|---|",
+    ]
+    for d in dpp:
+        out.append(
+            f"| {d['samples_per_day']:,} | {d['seconds']['dedup']:.2f} | "
+            f"{d['seconds']['baseline']:.2f} | **{d['speedup']:.2f}x** | {d['wall_speedup']:.2f}x |"
+        )
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="200000,1000000,2000000",
                    help="samples per day, comma-separated")  # fmt: skip
-    p.add_argument("--stages", default=",".join(STAGES))
+    p.add_argument("--stages", default=",".join(STAGES),
+                   help=f"of {', '.join(STAGES + EXTRA)}")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=3, help="DPP ratio repeats per mode")
     p.add_argument("--out", type=Path, default=Path("build/bench"))
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",")]
     stages = tuple(args.stages.split(","))
-    rows = scaling(sizes, stages, args.out / "scaling-work")
+    rows, dpp = scaling(sizes, stages, args.out / "scaling-work", args.repeats)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scaling.md").write_text(markdown(rows))
-    (args.out / "scaling.json").write_text(json.dumps(rows, indent=1, default=str))
-    print(markdown(rows))
+    text = markdown(rows) + (f"\n{dpp_markdown(dpp)}" if dpp else "")
+    (args.out / "scaling.md").write_text(text)
+    (args.out / "scaling.json").write_text(
+        json.dumps({"stages": rows, "dpp": dpp}, indent=1, default=str)
+    )
+    print(text)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,15 @@
              contiguous rows holds many duplicates.
   shuffled   a seeded random order (the usual training-data layout: the baseline).
 
-Both are Parquet (zstd, dictionary encoding, tunable row groups). The summary reports the
-partition's bytes, the dedup profile at the configured batch size and the storage lower
-bound: the bytes of the same samples with each session's user-side features stored once
-(a per-session table plus a per-sample table, written with the same options).
+Both are Parquet (zstd, dictionary encoding, tunable row groups). Where ingest checked the
+sessions, the clustered layout is stored session-normalized (`normalize_sessions`): each
+data file's row group keeps the per-sample columns and a `_side_row` index, and its side
+file's row group the user-side features once per session run (warehouse.py's module doc);
+readers through the warehouse get whole rows, DPP's dedup reads the runs as stored. The
+summary reports the partition's bytes, the dedup profile at the configured batch size and
+the storage lower bound: the bytes of the same samples with each session's user-side
+features stored once (a per-session table plus a per-sample table, written with the same
+options, in one row group per 65,536 sessions).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import pyarrow.parquet as pq
 
 from recd_core.config import FeatureSet, GenerateConfig
 from recd_core.dedup.unique import batch_factors, combine_hashes, row_hashes
-from recd_core.schema import feature_set_of
+from recd_core.schema import SIDE_ROW, feature_set_of, sessions_checked
 from recd_core.warehouse import Warehouse
 
 LAYOUTS = ("clustered", "shuffled")
@@ -258,18 +263,23 @@ def _bucket(spill: str, file: int, bucket: int, sources: int) -> pa.Table | None
 def write_file(
     uri: str, path: str | None, spill: str, file: int, start: int, rows: int, bucket: int,
     sources: int, schema: pa.Schema, cfg: GenerateConfig, layout: str, bound: bool,
+    side_path: str | None = None,
 ) -> dict:  # fmt: skip
     """One output file of a layout: its rows from the spill pieces, a bucket at a time, written
-    to `path` (None: not written, only measured), the file's dedup-profile piece and, for the
-    clustered order (`bound`), the file's storage lower bound. A task of its own on Ray."""
+    to `path` (None: not written, only measured; with `side_path`, session-normalized), the
+    file's dedup-profile piece and, for the clustered order (`bound`), the file's storage
+    lower bound. A task of its own on Ray."""
     features = feature_set_of(schema)
     names = [f.name for f in features.features]
     user_cols = [f.name for f in features.by_side("user")]
     profile = _Profile(names, user_cols, cfg.batch_size, start)
     measure = _Bound(schema, user_cols, cfg) if bound else None
-    opts = parquet_options(cfg, schema, layout)
-    rgs = opts.pop("row_group_size")
-    writer = pq.ParquetWriter(path, schema, filesystem=Warehouse(uri).fs, **opts) if path else None
+    fs = Warehouse(uri).fs
+    writer = None
+    if path and side_path:
+        writer = _NormalizedWriter(fs, path, side_path, schema, user_cols, cfg, layout)
+    elif path:
+        writer = _PlainWriter(fs, path, schema, cfg, layout)
     try:
         for b in range(-(-rows // bucket)):
             t = _bucket(spill, file, b, sources)
@@ -277,7 +287,7 @@ def write_file(
                 continue
             t = t.replace_schema_metadata(schema.metadata)
             if writer is not None:
-                writer.write_table(t, row_group_size=rgs)
+                writer.write(t)
                 profile.add(t)
             if measure is not None:
                 measure.add(t)
@@ -287,9 +297,65 @@ def write_file(
     return {"profile": profile.piece(), "bound": measure.bytes() if measure is not None else 0}
 
 
+class _PlainWriter:
+    def __init__(self, fs, path: str, schema: pa.Schema, cfg: GenerateConfig, layout: str):
+        opts = parquet_options(cfg, schema, layout)
+        self.rgs = opts.pop("row_group_size")
+        self.writer = pq.ParquetWriter(path, schema, filesystem=fs, **opts)
+
+    def write(self, t: pa.Table) -> None:
+        self.writer.write_table(t, row_group_size=self.rgs)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _NormalizedWriter:
+    """The same row groups as `_PlainWriter`, stored session-normalized: each row group's
+    per-sample columns and `_side_row` in the data file, the user-side values of each session
+    run in it (a run cut by the row group starts anew) as the side file's row group."""
+
+    def __init__(self, fs, path: str, side_path: str, schema: pa.Schema, user_cols: list[str],
+                 cfg: GenerateConfig, layout: str):  # fmt: skip
+        self.user_cols, meta = user_cols, schema.metadata
+        rows = pa.schema([*(f for f in schema if f.name not in user_cols),
+                          pa.field(SIDE_ROW, pa.int32())], metadata=meta)  # fmt: skip
+        side = pa.schema([schema.field(c) for c in user_cols], metadata=meta)
+        self.rows_schema, self.side_schema = rows, side
+        opts = parquet_options(cfg, schema, layout)
+        self.rgs = opts.pop("row_group_size")
+        self.rows = pq.ParquetWriter(path, rows, filesystem=fs, **parquet_options_for(opts, rows))
+        self.side = pq.ParquetWriter(
+            side_path, side, filesystem=fs, **parquet_options_for(opts, side)
+        )
+
+    def write(self, t: pa.Table) -> None:
+        for lo in range(0, t.num_rows, self.rgs):
+            chunk = t.slice(lo, self.rgs).combine_chunks()
+            sid = np.asarray(chunk["session_id"])
+            first = np.r_[True, sid[1:] != sid[:-1]] if sid.size else np.zeros(0, bool)
+            index = pa.array(np.cumsum(first, dtype=np.int32) - 1)
+            rows = chunk.drop_columns(self.user_cols).append_column(SIDE_ROW, index)
+            side = chunk.select(self.user_cols).filter(pa.array(first))
+            self.rows.write_table(rows.cast(self.rows_schema), row_group_size=self.rgs)
+            self.side.write_table(side.cast(self.side_schema), row_group_size=max(side.num_rows, 1))
+
+    def close(self) -> None:
+        self.rows.close()
+        self.side.close()
+
+
+def parquet_options_for(opts: dict, schema: pa.Schema) -> dict:
+    """`opts` with a per-column dictionary list narrowed to `schema`'s columns."""
+    d = opts.get("use_dictionary")
+    if isinstance(d, list):
+        return {**opts, "use_dictionary": [c for c in d if c in schema.names] or False}
+    return opts
+
+
 def _write_layout(
     warehouse: Warehouse, ds: str, order: np.ndarray, layout: str, w, cfg: GenerateConfig,
-    schema: pa.Schema, bucket: int, spill: Path, bound: bool,
+    schema: pa.Schema, bucket: int, spill: Path, bound: bool, normalize: bool = False,
 ) -> list[dict]:  # fmt: skip
     """The events partition's rows in `order`, written as the layout's files (into `w`, a
     partition writer; None: measured only), in bounded memory: one pass distributes every
@@ -306,12 +372,17 @@ def _write_layout(
     spills = [(warehouse.uri, src, position[offsets[i] : offsets[i + 1]], file_rows, bucket,
                str(spill), i) for i, src in enumerate(sources)]  # fmt: skip
     files = []
+    normalize = normalize and w is not None
+    if normalize:
+        user_cols = [f.name for f in feature_set_of(schema).by_side("user")]
+        w.normalize(user_cols, SIDE_ROW, schema.names)
     for f, lo in enumerate(range(0, max(n, 1), file_rows)):
         rows = min(file_rows, n - lo)
         name = f"part-{f:05d}-{w.write_id}.parquet" if w is not None else None
         path = w.add_file(name, rows) if w is not None else None
+        side = w.add_side_file(name) if normalize else None
         files.append((warehouse.uri, path, str(spill), f, lo, rows, bucket, len(sources),
-                      schema, cfg, layout, bound))  # fmt: skip
+                      schema, cfg, layout, bound, side))  # fmt: skip
     if cfg.engine == "ray":
         from recd_core.ray_cluster import ordered_map
 
@@ -359,8 +430,10 @@ def generate(
             writing = (contextlib.nullcontext() if layout == "bound"  # measured, not written
                        else warehouse.writing("samples", ds, layout=layout))  # fmt: skip
             with writing as w:
+                normalize = (layout == "clustered" and cfg.normalize_sessions
+                             and sessions_checked(schema))  # fmt: skip
                 files = _write_layout(warehouse, ds, order, layout, w, cfg, schema, bucket,
-                                      Path(tmp), measure)  # fmt: skip
+                                      Path(tmp), measure, normalize)  # fmt: skip
             if measure:
                 bound = sum(f["bound"] for f in files)
             if w is None:

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
-import pyarrow.parquet as pq
 
 from recd_core.config import FeatureSet, PreprocessConfig
 from recd_core.dedup.unique import list_parts as _list_parts
@@ -53,7 +52,7 @@ from recd_core.dpp.transforms import (
     transform_ids,
 )
 from recd_core.errors import BadInput
-from recd_core.schema import events_schema, feature_set_of, sessions_checked
+from recd_core.schema import SIDE_ROW, events_schema, feature_set_of, sessions_checked
 from recd_core.warehouse import Warehouse
 
 _F32 = pa.list_(pa.float32())
@@ -101,13 +100,15 @@ class Prepared:
         )
 
 
-def check_samples_schema(warehouse: Warehouse, files: list[str]) -> FeatureSet:
-    """Every file of the partition readable, with every column of its feature set, typed
-    as recd writes it; returns the feature set. Errors name the file and the column."""
+def check_samples_schema(warehouse: Warehouse, ds: str) -> FeatureSet:
+    """Every file of the clustered partition readable, with every column of its feature set,
+    typed as recd writes it; returns the feature set. Errors name the file and the column."""
     raw = None
+    files = warehouse.files("samples", ds, layout="clustered")
+    schemas = warehouse.file_schemas("samples", ds, layout="clustered")
     for path in files:
         try:
-            schema = pq.read_schema(warehouse.fs.open_input_file(path))
+            path, schema = next(schemas)
         except (pa.ArrowException, OSError) as e:
             raise PreprocessError(f"{path}: not a readable Parquet file ({e})") from None
         if raw is None:
@@ -199,8 +200,10 @@ def _dense(col: pa.ChunkedArray | pa.Array, dim: int) -> np.ndarray:
 
 
 # -- one batch ----------------------------------------------------------------------------------
-def encode_batch(rows: pa.Table, prep: Prepared) -> pa.RecordBatch:
-    """Transform one batch of samples into the one-row batch record (format: module doc)."""
+def encode_batch(rows: pa.Table, prep: Prepared, side: pa.Table | None = None) -> pa.RecordBatch:
+    """Transform one batch of samples into the one-row batch record (format: module doc).
+    `side`: the grouped columns as stored once per session run (a normalized partition;
+    `rows` then carry `_side_row` instead of them); the unique rows are taken from it."""
     cols: dict[str, pa.Array] = {}
     n = rows.num_rows
     cols["labels"] = _one(np.asarray(rows["label"], np.float32), _F32)
@@ -230,7 +233,10 @@ def encode_batch(rows: pa.Table, prep: Prepared) -> pa.RecordBatch:
             raw_parts = [_list_parts(rows[k]) for k in keys]
             find = unique_runs if prep.dedup_method == "runs" else unique_rows
             first, inverse = find([p[0] for p in raw_parts], [p[1] for p in raw_parts])
-        uniq = rows.select(keys).take(pa.array(first))
+        if side is not None:  # a session's rows share their values: any of its side rows
+            uniq = side.select(keys).take(pa.array(np.asarray(rows[SIDE_ROW])[first]))
+        else:
+            uniq = rows.select(keys).take(pa.array(first))
         cols[f"group.{g}.inverse"] = _one(inverse.astype(np.int32), _I32)
         for k in keys:
             values, lengths = _ids(uniq[k], prep, k)
@@ -284,12 +290,12 @@ def process_split(
     t0 = time.perf_counter()
     prep = Prepared.from_json(prep_json)
     wh = Warehouse(wh_uri)
-    rows = wh.read_range("samples", ds, lo, hi, layout="clustered")
+    rows, side = read_split(wh, ds, lo, hi, prep)
     mask = np.zeros(rows.num_rows, bool)
     if valid_path is not None and valid_rows is not None:
         mask = np.asarray(valid_rows, bool)
-    n_batches = _write_batches(wh, out_path, rows, ~mask, prep)
-    n_valid = _write_batches(wh, valid_path, rows, mask, prep) if mask.any() else 0
+    n_batches = _write_batches(wh, out_path, rows, ~mask, prep, side)
+    n_valid = _write_batches(wh, valid_path, rows, mask, prep, side) if mask.any() else 0
     return {
         "batches": n_batches,
         "samples": int((~mask).sum()),
@@ -297,6 +303,27 @@ def process_split(
         "valid_samples": int(mask.sum()),
         "seconds": time.perf_counter() - t0,
     }
+
+
+def read_split(
+    wh: Warehouse, ds: str, lo: int, hi: int, prep: Prepared
+) -> tuple[pa.Table, pa.Table | None]:
+    """Rows [lo, hi) for encoding, and the grouped columns as stored once per session run
+    where dedup can use them (session method, normalized partition): the rows then carry
+    `_side_row` instead of the grouped columns, which are never decoded per sample. Otherwise
+    whole rows and None (baseline mode reads whole rows, as a pipeline without RecD does)."""
+    grouped = [k for ks in prep.groups.values() for k in ks]
+    normalized = wh.normalized_columns("samples", ds, layout="clustered")
+    if not (prep.dedup_method == "session" and grouped and set(grouped) <= set(normalized)):
+        return wh.read_range("samples", ds, lo, hi, layout="clustered"), None
+    stored = wh.read_range_normalized("samples", ds, lo, hi, layout="clustered")
+    rows, index = stored.rows, pa.array(stored.index, pa.int32())
+    others = [c for c in normalized if c not in grouped]  # per-sample user-side, e.g. dense
+    if others:
+        taken = stored.side.select(others).take(index)
+        for c in others:
+            rows = rows.append_column(taken.schema.field(c), taken[c])
+    return rows.append_column(SIDE_ROW, index), stored.side.select(grouped)
 
 
 def selected_batches(rows: pa.Table, keep: np.ndarray, batch_size: int):
@@ -319,8 +346,9 @@ def selected_batches(rows: pa.Table, keep: np.ndarray, batch_size: int):
 
 
 def _write_batches(
-    wh: Warehouse, path: str, rows: pa.Table, keep: np.ndarray, prep: Prepared
-) -> int:
+    wh: Warehouse, path: str, rows: pa.Table, keep: np.ndarray, prep: Prepared,
+    side: pa.Table | None = None,
+) -> int:  # fmt: skip
     """Encode the kept rows batch by batch into one Arrow IPC file; the number of batches."""
     opts = ipc.IpcWriteOptions(
         compression=None if prep.cfg.compression == "none" else prep.cfg.compression
@@ -329,7 +357,7 @@ def _write_batches(
     with wh.fs.open_output_stream(path) as sink:
         writer = None
         for batch in selected_batches(rows, keep, prep.cfg.batch_size):
-            rb = encode_batch(batch, prep)
+            rb = encode_batch(batch, prep, side)
             if writer is None:
                 writer = ipc.new_file(sink, rb.schema, options=opts)
             writer.write_batch(rb)
@@ -372,8 +400,7 @@ def preprocess(
     """Run DPP for one day; returns the summary (`dpp.*`)."""
     t0 = time.perf_counter()
     info = warehouse.info("samples", ds, layout="clustered")
-    files = warehouse.files("samples", ds, layout="clustered")
-    raw = check_samples_schema(warehouse, files)
+    raw = check_samples_schema(warehouse, ds)
     try:
         dense_cols = [f.name for f in raw.features if f.kind == "dense"]
         # statistics need the dense columns only; the dedup profile the first batches
