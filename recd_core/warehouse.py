@@ -390,7 +390,7 @@ class Warehouse:
         """Rows [lo, hi) of a partition, reading only the row groups that hold them."""
         return pa.concat_tables(
             [
-                f.read_row_group(rg, columns).slice(a, b - a)
+                f.read_row_group(rg, columns, a, b)
                 for f, rg, a, b in self._row_groups(table, ds, lo, hi, keys)
             ]  # fmt: skip
         )
@@ -487,12 +487,18 @@ class _StoredFile:
         parts = [self.read_row_group(rg, columns) for rg in range(self.pf().num_row_groups)]
         return pa.concat_tables(parts) if parts else self.schema().empty_table()
 
-    def read_row_group(self, rg: int, columns: list[str] | None) -> pa.Table:
+    def read_row_group(
+        self, rg: int, columns: list[str] | None, lo: int = 0, hi: int | None = None
+    ) -> pa.Table:
+        """Rows [lo, hi) of row group `rg`, whole (normalized: only those rows expanded)."""
         if not self.norm:
-            return self.pf().read_row_group(rg, columns=columns)
+            t = self.pf().read_row_group(rg, columns=columns)
+            return t.slice(lo, (t.num_rows if hi is None else hi) - lo)
         rows, index, side = self.read_row_group_normalized(rg, columns)
+        hi = rows.num_rows if hi is None else hi
         order = columns if columns is not None else self.norm["order"]
-        return _expand(rows, index, side, order, self.pf().schema_arrow.metadata)
+        meta = self.pf().schema_arrow.metadata
+        return _expand(rows.slice(lo, hi - lo), index[lo:hi], side, order, meta)
 
     def read_row_group_normalized(
         self, rg: int, columns: list[str] | None

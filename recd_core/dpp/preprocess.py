@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ import pyarrow.ipc as ipc
 
 from recd_core.config import FeatureSet, PreprocessConfig
 from recd_core.dedup.unique import list_parts as _list_parts
-from recd_core.dedup.unique import unique_rows, unique_runs, unique_sessions
+from recd_core.dedup.unique import unique_rows, unique_runs
 from recd_core.dpp.transforms import (
     dense_stats,
     model_spec,
@@ -199,56 +200,137 @@ def _dense(col: pa.ChunkedArray | pa.Array, dim: int) -> np.ndarray:
     )
 
 
-# -- one batch ----------------------------------------------------------------------------------
+# -- batches ------------------------------------------------------------------------------------
 def encode_batch(rows: pa.Table, prep: Prepared, side: pa.Table | None = None) -> pa.RecordBatch:
-    """Transform one batch of samples into the one-row batch record (format: module doc).
+    """Transform one batch of samples into the one-row batch record (format: module doc)."""
+    n = rows.num_rows
+    return _encode(rows, np.arange(n), np.array([0, n]), prep, side)
+
+
+CHUNK_ROWS = 4096  # rows encoded together: per-column Python work amortized, arrays in cache
+
+
+def encode_batches(
+    rows: pa.Table,
+    keep: np.ndarray,
+    prep: Prepared,
+    batch_size: int,
+    side: pa.Table | None = None,
+) -> Iterator[pa.RecordBatch]:
+    """The kept rows (`keep`: a mask over `rows`) as batches of `batch_size` consecutive kept
+    rows, each the one-row batch record of the module doc, in order.
+
+    Every transform is per value, so consecutive batches are encoded together, about
+    `CHUNK_ROWS` rows at a time: each column is transformed once for the chunk and cut at
+    the batches' boundaries (a record batch with a row per batch, sliced). The Python work is
+    per chunk, not per batch, which matters at small batch sizes; chunks stay small enough
+    for the hashing passes to run in cache. Dedup finds each batch's unique rows (a session's
+    first row in the batch, or by values for `runs`/`hash`) and transforms only those.
     `side`: the grouped columns as stored once per session run (a normalized partition;
     `rows` then carry `_side_row` instead of them); the unique rows are taken from it."""
+    pos = np.flatnonzero(keep)
+    bounds = np.r_[np.arange(0, pos.size, batch_size), pos.size]
+    per = max(1, CHUNK_ROWS // batch_size)  # batches a chunk
+    for c in range(0, bounds.size - 1, per):
+        b = bounds[c : c + per + 1]
+        chunk = _encode(rows, pos[b[0] : b[-1]], b - b[0], prep, side)
+        for i in range(chunk.num_rows):
+            yield chunk.slice(i, 1)
+
+
+def _encode(
+    rows: pa.Table, pos: np.ndarray, bounds: np.ndarray, prep: Prepared, side: pa.Table | None
+) -> pa.RecordBatch:
+    """Rows `pos` of `rows` as batches, a record row each: batch i holds
+    pos[bounds[i]:bounds[i+1]]."""
+    grouped = {k for ks in prep.groups.values() for k in ks}
+    chunk = _take_rows(rows.select([c for c in rows.column_names if c not in grouped]), pos)
+    n = chunk.num_rows
     cols: dict[str, pa.Array] = {}
-    n = rows.num_rows
-    cols["labels"] = _one(np.asarray(rows["label"], np.float32), _F32)
+    cols["labels"] = _lists(np.asarray(chunk["label"], np.float32), bounds, _F32)
     dense_parts, extra_ids = [], {}
     for f in prep.raw.features:
         if f.kind != "dense":
             continue
         t = prep.cfg.transform_for(f.name, f.kind)
-        out = transform_dense(_dense(rows[f.name], f.dim), t, prep.stats.get(f.name))
+        out = transform_dense(_dense(chunk[f.name], f.dim), t, prep.stats.get(f.name))
         if isinstance(out, tuple):
             extra_ids[f.name] = out
         else:
             dense_parts.append(out)
     dense = np.concatenate(dense_parts, axis=1) if dense_parts else np.zeros((n, 0), np.float32)
-    cols["dense"] = _one(dense.reshape(-1), _F32)
-    grouped = {k for ks in prep.groups.values() for k in ks}
+    cols["dense"] = _lists(dense.reshape(-1), bounds * dense.shape[1], _F32)
     for f in prep.model.features:
         if f.kind == "dense" or f.name in grouped:
             continue
-        values, lengths = extra_ids.get(f.name) or _ids(rows[f.name], prep, f.name)
-        cols[f"ids.{f.name}.values"] = _one(values, _I64)
-        cols[f"ids.{f.name}.lengths"] = _one(lengths.astype(np.int32), _I32)
+        values, lengths = extra_ids.get(f.name) or _ids(chunk[f.name], prep, f.name)
+        _add_ids(cols, f"ids.{f.name}", values, lengths, bounds)
     for g, keys in prep.groups.items():
-        if prep.dedup_method == "session":  # no value of the group is read
-            first, inverse = unique_sessions(np.asarray(rows["session_id"]))
-        else:
-            raw_parts = [_list_parts(rows[k]) for k in keys]
-            find = unique_runs if prep.dedup_method == "runs" else unique_rows
-            first, inverse = find([p[0] for p in raw_parts], [p[1] for p in raw_parts])
+        first, inverse, ubounds = _unique_per_batch(chunk, rows, pos, bounds, keys, prep)
         if side is not None:  # a session's rows share their values: any of its side rows
-            uniq = side.select(keys).take(pa.array(np.asarray(rows[SIDE_ROW])[first]))
+            uniq = side.select(keys).take(pa.array(np.asarray(chunk[SIDE_ROW])[first]))
         else:
-            uniq = rows.select(keys).take(pa.array(first))
-        cols[f"group.{g}.inverse"] = _one(inverse.astype(np.int32), _I32)
+            uniq = rows.select(keys).take(pa.array(pos[first]))
+        cols[f"group.{g}.inverse"] = _lists(inverse.astype(np.int32), bounds, _I32)
         for k in keys:
             values, lengths = _ids(uniq[k], prep, k)
-            cols[f"group.{g}.{k}.values"] = _one(values, _I64)
-            cols[f"group.{g}.{k}.lengths"] = _one(lengths.astype(np.int32), _I32)
+            _add_ids(cols, f"group.{g}.{k}", values, lengths, ubounds)
     return pa.RecordBatch.from_pydict(cols)
 
 
-def _one(arr: np.ndarray, typ: pa.DataType) -> pa.Array:
-    return pa.ListArray.from_arrays(
-        pa.array([0, len(arr)], pa.int32()), pa.array(arr, typ.value_type)
+def _unique_per_batch(
+    chunk: pa.Table, rows: pa.Table, pos: np.ndarray, bounds: np.ndarray, keys: list[str],
+    prep: Prepared,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """Each batch's unique rows of the group: their positions in the chunk (batch by batch),
+    every row's index among its batch's unique rows, and the batches' bounds in the unique
+    rows. `chunk` holds rows `pos` of `rows` (without the group's columns)."""
+    if pos.size == 0:
+        return pos, np.zeros(0, np.int64), np.zeros(bounds.size, np.int64)
+    if prep.dedup_method == "session":  # no value of the group is read
+        sid = np.asarray(chunk["session_id"])
+        start = np.zeros(pos.size, bool)
+        start[bounds[:-1]] = True
+        start[1:] |= sid[1:] != sid[:-1]
+        u = np.cumsum(start) - 1  # the chunk-wide unique index of each row
+        ubounds = np.r_[u[bounds[:-1]], u[-1] + 1]
+        return np.flatnonzero(start), u - np.repeat(ubounds[:-1], np.diff(bounds)), ubounds
+    find = unique_runs if prep.dedup_method == "runs" else unique_rows
+    firsts, inverses, ubounds = [], [], [0]
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        batch = _take_rows(rows.select(keys), pos[lo:hi])
+        parts = [_list_parts(batch[k]) for k in keys]
+        first, inverse = find([p[0] for p in parts], [p[1] for p in parts])
+        firsts.append(lo + first)
+        inverses.append(inverse)
+        ubounds.append(ubounds[-1] + first.size)
+    return np.concatenate(firsts), np.concatenate(inverses), np.asarray(ubounds)
+
+
+def _take_rows(table: pa.Table, pos: np.ndarray) -> pa.Table:
+    """Rows `pos` (increasing) of a table: zero-copy slices of its runs of consecutive rows
+    (one slice when they all are), or a take where the runs are short."""
+    if pos.size == 0 or pos[-1] - pos[0] + 1 == pos.size:
+        return table.slice(int(pos[0]) if pos.size else 0, pos.size)
+    cuts = np.flatnonzero(np.diff(pos) != 1) + 1
+    if (cuts.size + 1) * 32 > pos.size:
+        return table.take(pa.array(pos))
+    starts, ends = np.r_[0, cuts], np.r_[cuts, pos.size]
+    return pa.concat_tables(
+        [table.slice(int(pos[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
     )
+
+
+def _add_ids(cols: dict, name: str, values: np.ndarray, lengths: np.ndarray, bounds) -> None:
+    """An id feature's flat values and lengths, cut into batches at `bounds` (rows)."""
+    offsets = np.r_[0, np.cumsum(lengths)]
+    cols[f"{name}.values"] = _lists(values, offsets[bounds], _I64)
+    cols[f"{name}.lengths"] = _lists(lengths.astype(np.int32), bounds, _I32)
+
+
+def _lists(flat: np.ndarray, offsets: np.ndarray, typ: pa.DataType) -> pa.Array:
+    """A list column whose row i is flat[offsets[i]:offsets[i+1]]."""
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, typ.value_type))
 
 
 def _ids(col, prep: Prepared, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -326,38 +408,19 @@ def read_split(
     return rows.append_column(SIDE_ROW, index), stored.side.select(grouped)
 
 
-def selected_batches(rows: pa.Table, keep: np.ndarray, batch_size: int):
-    """Batches of `batch_size` of the rows where `keep`, in order, without copying: each
-    batch is the zero-copy slices of its runs of kept rows (a filter would copy every row,
-    duplicates included, before dedup could skip them)."""
-    edges = np.flatnonzero(np.diff(np.r_[0, keep.astype(np.int8), 0]))
-    runs = list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))  # [start, end)
-    parts, size = [], 0
-    for start, end in runs:
-        while start < end:
-            take = min(end - start, batch_size - size)
-            parts.append(rows.slice(start, take))
-            size, start = size + take, start + take
-            if size == batch_size:
-                yield parts[0] if len(parts) == 1 else pa.concat_tables(parts)
-                parts, size = [], 0
-    if parts:
-        yield parts[0] if len(parts) == 1 else pa.concat_tables(parts)
-
-
 def _write_batches(
     wh: Warehouse, path: str, rows: pa.Table, keep: np.ndarray, prep: Prepared,
     side: pa.Table | None = None,
 ) -> int:  # fmt: skip
-    """Encode the kept rows batch by batch into one Arrow IPC file; the number of batches."""
+    """Encode the kept rows into one Arrow IPC file, a record batch per batch; the number
+    of batches."""
     opts = ipc.IpcWriteOptions(
         compression=None if prep.cfg.compression == "none" else prep.cfg.compression
     )
     n_batches = 0
     with wh.fs.open_output_stream(path) as sink:
         writer = None
-        for batch in selected_batches(rows, keep, prep.cfg.batch_size):
-            rb = encode_batch(batch, prep, side)
+        for rb in encode_batches(rows, keep, prep, prep.cfg.batch_size, side):
             if writer is None:
                 writer = ipc.new_file(sink, rb.schema, options=opts)
             writer.write_batch(rb)
