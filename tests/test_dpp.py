@@ -229,3 +229,28 @@ def test_session_dedup_is_used_only_on_checked_data_and_matches_value_comparison
             DAY,
             PreprocessConfig(batch_size=512, dedup=DedupConfig(method="session")),
         )
+
+
+@pytest.mark.parametrize("method", ["session", "runs"])
+def test_batches_encoded_a_chunk_at_a_time_equal_one_at_a_time(
+    fresh_warehouse, method, monkeypatch
+):
+    """The kept rows of a scattered mask, batches of 300 in chunks of 700 rows (two batches
+    and a remainder): every record equals `encode_batch` of that batch's rows alone, dedup
+    groups included."""
+    from recd_core.config import DedupConfig
+    from recd_core.dpp import preprocess as dpp
+    from recd_core.dpp.preprocess import encode_batch, encode_batches, prepare
+    from recd_core.schema import feature_set_of
+
+    rows = fresh_warehouse.read("samples", DAY, layout="clustered")
+    cfg = PreprocessConfig(batch_size=300, dedup=DedupConfig(method=method))
+    prep = prepare(rows, feature_set_of(rows.schema), cfg)
+    assert prep.groups and prep.dedup_method == method
+    keep = np.random.default_rng(0).random(rows.num_rows) < 0.9
+    kept = rows.filter(pa.array(keep))
+    monkeypatch.setattr(dpp, "CHUNK_ROWS", 700)
+    got = list(encode_batches(rows, keep, prep, 300))
+    assert len(got) == -(-kept.num_rows // 300) and len(got) > 4
+    for i, rb in enumerate(got):
+        assert rb.equals(encode_batch(kept.slice(300 * i, 300), prep)), f"batch {i}"

@@ -4,7 +4,9 @@ Reads `samples/layout=clustered/ds=D`, cuts it into batches of `batch_size` cont
 transforms the features (dpp/transforms.py) and writes the batches to
 `batches/mode=<dedup|baseline>/ds=D`. In dedup mode the user group's rows are deduplicated
 exactly first and only the unique rows are transformed; the batch keeps them as an IKJT.
-Expanding a dedup batch gives the baseline batch, tensor for tensor (tested).
+Expanding a dedup batch gives the baseline batch, tensor for tensor (tested). On a
+session-normalized partition (data/generate.py) dedup reads the user-side values as stored,
+once per session run, and never decodes a repeated one (`read_split`).
 
 Validation: the latest `validation_fraction` of the day's rows by time (or of each user's
 rows, `validation_by: user`) are batched apart, into `valid-NNNNN.arrow` beside each split's
