@@ -95,7 +95,8 @@ bench: $(STAMP) movielens
 
 # How every stage scales with the day's size (200k, 1M, 2M samples): build/bench/scaling.md
 bench-scaling: $(STAMP)
-	$(BIN)/python -m recd_core.bench.scaling --out build/bench
+	$(BIN)/python -m recd_core.bench.scaling --out build/bench \
+	  --stages synth,ingest,generate,dpp,preprocess,train
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache
