@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recd_core.config import FeatureSet, GenerateConfig
-from recd_core.dedup.unique import batch_factors, combine_hashes, row_hashes
+from recd_core.dedup.unique import batch_factors, combine_hashes, row_hashes, unique_sessions
 from recd_core.schema import SIDE_ROW, feature_set_of, sessions_checked
 from recd_core.warehouse import Warehouse
 
@@ -332,11 +332,10 @@ class _NormalizedWriter:
     def write(self, t: pa.Table) -> None:
         for lo in range(0, t.num_rows, self.rgs):
             chunk = t.slice(lo, self.rgs).combine_chunks()
-            sid = np.asarray(chunk["session_id"])
-            first = np.r_[True, sid[1:] != sid[:-1]] if sid.size else np.zeros(0, bool)
-            index = pa.array(np.cumsum(first, dtype=np.int32) - 1)
+            first, run = unique_sessions(np.asarray(chunk["session_id"]))
+            index = pa.array(run.astype(np.int32))
             rows = chunk.drop_columns(self.user_cols).append_column(SIDE_ROW, index)
-            side = chunk.select(self.user_cols).filter(pa.array(first))
+            side = chunk.select(self.user_cols).take(pa.array(first))
             self.rows.write_table(rows.cast(self.rows_schema), row_group_size=self.rgs)
             self.side.write_table(side.cast(self.side_schema), row_group_size=max(side.num_rows, 1))
 

@@ -182,12 +182,18 @@ def rows_equal_to(values: np.ndarray, lengths: np.ndarray, ref: np.ndarray) -> n
     return equal
 
 
-def unique_sessions(session_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unique rows of the user group by session runs: exact for data whose user-side values
-    are checked constant within a session (ingest's session check); O(rows)."""
+def unique_sessions(
+    session_ids: np.ndarray, cuts: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Unique rows of the user group by session runs: each run's first row, and every row's
+    run. Exact for data whose user-side values are checked constant within a session
+    (ingest's session check); O(rows). `cuts`: rows where a run starts anew anyway (batch
+    boundaries: each batch's unique rows are its own)."""
     n = session_ids.size
     start = np.ones(n, bool)
     start[1:] = session_ids[1:] != session_ids[:-1]
+    if cuts is not None:
+        start[cuts] = True
     return np.flatnonzero(start).astype(np.int64), (np.cumsum(start) - 1).astype(np.int64)
 
 

@@ -46,7 +46,7 @@ import pyarrow.ipc as ipc
 
 from recd_core.config import FeatureSet, PreprocessConfig
 from recd_core.dedup.unique import list_parts as _list_parts
-from recd_core.dedup.unique import unique_rows, unique_runs
+from recd_core.dedup.unique import unique_rows, unique_runs, unique_sessions
 from recd_core.dpp.transforms import (
     dense_stats,
     model_spec,
@@ -290,13 +290,9 @@ def _unique_per_batch(
     if pos.size == 0:
         return pos, np.zeros(0, np.int64), np.zeros(bounds.size, np.int64)
     if prep.dedup_method == "session":  # no value of the group is read
-        sid = np.asarray(chunk["session_id"])
-        start = np.zeros(pos.size, bool)
-        start[bounds[:-1]] = True
-        start[1:] |= sid[1:] != sid[:-1]
-        u = np.cumsum(start) - 1  # the chunk-wide unique index of each row
-        ubounds = np.r_[u[bounds[:-1]], u[-1] + 1]
-        return np.flatnonzero(start), u - np.repeat(ubounds[:-1], np.diff(bounds)), ubounds
+        first, u = unique_sessions(np.asarray(chunk["session_id"]), cuts=bounds[:-1])
+        ubounds = np.r_[u[bounds[:-1]], u[-1] + 1]  # u: the chunk-wide unique index
+        return first, u - np.repeat(ubounds[:-1], np.diff(bounds)), ubounds
     find = unique_runs if prep.dedup_method == "runs" else unique_rows
     firsts, inverses, ubounds = [], [], [0]
     for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
