@@ -378,11 +378,9 @@ class Warehouse:
 
     def row_group_rows(self, table: str, ds: str, **keys: str) -> int | None:
         """The row-group size of a Parquet partition (its first row group), None if empty."""
-        files = self.files(table, ds, **keys)
-        if not files:
-            return None
-        meta = pq.ParquetFile(self.fs.open_input_file(files[0])).metadata
-        return meta.row_group(0).num_rows if meta.num_row_groups else None
+        files = self._files(table, ds, keys)
+        sizes = files[0].row_group_sizes() if files else []
+        return sizes[0] if sizes else None
 
     def read_range(
         self, table: str, ds: str, lo: int, hi: int, columns: list[str] | None = None, **keys: str
