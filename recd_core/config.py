@@ -292,6 +292,11 @@ class TrainConfig(_Strict):
     # validation NE (a warm-started day's best state is usually its first pass; a second
     # pass that does not beat it ends the run instead of two more)
     pass_patience: int = Field(default=1, gt=0)
+    # the auxiliary loss that predicts each user-side list's ids from the rest of the list
+    # (modeling/cooccurrence.py), added to the click loss with this weight (0: off), with
+    # this many sampled negatives
+    cooccurrence_weight: float = Field(default=3.0, ge=0)
+    cooccurrence_negatives: int = Field(default=1024, gt=0)
     lr_dense: float = Field(default=3e-3, gt=0)
     # embedding tables: row-wise Adagrad (modeling/optim.py); its per-row accumulator starts here
     lr_sparse: float = Field(default=0.1, gt=0)

@@ -427,3 +427,64 @@ def test_a_training_window_trains_on_the_days_before_too(fresh_warehouse):
     s = train(fresh_warehouse, NEXT, cfg)
     assert s["train.days"] == [DAY, NEXT]  # the day before NEXT-2 has no batches: skipped
     assert s["train.steps_per_epoch"] == per_day[DAY] + per_day[NEXT]
+
+
+def _cooc_grads(model, batch, negatives=64):
+    from recd_core.modeling.cooccurrence import cooccurrence_loss
+
+    model.zero_grad()
+    loss = cooccurrence_loss(model, batch, negatives, torch.Generator().manual_seed(3))
+    loss.backward()
+    grads = {n: p.grad.to_dense() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def test_the_list_cooccurrence_loss_is_the_same_on_unique_rows_and_on_every_sample(
+    fresh_warehouse,
+):
+    table = fresh_warehouse.read("samples", DAY, layout="clustered").slice(0, 700)
+    features = feature_set_of(table.schema)
+    plan = plan_dedup(table, features, DedupConfig(), 700)
+    dedup, base = make_batch(table, features, plan), make_batch(table, features, None)
+    model = DLRM(features, SMALL_MODEL)
+    l1, g1 = _cooc_grads(model, dedup)
+    l2, g2 = _cooc_grads(model, base)
+    torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-6)
+    # the user-side lists' tables, shared ones included (clicked items -> the item table)
+    assert {"bags.t_items.weight", "bags.t_creators.weight"} <= g1.keys() == g2.keys()
+    for name in g1:
+        torch.testing.assert_close(g1[name], g2[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_list_cooccurrence_loss_equals_a_direct_computation():
+    """Each member scored against the mean of the other half of its row (positions of the
+    other parity), in a softmax with the negatives (here: every distinct id of the feature,
+    the member itself counted once); rows weighted by their samples."""
+    from recd_core.dedup.sparse import JaggedTensor
+    from recd_core.modeling.cooccurrence import feature_loss
+
+    torch.manual_seed(0)
+    table = torch.randn(10, 4)
+    rows = [[1, 2, 3], [4, 5], [6], [7, 1, 2, 9]]
+    counts = torch.tensor([3.0, 1.0, 5.0, 2.0])
+    lengths = torch.tensor([len(r) for r in rows])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    jt = JaggedTensor(torch.tensor([i for r in rows for i in r]), lengths, offsets)
+    got_sum, got_weight = feature_loss(table, jt, counts, 1000, torch.Generator())
+    pool = sorted({i for r in rows for i in r})
+    total, weight = 0.0, 0.0
+    for r, c in zip(rows, counts.tolist(), strict=True):
+        if len(r) < 2:
+            continue
+        losses = []
+        for p, member in enumerate(r):
+            other = [r[q] for q in range(len(r)) if q % 2 != p % 2]
+            ctx = table[other].mean(0)
+            logits = torch.stack(
+                [ctx @ table[member]] + [ctx @ table[k] for k in pool if k != member]
+            )
+            losses.append(float(torch.logsumexp(logits, 0) - ctx @ table[member]))
+        total += c * sum(losses) / len(r)
+        weight += c
+    assert float(got_weight) == weight
+    assert float(got_sum) == pytest.approx(total, rel=1e-5)

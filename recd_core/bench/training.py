@@ -27,9 +27,10 @@ from recd_core.config import TrainConfig
 from recd_core.dpp.batch_store import Batch
 from recd_core.dpp.preprocess import batch_ranges
 from recd_core.modeling.batching import make_batch, plan_dedup
+from recd_core.modeling.cooccurrence import feature_loss
 from recd_core.modeling.model import DLRM
 from recd_core.modeling.optim import RowWiseAdagrad
-from recd_core.modeling.train import _peak_mem, make_optimizers, train_step
+from recd_core.modeling.train import _peak_mem, cooccurrence_term, make_optimizers, train_step
 from recd_core.schema import feature_set_of
 
 
@@ -79,16 +80,29 @@ def dedupable_share(
     all_rows = {n: jt for n, jt in base.kjt.to_dict().items() if n in grouped}
     unique_rows = {n: jt for ik in dedup.groups.values() for n, jt in ik.unique.to_dict().items()}
 
+    aux = cooccurrence_term(model, cfg, 0)
+    lists = {f.name for f in model.features.features
+             if f.side == "user" and f.kind in ("id_list", "sequence")}  # fmt: skip
+
     def group_work(jts):
         for p in model.parameters():
             p.grad = None
-        outs = [model._embed(n, jt, {}) for n, jt in jts.items()]
-        torch.stack([o.sum() for o in outs]).sum().backward()
+        outs = [model._embed(n, jt, {}).sum() for n, jt in jts.items()]
+        if aux is not None:  # the list co-occurrence loss is the group's work too
+            gen = torch.Generator().manual_seed(cfg.seed)
+            for n, jt in jts.items():
+                if n in lists:
+                    ones = torch.ones(jt.lengths.numel(), device=jt.values.device)
+                    part = feature_loss(model.table_for(n), jt, ones,
+                                        cfg.cooccurrence_negatives, gen)  # fmt: skip
+                    if part is not None:
+                        outs.append(part[0])
+        torch.stack(outs).sum().backward()
         if sparse_group:
             sparse_group.step()
 
     def full_step():
-        train_step(model, base, opt_dense, opt_sparse, False)
+        train_step(model, base, opt_dense, opt_sparse, False, aux)
 
     group_t, unique_t, step_t = [], [], []
     for _ in range(repeats):
@@ -112,12 +126,16 @@ def bench_train(
     models = {"dedup": copy.deepcopy(init).to(dev), "baseline": copy.deepcopy(init).to(dev)}
     opts = {m: make_optimizers(models[m], cfg) for m in models}
     times: dict[str, list[float]] = {"dedup": [], "baseline": []}
+
+    def step(m: str, b, k: int) -> None:  # a training step as `recd train` takes it
+        train_step(models[m], b, *opts[m], False, cooccurrence_term(models[m], cfg, k))
+
     for m, batches in (("dedup", dedup), ("baseline", base)):  # warm-up
-        train_step(models[m], batches[0], *opts[m], False)
+        step(m, batches[0], 0)
     for r in range(repeats):
         for m, batches in (("dedup", dedup), ("baseline", base)):
             b = batches[r % len(batches)]
-            times[m].append(_timed(lambda m=m, b=b: train_step(models[m], b, *opts[m], False), dev))
+            times[m].append(_timed(lambda m=m, b=b, r=r: step(m, b, r + 1), dev))
     med = {m: statistics.median(t) for m, t in times.items()}
     group = next(iter(plan.groups.values()), [])
     factor = (
@@ -163,8 +181,8 @@ def _memory_probe(args) -> int:
     features, plan, dedup, base = _batches(table, cfg, 2, dev)
     model = DLRM(features, cfg.model).to(dev)
     opts = make_optimizers(model, cfg)
-    for b in dedup if mode == "dedup" else base:
-        train_step(model, b, *opts, False)
+    for k, b in enumerate(dedup if mode == "dedup" else base):
+        train_step(model, b, *opts, False, cooccurrence_term(model, cfg, k))
     return _peak_mem(dev)
 
 

@@ -194,6 +194,13 @@ class DLRM(nn.Module):
             h.embedding.weight for h in self.history.values() if h.embedding is not None
         ]
 
+    def table_for(self, name: str) -> torch.Tensor:
+        """The embedding table an id feature looks its ids up in (shared tables included)."""
+        if name in self.history and self.history_table[name] is None:
+            return self.history[name].embedding.weight
+        key = self.history_table[name] if name in self.history else self.table_of[name]
+        return self.bags[key].weight
+
     def dense_parameters(self) -> list[nn.Parameter]:
         sparse = {id(p) for p in self.sparse_parameters()}
         return [p for p in self.parameters() if id(p) not in sparse]

@@ -65,6 +65,7 @@ from recd_core.config import FeatureSet, TrainConfig
 from recd_core.dpp.batch_store import BatchStore
 from recd_core.errors import BadInput
 from recd_core.modeling.batching import epoch_order
+from recd_core.modeling.cooccurrence import cooccurrence_loss
 from recd_core.modeling.model import DLRM
 from recd_core.modeling.optim import RowWiseAdagrad
 from recd_core.modeling.saved import (
@@ -166,17 +167,35 @@ def make_optimizers(model: DLRM, cfg: TrainConfig):
     return dense, sparse
 
 
-def train_step(model, batch, opt_dense, opt_sparse, amp: bool) -> float:
+def train_step(model, batch, opt_dense, opt_sparse, amp: bool, aux=None) -> float:
+    """One step on the click loss plus `aux(batch)` (an auxiliary loss, or None); returns
+    the click loss."""
     opt_dense.zero_grad(set_to_none=True)
     opt_sparse.zero_grad(set_to_none=True)
     ctx = torch.autocast("cuda", dtype=torch.bfloat16) if amp else contextlib.nullcontext()
     with ctx:
         logits = model(batch)
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
-    loss.backward()
+    extra = aux(batch) if aux is not None else None
+    (loss if extra is None else loss + extra.float()).backward()
     opt_dense.step()
     opt_sparse.step()
     return float(loss.detach())
+
+
+def cooccurrence_term(model: DLRM, cfg: TrainConfig, step: int):
+    """The step's auxiliary loss as `train_step` takes it (None when off): the negatives are
+    drawn from a generator seeded by the run's seed and the step, so a resumed run and an
+    uninterrupted one, and both arms, draw the same."""
+    if not cfg.cooccurrence_weight:
+        return None
+    generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+
+    def term(batch):
+        loss = cooccurrence_loss(model, batch, cfg.cooccurrence_negatives, generator)
+        return None if loss is None else cfg.cooccurrence_weight * loss
+
+    return term
 
 
 def _train_worker(
@@ -277,8 +296,9 @@ def _train_worker(
             restart.restore(model, opt_sparse)
         b = int(epoch_order(n_batches, cfg.seed, epoch)[rank::world][k])
         batch = store[b].to(device)
+        aux = cooccurrence_term(model, cfg, step)
         losses.append(
-            train_step(net, batch, opt_dense, opt_sparse, cfg.amp and device.type == "cuda")
+            train_step(net, batch, opt_dense, opt_sparse, cfg.amp and device.type == "cuda", aux)
         )
         samples += batch.size
         step += 1
