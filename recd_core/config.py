@@ -294,7 +294,9 @@ class TrainConfig(_Strict):
     pass_patience: int = Field(default=1, gt=0)
     # the auxiliary loss that predicts each user-side list's ids from the rest of the list
     # (modeling/cooccurrence.py), added to the click loss with this weight (0: off), with
-    # this many sampled negatives
+    # this many sampled negatives. Measure it on your data: it lowered the synthetic
+    # workload's next-day NE (0.868 -> 0.848 on the first day), and MovieLens' AUC (0.771 ->
+    # 0.755: its one list is the rated items' history; its bench turns it off)
     cooccurrence_weight: float = Field(default=3.0, ge=0)
     cooccurrence_negatives: int = Field(default=1024, gt=0)
     lr_dense: float = Field(default=3e-3, gt=0)
