@@ -3,7 +3,9 @@
 Both modes see the same batches in the same order (contiguous rows of the clustered layout,
 batch order seeded per epoch); they differ only in how the batch is represented, so their
 losses and weights agree to float tolerance. Embedding tables train with row-wise Adagrad
-on sparse gradients (modeling/optim.py), everything else with Adam.
+on sparse gradients (modeling/optim.py), everything else with Adam. The loss is the click
+loss plus `cooccurrence_weight` times the user lists' co-occurrence loss
+(modeling/cooccurrence.py), the same in both modes.
 
 Validation and early stopping: DPP holds out the day's latest rows (dpp/preprocess.py); training
 validates on them `validations_per_epoch` times a pass (and once before the first step),
