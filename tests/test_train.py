@@ -261,7 +261,7 @@ def test_each_pass_restarts_the_tables_from_where_the_run_started(fresh_warehous
     seen = []
     real_step = training.train_step
 
-    def recording(model, batch, opt_dense, opt_sparse, amp):
+    def recording(model, batch, opt_dense, opt_sparse, amp, aux=None):
         seen.append(
             (
                 [p.detach().clone() for p in model.sparse_parameters()],
@@ -269,7 +269,7 @@ def test_each_pass_restarts_the_tables_from_where_the_run_started(fresh_warehous
                 sum(len(s) for s in opt_sparse.state.values()),
             )
         )
-        return real_step(model, batch, opt_dense, opt_sparse, amp)
+        return real_step(model, batch, opt_dense, opt_sparse, amp, aux)
 
     monkeypatch.setattr(training, "train_step", recording)
     cfg = TrainConfig(batch_size=256, epochs=2, pass_patience=1, model=SMALL_MODEL)
