@@ -27,7 +27,7 @@ from recd_core.config import TrainConfig
 from recd_core.dpp.batch_store import Batch
 from recd_core.dpp.preprocess import batch_ranges
 from recd_core.modeling.batching import make_batch, plan_dedup
-from recd_core.modeling.cooccurrence import feature_loss
+from recd_core.modeling.cooccurrence import list_features, rows_loss
 from recd_core.modeling.model import DLRM
 from recd_core.modeling.optim import RowWiseAdagrad
 from recd_core.modeling.train import _peak_mem, cooccurrence_term, make_optimizers, train_step
@@ -81,22 +81,19 @@ def dedupable_share(
     unique_rows = {n: jt for ik in dedup.groups.values() for n, jt in ik.unique.to_dict().items()}
 
     aux = cooccurrence_term(model, cfg, 0)
-    lists = {f.name for f in model.features.features
-             if f.side == "user" and f.kind in ("id_list", "sequence")}  # fmt: skip
+    lists = list_features(model.features)
 
     def group_work(jts):
         for p in model.parameters():
             p.grad = None
         outs = [model._embed(n, jt, {}).sum() for n, jt in jts.items()]
         if aux is not None:  # the list co-occurrence loss is the group's work too
+            rows = [(n, jt, torch.ones(jt.lengths.numel(), device=jt.values.device))
+                    for n, jt in sorted(jts.items()) if n in lists]  # fmt: skip
             gen = torch.Generator().manual_seed(cfg.seed)
-            for n, jt in jts.items():
-                if n in lists:
-                    ones = torch.ones(jt.lengths.numel(), device=jt.values.device)
-                    part = feature_loss(model.table_for(n), jt, ones,
-                                        cfg.cooccurrence_negatives, gen)  # fmt: skip
-                    if part is not None:
-                        outs.append(part[0])
+            loss = rows_loss(model, rows, cfg.cooccurrence_negatives, gen)
+            if loss is not None:
+                outs.append(loss)
         torch.stack(outs).sum().backward()
         if sparse_group:
             sparse_group.step()

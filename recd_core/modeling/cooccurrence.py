@@ -38,18 +38,21 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from recd_core.config import FeatureSet
 from recd_core.dedup.sparse import JaggedTensor
 from recd_core.dpp.batch_store import Batch
+
+
+def list_features(features: FeatureSet) -> set[str]:
+    """The features the loss runs on: the user-side id lists and histories."""
+    return {f.name for f in features.features
+            if f.side == "user" and f.kind in ("id_list", "sequence")}  # fmt: skip
 
 
 def list_rows(model, batch: Batch) -> list[tuple[str, JaggedTensor, torch.Tensor]]:
     """(feature, its rows, each row's sample count) for each user-side id list and history:
     a group's unique rows with their duplicates counted, or per-sample rows (count 1)."""
-    wanted = {
-        f.name
-        for f in model.features.features
-        if f.side == "user" and f.kind in ("id_list", "sequence")
-    }
+    wanted = list_features(model.features)
     out = []
     for ik in batch.groups.values():
         counts = torch.bincount(ik.inverse_indices, minlength=ik.num_unique).to(torch.float32)
@@ -113,8 +116,19 @@ def cooccurrence_loss(
 ) -> torch.Tensor | None:
     """The mean over the user-side lists of their members' loss (see the module); None
     when the batch has no list with two ids in a row."""
+    return rows_loss(model, list_rows(model, batch), negatives, generator)
+
+
+def rows_loss(
+    model,
+    rows: list[tuple[str, JaggedTensor, torch.Tensor]],
+    negatives: int,
+    generator: torch.Generator,
+) -> torch.Tensor | None:
+    """`cooccurrence_loss` of given (feature, rows, sample counts), as `list_rows` gives
+    them (the training bench times it on the rows alone)."""
     losses = []
-    for name, jt, counts in list_rows(model, batch):
+    for name, jt, counts in rows:
         table = model.table_for(name)
         part = feature_loss(table, jt, counts, negatives, generator)
         if part is not None:
