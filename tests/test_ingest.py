@@ -7,6 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from event_lines import clean_lines, mutate
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from recd_core.config import IngestConfig
 from recd_core.data.ingest import QuarantineExceeded, ingest
@@ -186,3 +188,100 @@ def test_ray_engine_on_a_local_instance_matches_the_local_engine(day_logs, tmp_p
     (ev_l, q_l, ok_l), (ev_r, q_r, ok_r) = parts["local"], parts["ray"]
     assert ev_r.equals(ev_l) and q_r.equals(q_l) and ok_r == ok_l == len(lines)
     assert q_l.num_rows == 2  # the broken line, the redelivery
+
+
+# -- the shared parse: a session's user-side text parsed once (data/shared_parse.py) ------------
+def _plain(data: bytes, schema: pa.Schema):
+    """Arrow's parse of the lines as they are (None where Arrow refuses them)."""
+    import pyarrow.json as pj
+
+    opts = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    try:
+        return pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(use_threads=False),
+                            parse_options=opts)  # fmt: skip
+    except pa.ArrowInvalid:
+        return None
+
+
+def _shared(data: bytes, schema: pa.Schema, shared: list[str]):
+    import pyarrow.json as pj
+
+    from recd_core.data.shared_parse import parse_shared
+    from recd_core.data.sources import Lines
+
+    lines = Lines.of(data)
+    return parse_shared(data, lines.starts, lines.ends, schema, shared,
+                        pj.ReadOptions(use_threads=False))  # fmt: skip
+
+
+def test_a_sessions_user_side_text_is_parsed_once_into_the_same_table(day_logs, features):
+    from recd_core.data.sources import read_json_lines
+    from recd_core.schema import events_schema
+
+    schema, user = events_schema(features), [f.name for f in features.by_side("user")]
+    data = b"\n".join(clean_lines(day_logs))
+    got = _shared(data, schema, user)
+    assert got is not None, "the synthesized day's lines take the shared parse"
+    assert got.equals(_plain(data, schema))
+    src = day_logs.parent / "day.jsonl"
+    src.write_bytes(data)
+    (once, _), (whole, _) = read_json_lines(src, schema, user), read_json_lines(src, schema)
+    assert once.table.equals(whole.table) and (once.lines == whole.lines).all()
+
+
+SESSION = [{"event_id": i, "user_id": 7, "user_tags": [1, 2], "item_id": 3 * i} for i in range(8)]
+SMALL = pa.schema([("event_id", pa.int64()), ("user_id", pa.int64()),
+                   ("user_tags", pa.list_(pa.int64())), ("item_id", pa.int64())])  # fmt: skip
+
+
+def _session_lines(**one_line) -> bytes:
+    """Eight events of one session, compact JSON; `one_line` replaces the fourth's text."""
+    lines = [json.dumps(r, separators=(",", ":")).encode() for r in SESSION]
+    for k, v in one_line.items():
+        lines[3] = lines[3].replace(k.encode(), v.encode(), 1)
+    return b"\n".join(lines) + b"\n"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {'"user_id":7': '"user_id":"7"'},  # a string value: Arrow refuses it
+        {'"user_id":7': '"user_id":{"a":7}'},  # a nested object
+        {'"item_id"': '"x":"a\\\\","item_id"'},  # a backslash in an unknown field's string
+        {'"user_id":7,"user_tags":[1,2]': '"user_tags":[1,2],"user_id":7'},  # other key order
+        {'"user_id":7': '"user_id":7,"user_id":8'},  # a key twice
+        {'"user_tags":[1,2]': '"user_tags":[1,"user_id":2]'},  # a key inside a list
+        {'"user_tags":[1,2],': '"user_tags":[1,2]'},  # a missing comma
+        {'"user_id":7': '"user_id":7.5'},  # a fraction in an id
+        {'"event_id":3,': '"event_id":3,"user_id":9,'},  # a shared key outside the span
+    ],
+)
+def test_lines_the_shared_parse_cannot_cut_safely_are_left_to_the_plain_parse(change):
+    data = _session_lines(**change)
+    got, plain = _shared(data, SMALL, ["user_id", "user_tags"]), _plain(data, SMALL)
+    assert got is None or (plain is not None and got.equals(plain)), change
+    assert _shared(_session_lines(), SMALL, ["user_id", "user_tags"]).equals(
+        _plain(_session_lines(), SMALL)
+    ), "the undamaged session takes the shared parse"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_any_damage_to_a_line_gives_the_plain_parse_or_declines(data):
+    """Whatever one edit does to one line of a session (a byte replaced, inserted or
+    removed), the shared parse gives Arrow's table of the lines or leaves them to it."""
+    text = bytearray(_session_lines())
+    at = data.draw(st.integers(0, len(text) - 2))
+    byte = data.draw(st.sampled_from(b'{}[]":,\\ 0-9.ea'))
+    how = data.draw(st.sampled_from(["replace", "insert", "remove"]))
+    if how == "replace":
+        text[at] = byte
+    elif how == "insert":
+        text.insert(at, byte)
+    else:
+        del text[at]
+    if b"\n\n" in text or not all(ln.startswith(b"{") and ln.endswith(b"}")
+                                  for ln in bytes(text).splitlines()):  # fmt: skip
+        return  # the reader's own line checks deal with these, before any parse
+    got, plain = _shared(bytes(text), SMALL, ["user_id", "user_tags"]), _plain(bytes(text), SMALL)
+    assert got is None or (plain is not None and got.equals(plain)), bytes(text)

@@ -82,25 +82,45 @@ def _list_rows_where(col: pa.Array, bad_values: pa.Array) -> np.ndarray:
     return out
 
 
+def _any(values) -> bool:
+    """Whether any value of a boolean (chunked) array is true; nulls count as false."""
+    return bool(pc.any(values).as_py())
+
+
+def _below(col, bound) -> bool:
+    low = pc.min(col).as_py()
+    return low is not None and low < bound
+
+
+def _above(col, bound) -> bool:
+    high = pc.max(col).as_py()
+    return high is not None and high > bound
+
+
 def semantic_checks(table: pa.Table, features: FeatureSet) -> list[Check]:
+    """The failing checks of `table` (a check no row fails is left out). Each check first
+    asks a whole-column question (a minimum, a null count): a clean file costs a few
+    aggregates a column, and per-row flags are computed only where a check fails."""
     checks: list[Check] = []
     specs = {f.name: f for f in features.features}
     for name in table.column_names:
-        col = table[name].combine_chunks()
+        col = table[name]
         spec = specs.get(name)
         required = spec is None or spec.required
-        nulls = np.asarray(col.is_null(), bool)
-        if required:
-            checks.append(Check(name, nulls, f"missing required field {name!r}"))
+        if required and col.null_count:
+            checks.append(Check(name, np.asarray(col.is_null(), bool),
+                                f"missing required field {name!r}"))  # fmt: skip
         if spec is None and name in ENVELOPE_COLUMNS:
             if name == "label":
-                bad = (
-                    np.asarray(pc.invert(pc.is_in(col, pa.array([0, 1], pa.int8()))), bool) & ~nulls
-                )
-                checks.append(
-                    Check(name, bad, _with_value("field 'label': must be 0 or 1, got ", col))
-                )
-            else:
+                if _below(col, 0) or _above(col, 1):
+                    col = col.combine_chunks()
+                    known = np.asarray(pc.is_in(col, pa.array([0, 1], pa.int8())), bool)
+                    bad = ~known & ~np.asarray(col.is_null(), bool)
+                    checks.append(
+                        Check(name, bad, _with_value("field 'label': must be 0 or 1, got ", col))
+                    )
+            elif _below(col, 0):
+                col = col.combine_chunks()
                 bad = np.asarray(pc.less(col, 0).fill_null(False), bool)
                 checks.append(
                     Check(name, bad, _with_value(f"field {name!r}: negative value ", col))
@@ -109,9 +129,16 @@ def semantic_checks(table: pa.Table, features: FeatureSet) -> list[Check]:
         if spec is None:
             continue
         if spec.kind == "sparse":
-            bad = np.asarray(pc.less(col, 0).fill_null(False), bool)
-            checks.append(Check(name, bad, _with_value(f"field {name!r}: negative id ", col)))
+            if _below(col, 0):
+                col = col.combine_chunks()
+                bad = np.asarray(pc.less(col, 0).fill_null(False), bool)
+                checks.append(Check(name, bad, _with_value(f"field {name!r}: negative id ", col)))
         elif spec.is_list:
+            flat = pc.list_flatten(col)
+            lengths = pc.list_value_length(col)
+            if not (flat.null_count or _below(flat, 0) or _above(lengths, spec.max_length)):
+                continue
+            col = col.combine_chunks()
             flat = pc.list_flatten(col)
             checks.append(
                 Check(
@@ -134,11 +161,19 @@ def semantic_checks(table: pa.Table, features: FeatureSet) -> list[Check]:
             )
             checks.append(Check(name, bad, msg))
         elif spec.kind == "dense" and spec.dim == 1:
-            bad = np.asarray(pc.invert(pc.is_finite(col)).fill_null(False), bool)
-            checks.append(
-                Check(name, bad, _with_value(f"field {name!r}: not a finite number: ", col))
-            )
+            if _any(pc.invert(pc.is_finite(col))):
+                col = col.combine_chunks()
+                bad = np.asarray(pc.invert(pc.is_finite(col)).fill_null(False), bool)
+                checks.append(
+                    Check(name, bad, _with_value(f"field {name!r}: not a finite number: ", col))
+                )
         else:
+            lengths = pc.list_value_length(col)
+            flat = pc.list_flatten(col)
+            wrong_length = _below(lengths, spec.dim) or _above(lengths, spec.dim)
+            if not (wrong_length or _any(pc.invert(pc.is_finite(flat)))):
+                continue
+            col = col.combine_chunks()
             lengths = pc.list_value_length(col)
             bad = np.asarray(pc.not_equal(lengths, spec.dim).fill_null(False), bool)
             checks.append(
@@ -323,8 +358,11 @@ def _parse(
     """One source file's work, in a parsing thread (or a Ray task): read, validate, hash the
     user-side values for the session check, and with a `sink` write the clean rows as the
     file's events file (its name; None when the rows are left to the caller)."""
-    reader = read_parquet_events if path.name.endswith(".parquet") else read_json_lines
-    parsed, rejects = reader(path, schema)
+    if path.name.endswith(".parquet"):
+        parsed, rejects = read_parquet_events(path, schema)
+    else:
+        shared = [f.name for f in features.by_side("user")]  # a session's: parsed once
+        parsed, rejects = read_json_lines(path, schema, shared)
     parsed, bad = validate(parsed, features)
     rejects.extend(bad)
     user = user_hashes(parsed.table, user_cols)
@@ -416,9 +454,10 @@ def ingest(
     validate_ds(ds)
     t0 = time.perf_counter()
     source = Path(source)
-    file_options = (write or ParquetWrite()).options()  # the events files
-    options = {k: v for k, v in file_options.items() if k != "row_group_size"}
     base_schema = events_schema(features)
+    options = (write or ParquetWrite()).options()
+    file_options = {**options, "use_dictionary": _scalar_columns(base_schema)}  # the events
+    options.pop("row_group_size")  # the quarantine's
     schema = mark_sessions_checked(base_schema) if cfg.check_sessions else base_schema
     user_cols = [f.name for f in features.by_side("user")] if cfg.check_sessions else []
     rejects, parts = Rejects(), []
@@ -480,6 +519,14 @@ def ingest(
     summary["ingest.published"] = True
     summary["ingest.events_bytes"] = w.info.bytes
     return summary
+
+
+def _scalar_columns(schema: pa.Schema) -> list[str]:
+    """The columns the events files dictionary-encode: not the lists. Events come in log
+    order, a session's rows near each other, so zstd removes a session's repeated lists
+    where they stay byte-aligned; bit-packed dictionary indices hide the repeats (a standard
+    file: 10.5 MB with dictionary lists, 5.5 MB without, and faster to write and read)."""
+    return [f.name for f in schema if not pa.types.is_list(f.type)]
 
 
 def _blame(parts, bad_rows, refs, drops, w, user_cols) -> None:

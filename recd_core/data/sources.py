@@ -18,7 +18,6 @@ import json
 import math
 import os
 import re
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 import pyarrow.parquet as pq
+from zlib_ng import zlib_ng as zlib  # zlib's API, ~2x its gunzip speed (zlib-ng)
 
+from recd_core.data.shared_parse import byte_positions, parse_shared
 from recd_core.errors import BadInput
 
 QUARANTINE_SCHEMA = pa.schema(
@@ -122,7 +123,7 @@ class Lines:
     @classmethod
     def of(cls, data: bytes) -> Lines:
         buf = np.frombuffer(data, np.uint8)
-        nl = np.flatnonzero(buf == 10)
+        nl = byte_positions(buf, 10)  # no temporary the size of the file (~0.3 s of 138 MB)
         ends = nl if (len(data) == 0 or data.endswith(b"\n")) else np.append(nl, len(data))
         starts = np.concatenate([[0], nl + 1])[: ends.size]
         cr = (
@@ -215,8 +216,12 @@ def raw_lines(path: Path, line_numbers: np.ndarray) -> pa.Array:
     return Lines.of(_text_bytes(path)[0]).take(np.asarray(line_numbers, np.int64) - 1)
 
 
-def read_json_lines(path: Path, schema: pa.Schema) -> tuple[Parsed, Rejects]:
-    """Parse a JSON-lines file (plain or gzipped) into `schema`'s columns."""
+def read_json_lines(
+    path: Path, schema: pa.Schema, shared: list[str] | tuple = ()
+) -> tuple[Parsed, Rejects]:
+    """Parse a JSON-lines file (plain or gzipped) into `schema`'s columns. `shared`: columns
+    whose values repeat across many lines (a session's user-side features), parsed once per
+    distinct text where the lines allow it (data/shared_parse.py)."""
     source = path_text(path)
     data, stream_problem = _text_bytes(path)
     lines = Lines.of(data)
@@ -264,6 +269,13 @@ def read_json_lines(path: Path, schema: pa.Schema) -> tuple[Parsed, Rejects]:
     stack = [cand[i : i + CHUNK_LINES] for i in range(0, cand.size, CHUNK_LINES)][::-1]
     while stack:
         idx = stack.pop()
+        a, b = int(idx[0]), int(idx[-1])
+        if shared and b - a + 1 == idx.size and clean[a : b + 1].all():
+            t = parse_shared(data, lines.starts[a : b + 1], lines.ends[a : b + 1], schema,
+                             list(shared), read_opts)  # fmt: skip
+            if t is not None:
+                good.append((a, t, idx))
+                continue
         try:
             t = pj.read_json(
                 pa.BufferReader(lines.blob(idx, clean)),
