@@ -214,7 +214,9 @@ def _shared(data: bytes, schema: pa.Schema, shared: list[str]):
                         pj.ReadOptions(use_threads=False))  # fmt: skip
 
 
-def test_a_sessions_user_side_text_is_parsed_once_into_the_same_table(day_logs, features):
+def test_a_sessions_user_side_text_is_parsed_once_into_the_same_table(
+    day_logs, features, warehouse
+):
     from recd_core.data.sources import read_json_lines
     from recd_core.schema import events_schema
 
@@ -227,6 +229,9 @@ def test_a_sessions_user_side_text_is_parsed_once_into_the_same_table(day_logs, 
     src.write_bytes(data)
     (once, _), (whole, _) = read_json_lines(src, schema, user), read_json_lines(src, schema)
     assert once.table.equals(whole.table) and (once.lines == whole.lines).all()
+    assert once.shared_lines == len(data.splitlines()) and whole.shared_lines == 0
+    s = ingest(day_logs, warehouse, DAY, features, IngestConfig())
+    assert s["ingest.rows_shared_parse"] == s["ingest.rows_in"], "the summary says so"
 
 
 SESSION = [{"event_id": i, "user_id": 7, "user_tags": [1, 2], "item_id": 3 * i} for i in range(8)]

@@ -101,9 +101,11 @@ class Parsed:
     source: str
     lines: np.ndarray  # int64, 1-based, one per table row
     raw: Callable[[np.ndarray], pa.Array] | None
+    shared_lines: int = 0  # lines whose shared columns were parsed once per distinct text
 
     def subset(self, keep: np.ndarray) -> Parsed:
-        return Parsed(self.table.take(pa.array(keep)), self.source, self.lines[keep], self.raw)
+        return Parsed(self.table.take(pa.array(keep)), self.source, self.lines[keep], self.raw,
+                      self.shared_lines)  # fmt: skip
 
     def raw_rows(self, rows: np.ndarray) -> pa.Array:
         """The original bytes of table rows `rows`."""
@@ -266,6 +268,7 @@ def read_json_lines(
     read_opts = pj.ReadOptions(block_size=max(4 << 20, longest + 64), use_threads=False)
     cand = np.flatnonzero(candidate)
     good: list[tuple[int, pa.Table, np.ndarray]] = []
+    shared_lines = 0
     stack = [cand[i : i + CHUNK_LINES] for i in range(0, cand.size, CHUNK_LINES)][::-1]
     while stack:
         idx = stack.pop()
@@ -275,6 +278,7 @@ def read_json_lines(
                              list(shared), read_opts)  # fmt: skip
             if t is not None:
                 good.append((a, t, idx))
+                shared_lines += idx.size
                 continue
         try:
             t = pj.read_json(
@@ -302,7 +306,7 @@ def read_json_lines(
     else:
         table, rows = schema.empty_table(), np.zeros(0, np.int64)
     return Parsed(
-        table, source, rows + 1, lambda line_numbers: lines.take(line_numbers - 1)
+        table, source, rows + 1, lambda line_numbers: lines.take(line_numbers - 1), shared_lines
     ), rejects
 
 
