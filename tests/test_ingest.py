@@ -290,3 +290,19 @@ def test_any_damage_to_a_line_gives_the_plain_parse_or_declines(data):
         return  # the reader's own line checks deal with these, before any parse
     got, plain = _shared(bytes(text), SMALL, ["user_id", "user_tags"]), _plain(bytes(text), SMALL)
     assert got is None or (plain is not None and got.equals(plain)), bytes(text)
+
+
+def test_lines_that_share_little_are_left_to_the_plain_parse_after_a_look_at_the_first():
+    """Logs without sessions (every line its own user) are declined (by a look at the
+    block's first lines); a session's block longer than that look is not."""
+    from recd_core.data.shared_parse import PROBE_LINES
+
+    n = 2 * PROBE_LINES
+    rows = [{"event_id": i, "user_id": i, "user_tags": [1, 2], "item_id": 3} for i in range(n)]
+    own = b"\n".join(json.dumps(r, separators=(",", ":")).encode() for r in rows) + b"\n"
+    assert _shared(own, SMALL, ["user_id", "user_tags"]) is None
+    for r in rows:
+        r["user_id"] = 7  # one user
+    one = b"\n".join(json.dumps(r, separators=(",", ":")).encode() for r in rows) + b"\n"
+    got = _shared(one, SMALL, ["user_id", "user_tags"])
+    assert got is not None and got.equals(_plain(one, SMALL))

@@ -31,6 +31,10 @@ import pyarrow as pa
 import pyarrow.json as pj
 
 STEP = 1 << 20  # bytes compared at a time (temporaries the allocator reuses)
+# lines looked at first: where they share little (logs without sessions), the block goes to
+# the plain parse before the whole block is cut (cutting it all and giving up cost 40% more
+# than the plain parse on a standard file whose every line has its own user)
+PROBE_LINES = 1024
 
 
 def byte_positions(buf: np.ndarray, byte: int) -> np.ndarray:
@@ -121,7 +125,13 @@ def parse_shared(
     shared = [c for c in shared if c in schema.names]
     if not shared:
         return None
-    spans = _spans(data, starts, ends, set(shared), set(schema.names))
+    shared_set, known = set(shared), set(schema.names)
+    probe = min(starts.size, PROBE_LINES)
+    if probe < starts.size:
+        head = _spans(data, starts[:probe], ends[:probe], shared_set, known)
+        if head is None or len({data[s:e] for s, e in zip(*head[:2], strict=True)}) * 2 > probe:
+            return None
+    spans = _spans(data, starts, ends, shared_set, known)
     if spans is None:
         return None
     span_start, span_end, cut_a, cut_b = (a.tolist() for a in spans)
