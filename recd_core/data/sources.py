@@ -144,12 +144,18 @@ class Lines:
     def take(self, idx: np.ndarray) -> pa.Array:
         return pa.array([self.get(int(i)) for i in idx], pa.binary())
 
+    def run(self, idx: np.ndarray, clean: np.ndarray) -> slice | None:
+        """The lines `idx` as a slice of all lines where they are consecutive clean lines
+        (one stretch of the buffer); None otherwise."""
+        a, b = int(idx[0]), int(idx[-1])
+        return slice(a, b + 1) if b - a + 1 == idx.size and clean[a : b + 1].all() else None
+
     def blob(self, idx: np.ndarray, clean: np.ndarray):
         """The lines `idx` as one newline-separated buffer: a zero-copy slice when they are
         consecutive clean lines, a join otherwise (only around damaged lines)."""
-        a, b = int(idx[0]), int(idx[-1])
-        if b - a + 1 == idx.size and clean[a : b + 1].all():
-            return pa.py_buffer(memoryview(self.data)[self.starts[a] : self.ends[b]])
+        run = self.run(idx, clean)
+        if run is not None:
+            return pa.py_buffer(memoryview(self.data)[self.starts[run][0] : self.ends[run][-1]])
         return b"\n".join(self.get(int(i)) for i in idx)
 
 
@@ -268,18 +274,22 @@ def read_json_lines(
     read_opts = pj.ReadOptions(block_size=max(4 << 20, longest + 64), use_threads=False)
     cand = np.flatnonzero(candidate)
     good: list[tuple[int, pa.Table, np.ndarray]] = []
-    shared_lines = 0
-    stack = [cand[i : i + CHUNK_LINES] for i in range(0, cand.size, CHUNK_LINES)][::-1]
+    shared_lines, stack = 0, []
+    # each chunk tries the shared parse once; what it declines, the plain parse (bisected
+    # down to the damaged lines, which never retry the shared parse)
+    for chunk in (cand[i : i + CHUNK_LINES] for i in range(0, cand.size, CHUNK_LINES)):
+        run = lines.run(chunk, clean) if shared else None
+        t = None if run is None else parse_shared(
+            data, lines.starts[run], lines.ends[run], schema, list(shared), read_opts
+        )  # fmt: skip
+        if t is None:
+            stack.append(chunk)
+        else:
+            good.append((int(chunk[0]), t, chunk))
+            shared_lines += chunk.size
+    stack.reverse()
     while stack:
         idx = stack.pop()
-        a, b = int(idx[0]), int(idx[-1])
-        if shared and b - a + 1 == idx.size and clean[a : b + 1].all():
-            t = parse_shared(data, lines.starts[a : b + 1], lines.ends[a : b + 1], schema,
-                             list(shared), read_opts)  # fmt: skip
-            if t is not None:
-                good.append((a, t, idx))
-                shared_lines += idx.size
-                continue
         try:
             t = pj.read_json(
                 pa.BufferReader(lines.blob(idx, clean)),
