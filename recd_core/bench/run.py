@@ -238,6 +238,13 @@ def quality_markdown(r: dict) -> list[str]:
             f"| recd DLRM | {r[q + 'ne']:.4f} | {r[q + 'auc']:.4f} |",
             f"| gain over the reference | {r[q + 'ne_gain']:+.4f} | {r[q + 'auc_gain']:+.4f} |",
         ]
+        if q + "fm_auc" in r:
+            rows += [
+                f"| factorization machine, same one-hot (L2 {r[q + 'fm_l2']:g}, "
+                f"{r[q + 'fm_passes']} passes) | {r[q + 'fm_ne']:.4f} | {r[q + 'fm_auc']:.4f} |",
+                f"| its gain over the logistic regression | {r[q + 'lr_ne'] - r[q + 'fm_ne']:+.4f} "
+                f"| {r[q + 'fm_auc'] - r[q + 'lr_auc']:+.4f} |",
+            ]
     if r.get("week"):
         rows += [
             "",
