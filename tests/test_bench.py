@@ -75,12 +75,14 @@ def test_recd_bench_writes_and_logs_its_report(tmp_path):
     assert [w["init"] for w in week] == ["scratch", "warm"]
     assert all(0 < w["oracle_ne"] < w["ne"] for w in week)
     assert all(w["oracle_ne"] < w["bound_ne"] < 1 for w in week)  # what the data teaches
+    # the features show less than the bound hands over (topics and latents, read noisily)
+    assert all(w["bound_ne"] < w["features_ne"] < 1.05 for w in week)
     assert result["bench.quality.week.arms_ne_gap"] < 0.01
     # where each model's gap lies: the true terms, added to its logit, close most of it
     for w in week:
         assert w["missed"]["all"] < w["missed"]["model"]
     md = (tmp_path / "b/bench.md").read_text()
-    assert "learnable bound" in md and "Where the gap lies" in md
+    assert "learnable bound" in md and "the features alone" in md and "Where the gap lies" in md
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(result["mlflow.run_id"])
     assert run.data.metrics["bench.storage_ratio"] == pytest.approx(result["bench.storage_ratio"])

@@ -161,3 +161,69 @@ def test_a_day_is_written_file_by_file_and_sized_from_the_command_line(tmp_path,
     sizes = [len(gzip.decompress(f.read_bytes()).splitlines()) for f in files]
     assert sizes == [700, 700, 700, 700, len(rows) - 2800]
     assert _rows(files[0].parent) == rows
+
+
+def test_skewed_id_probabilities_are_the_drawn_frequencies():
+    from recd_core.data.synth import _skewed_ids, skewed_id_probabilities
+
+    p = skewed_id_probabilities(50)
+    assert p.sum() == pytest.approx(1.0)
+    draws = _skewed_ids(np.random.default_rng(0), 50, 400_000)
+    freq = np.bincount(draws, minlength=50) / draws.size
+    np.testing.assert_allclose(freq, p, atol=0.003)
+
+
+def test_the_topic_posterior_is_bayes_over_the_entitys_topical_ids(features):
+    """The features-alone reference (bench) reads the topics from the ids as the generator
+    drew them: each entity's posterior equals the product of per-id likelihoods, computed
+    directly, and names the true topic for users (long lists), less surely for items."""
+    from recd_core.config import SynthConfig
+    from recd_core.data.synth import (
+        TOPIC_LEAN,
+        Ragged,
+        _World,
+        skewed_id_probabilities,
+        topic_posterior,
+    )
+
+    cfg = SynthConfig(users=60, items=300, samples_per_day=100)
+    world = _World(features, cfg)
+    for side, n, true in (("user", 60, world.user_topic), ("item", 300, world.item_topic)):
+        post = topic_posterior(world, side)
+        np.testing.assert_allclose(post.sum(1), 1.0)
+        static = world.user_static if side == "user" else world.item_static
+        for e in (0, 1, n - 1):
+            loglik = np.zeros(cfg.topics)
+            for spec in world.features.by_side(side):
+                table, size = static.get(spec.name), spec.table_size or 1
+                width = size // cfg.topics
+                if table is None or spec.kind == "dense" or width < 1:
+                    continue
+                ids = table.row(e) if isinstance(table, Ragged) else [table[e]]
+                skew = skewed_id_probabilities(size)
+                for i in ids:
+                    for t in range(cfg.topics):
+                        inside = t * width <= i < (t + 1) * width
+                        loglik[t] += np.log(
+                            TOPIC_LEAN * inside / width + (1 - TOPIC_LEAN) * skew[i]
+                        )
+            direct = np.exp(loglik - loglik.max())
+            np.testing.assert_allclose(post[e], direct / direct.sum(), rtol=1e-6, atol=1e-12)
+        right = post[np.arange(n), true].mean()
+        assert right > (0.95 if side == "user" else 0.6)
+
+
+def test_the_latent_posterior_mean_is_the_regression_of_the_latent_on_the_dense_feature(
+    features,
+):
+    from recd_core.config import SynthConfig
+    from recd_core.data.synth import _World, latent_posterior_mean
+
+    cfg = SynthConfig(users=4000, items=100, samples_per_day=100)
+    world = _World(features, cfg)
+    mean = latent_posterior_mean(world, "user", 4)
+    latent = world.user_latent[:, :4]
+    for k in range(4):  # E[latent | x] is the least-squares fit of the latent on x
+        slope = (mean[:, k] @ latent[:, k]) / (mean[:, k] @ mean[:, k])
+        assert slope == pytest.approx(1.0, abs=0.05)
+    assert np.mean((latent - mean) ** 2) < np.mean(latent**2) * 0.2

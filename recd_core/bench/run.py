@@ -248,14 +248,15 @@ def quality_markdown(r: dict) -> list[str]:
     if r.get("week"):
         rows += [
             "",
-            f"| synthetic ({r['bench.preset']}), day trained -> evaluated | start | next-day NE | AUC | oracle NE | gap to the oracle | learnable bound (gap) |",
-            "|---|---|---|---|---|---|---|",
+            f"| synthetic ({r['bench.preset']}), day trained -> evaluated | start | next-day NE | AUC | oracle NE | gap to the oracle | learnable bound (gap) | the features alone (gap) |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for w in r["week"]:
             rows.append(
                 f"| {w['day']} -> {w['eval_day']} | {w['init']} | {w['ne']:.4f} | {w['auc']:.4f} | "
                 f"{w['oracle_ne']:.4f} | {w['gap']:+.4f} | "
-                f"{w['bound_ne']:.4f} ({w['bound_ne'] - w['oracle_ne']:+.4f}) |"
+                f"{w['bound_ne']:.4f} ({w['bound_ne'] - w['oracle_ne']:+.4f}) | "
+                f"{w['features_ne']:.4f} ({w['features_ne'] - w['oracle_ne']:+.4f}) |"
             )
         missed = [w for w in r["week"] if "missed" in w]
         if missed:

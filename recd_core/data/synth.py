@@ -63,12 +63,24 @@ class Ragged:
 
 
 TOPIC_LEAN = 0.6  # share of a list's ids (or of categoricals) drawn from the owner's topic
+DENSE_SIGNAL, DENSE_NOISE = 0.7, 0.3  # a dense feature's latent dims: 0.7 latent + 0.3 noise
+_SCATTER, _SHIFT = 2_654_435_761, 97  # a skewed id's rank, scattered over the table
 
 
 def _skewed_ids(rng: np.random.Generator, table_size: int, n: int) -> np.ndarray:
     """Ids in [0, table_size) with a heavy head (a few popular values), scattered over the table."""
     ranks = np.minimum((table_size * rng.random(n) ** 2).astype(np.int64), table_size - 1)
-    return (ranks * 2_654_435_761 + 97) % table_size
+    return (ranks * _SCATTER + _SHIFT) % table_size
+
+
+def skewed_id_probabilities(table_size: int) -> np.ndarray:
+    """P(id) of `_skewed_ids`: rank r = floor(size * U^2) has probability
+    sqrt((r + 1) / size) - sqrt(r / size)."""
+    ranks = np.arange(table_size, dtype=np.float64)
+    p = np.sqrt((ranks + 1) / table_size) - np.sqrt(ranks / table_size)
+    out = np.zeros(table_size)
+    np.add.at(out, (np.arange(table_size, dtype=np.int64) * _SCATTER + _SHIFT) % table_size, p)
+    return out
 
 
 def _topical_ids(
@@ -98,7 +110,7 @@ def _ragged(
 def _dense(rng: np.random.Generator, dim: int, latent: np.ndarray) -> np.ndarray:
     out = rng.normal(0.0, 1.0, size=(latent.shape[0], dim)).astype(np.float32)
     k = min(dim, latent.shape[1])
-    out[:, :k] = 0.7 * latent[:, :k] + 0.3 * out[:, :k]
+    out[:, :k] = DENSE_SIGNAL * latent[:, :k] + DENSE_NOISE * out[:, :k]
     return np.round(out, 4)
 
 
@@ -272,6 +284,44 @@ def logit_parts(world: _World, day: Day) -> dict[str, np.ndarray]:
         "item_bias": world.item_bias[day.items],
         "position": day.position.astype(float),
     }
+
+
+def topic_posterior(world: _World, side: str) -> np.ndarray:
+    """[entities, topics]: P(topic | the entity's topical ids) for each user or item, by
+    Bayes from how `_topical_ids` draws them (uniform prior). An id in topic t's slice of
+    its table has likelihood TOPIC_LEAN / width + (1 - TOPIC_LEAN) * P_skew(id) under t and
+    (1 - TOPIC_LEAN) * P_skew(id) under any other topic, so each id adds the log of their
+    ratio to its slice's topic. What a model could know of the topics from the features."""
+    cfg = world.cfg
+    static = world.user_static if side == "user" else world.item_static
+    n = cfg.users if side == "user" else cfg.items
+    score = np.zeros((n, cfg.topics))
+    for spec in world.features.by_side(side):
+        table = static.get(spec.name)
+        width = (spec.table_size or 1) // cfg.topics
+        if table is None or spec.kind not in ("sparse", "id_list") or width < 1:
+            continue
+        skew = (1 - TOPIC_LEAN) * skewed_id_probabilities(spec.table_size or 1)
+        gain = np.log(TOPIC_LEAN / width + skew) - np.log(skew)
+        if isinstance(table, Ragged):
+            owner, ids = np.repeat(np.arange(n), np.diff(table.offsets)), table.values
+        else:
+            owner, ids = np.arange(n), table
+        topic = ids // width
+        ok = topic < cfg.topics
+        np.add.at(score, (owner[ok], topic[ok]), gain[ids[ok]])
+    score -= score.max(1, keepdims=True)
+    p = np.exp(score)
+    return p / p.sum(1, keepdims=True)
+
+
+def latent_posterior_mean(world: _World, side: str, dims: int) -> np.ndarray:
+    """[entities, dims]: E[latent | dense feature] for the first `dims` latent dimensions
+    (latent and noise standard normal, x = DENSE_SIGNAL * latent + DENSE_NOISE * noise)."""
+    spec = next(s for s in world.features.by_side(side) if s.kind == "dense")
+    static = world.user_static if side == "user" else world.item_static
+    x = np.asarray(static[spec.name][:, :dims], np.float64)
+    return DENSE_SIGNAL * x / (DENSE_SIGNAL**2 + DENSE_NOISE**2)
 
 
 def oracle_figures(labels: np.ndarray, click_prob: np.ndarray) -> dict[str, float]:
