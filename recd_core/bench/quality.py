@@ -19,12 +19,15 @@ Two workloads:
                                   reach the same quality.
 
 The oracle knows what no model can: each user's and item's topic, latent vector and bias.
-`learnable_bound` is a reference a model can approach: the generator's own click model with
-the topic match and the affinity the dense features carry handed over, and the two biases
-estimated from the days trained on (a per-id logistic fit, the rest of the true logit as
-offset). It is generous (a model must learn the handed-over parts too), so a model above it
-is short of what the data teaches, and an aim below it asks for the latent parts only ids
-carry.
+`learnable_bounds` gives two references a model can approach. The bound: the generator's own
+click model with the topic match and the affinity the dense features carry handed over, and
+the two biases estimated from the days trained on (a per-id logistic fit, the rest of the
+true logit as offset). It is generous (a model must learn the handed-over parts too), so a
+model above it is short of what the data teaches, and an aim below it asks for the latent
+parts only ids carry. The features alone: the same with the topic match and the affinity
+read from the features (by Bayes, as the generator draws them) instead of handed over: a
+model above it has not yet read what its features show; a model below it has learned from
+ids what no feature shows.
 """
 
 from __future__ import annotations
