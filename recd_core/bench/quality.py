@@ -122,16 +122,17 @@ def logistic_regression(
     fit_rows, val_rows = train.filter(pc.invert(late)), train.filter(late)
     design = scaled_design([train, test], features)
 
-    def fit(rows: pa.Table, c: float):
-        return LogisticRegression(C=c, max_iter=3000).fit(design(rows), _labels(rows))
+    def fit(x, y: np.ndarray, c: float):
+        return LogisticRegression(C=c, max_iter=3000).fit(x, y)
 
+    x_fit, y_fit = design(fit_rows), _labels(fit_rows)
     x_val, y_val = design(val_rows), _labels(val_rows)
     val_ne = {
-        c: metrics.normalized_entropy(y_val, fit(fit_rows, c).predict_proba(x_val)[:, 1])
+        c: metrics.normalized_entropy(y_val, fit(x_fit, y_fit, c).predict_proba(x_val)[:, 1])
         for c in strengths
     }
     best = min(val_ne, key=val_ne.get)
-    p = fit(train, best).predict_proba(design(test))[:, 1]
+    p = fit(design(train), _labels(train), best).predict_proba(design(test))[:, 1]
     y = _labels(test)
     return {"ne": metrics.normalized_entropy(y, p), "auc": metrics.auc(y, p), "c": best}
 
@@ -378,6 +379,7 @@ def learnable_bounds(
         generate_day,
         latent_posterior_mean,
         logit_parts,
+        seen_latent_dims,
         topic_posterior,
     )
 
@@ -392,7 +394,7 @@ def learnable_bounds(
         for d, p in parts.items()
     }
     topics = {side: topic_posterior(world, side) for side in ("user", "item")}
-    seen_dims = min(min(f.dim, synth.latent_dim) for f in features.features if f.kind == "dense")
+    seen_dims = seen_latent_dims(world)
     latents = {side: latent_posterior_mean(world, side, seen_dims) for side in ("user", "item")}
     out = []
     for k, eval_day in enumerate(eval_days):

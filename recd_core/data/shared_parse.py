@@ -111,6 +111,11 @@ def _spans(data: bytes, starts: np.ndarray, ends: np.ndarray, shared: set[str], 
     return span_start, span_end, cut_a, cut_b
 
 
+def _shares_little(distinct: int, lines: int) -> bool:
+    """More than half the lines with spans of their own: the plain parse is as fast."""
+    return distinct * 2 > lines
+
+
 def parse_shared(
     data: bytes,
     starts: np.ndarray,
@@ -129,7 +134,9 @@ def parse_shared(
     probe = min(starts.size, PROBE_LINES)
     if probe < starts.size:
         head = _spans(data, starts[:probe], ends[:probe], shared_set, known)
-        if head is None or len({data[s:e] for s, e in zip(*head[:2], strict=True)}) * 2 > probe:
+        if head is None or _shares_little(
+            len({data[s:e] for s, e in zip(*head[:2], strict=True)}), probe
+        ):
             return None
     spans = _spans(data, starts, ends, shared_set, known)
     if spans is None:
@@ -139,8 +146,8 @@ def parse_shared(
     which = [
         index.setdefault(data[s:e], len(index)) for s, e in zip(span_start, span_end, strict=True)
     ]
-    if len(index) * 2 > starts.size:
-        return None  # little to share: the plain parse is as fast
+    if _shares_little(len(index), starts.size):
+        return None
     rests = [data[ls:a] + data[b:le] for ls, a, b, le
              in zip(starts.tolist(), cut_a, cut_b, ends.tolist(), strict=True)]  # fmt: skip
     uniques = b"\n".join(b"{" + span + b"}" for span in index)

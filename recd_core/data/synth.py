@@ -263,17 +263,23 @@ def click_logit(cfg: SynthConfig, topic_match, affinity, user_bias, item_bias, p
     )
 
 
-def logit_parts(world: _World, day: Day) -> dict[str, np.ndarray]:
-    """The terms of each impression's true click logit, apart from the base rate: the topic
-    match, the latent affinity split into the dimensions both sides' dense features carry
-    (`affinity_seen`) and the ones only ids can teach (`affinity_ids`), the two biases and
-    the position: `click_logit` of them is the oracle's logit."""
+def seen_latent_dims(world: _World) -> int:
+    """How many leading latent dimensions both sides' dense features carry (0 where a side
+    has none): the affinity a model can learn from the dense features alone."""
     dense = {
         s.side: min(s.dim, world.cfg.latent_dim)
         for s in world.features.features
         if s.kind == "dense"
     }
-    seen = min(dense.get("user", 0), dense.get("item", 0))
+    return min(dense.get("user", 0), dense.get("item", 0))
+
+
+def logit_parts(world: _World, day: Day) -> dict[str, np.ndarray]:
+    """The terms of each impression's true click logit, apart from the base rate: the topic
+    match, the latent affinity split into the dimensions both sides' dense features carry
+    (`affinity_seen`) and the ones only ids can teach (`affinity_ids`), the two biases and
+    the position: `click_logit` of them is the oracle's logit."""
+    seen = seen_latent_dims(world)
     u, i = world.user_latent[day.users], world.item_latent[day.items]
     scale = np.sqrt(world.cfg.latent_dim)
     return {
