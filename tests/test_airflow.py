@@ -233,26 +233,3 @@ def test_a_failing_stage_fails_its_task_with_its_reason_and_nothing_downstream_r
     assert "starting task_id=ingest " in out and "starting task_id=generate " not in out
     assert not list((tmp_path / "wh").glob(f"samples/*/ds={TRAIN_DAY}"))
     assert not (tmp_path / "wh" / "events" / f"ds={TRAIN_DAY}").exists()
-
-
-def test_the_comparison_dag_runs_both_arms_over_days_and_compares(airflow_home, tmp_path):
-    env = airflow_env(airflow_home, tmp_path)
-    r = _run_dag(env, "--dag", "recd_dedup_vs_baseline", "--date", "2026-11-05",
-                 "--conf", json.dumps({"ds": TRAIN_DAY, "days": 2, "batch_size": 512}))  # fmt: skip
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-4000:]
-    assert "next-day NE" in out and "train samples/s" in out  # the comparison table, in the log
-    wh = tmp_path / "compare" / "small" / "warehouse"
-    for day in (TRAIN_DAY, "2026-11-02"):  # two training days, both arms
-        for mode in ("dedup", "baseline"):
-            assert (wh / f"batches/mode={mode}/ds={day}/_manifest.json").exists()
-    assert (wh / f"reports/compare/ds={TRAIN_DAY}/compare-{TRAIN_DAY}.png").exists()
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    exp = client.get_experiment_by_name("recd")
-    run = client.search_runs([exp.experiment_id], "tags.`recd.stage` = 'pipeline'")[0]
-    assert (
-        run.data.metrics["train.samples_per_s.dedup"]
-        > run.data.metrics["train.samples_per_s.baseline"]
-    )
-    assert abs(run.data.metrics["eval.ne.dedup"] - run.data.metrics["eval.ne.baseline"]) < 0.01
-    assert f"compare-{TRAIN_DAY}.png" in [a.path for a in client.list_artifacts(run.info.run_id)]

@@ -138,12 +138,27 @@ def test_the_daily_dag_succeeds_when_triggered_over_the_rest_api(airflow):
     assert champion.tags["recd.trained_on"] == "2026-11-01"
 
 
-def test_the_comparison_dag_succeeds_when_triggered_over_the_rest_api(airflow):
-    conf = {"ds": "2026-11-01", "days": 1, "preset": "small", "batch_size": 512}
+def test_the_comparison_dag_runs_both_arms_over_days_when_triggered_over_the_rest_api(airflow):
+    conf = {"ds": "2026-11-01", "days": 2, "preset": "small", "batch_size": 512}
     final, tis = _trigger_and_wait(airflow, COMPARISON.name, {"logical_date": None, "conf": conf})
     states = {t["task_id"]: t["state"] for t in tis}
     assert final["state"] == "success", states
     assert set(states) == {t.id for t in COMPARISON.tasks}
     _, root, _, _ = airflow
-    chart = root / "compare" / "small" / "warehouse" / "reports" / "compare" / "ds=2026-11-01"
-    assert (chart / "compare-2026-11-01.png").read_bytes()[:4] == b"\x89PNG"
+    compare_logs = "".join(p.read_text() for p in (root / "home" / "logs").rglob("*.log")
+                           if "task_id=compare" in str(p))  # fmt: skip
+    assert "next-day NE" in compare_logs and "train samples/s" in compare_logs  # the table
+    wh = root / "compare" / "small" / "warehouse"
+    for day in ("2026-11-01", "2026-11-02"):  # two training days, both arms
+        for mode in ("dedup", "baseline"):
+            assert (wh / f"batches/mode={mode}/ds={day}/_manifest.json").exists()
+    chart = wh / "reports" / "compare" / "ds=2026-11-01" / "compare-2026-11-01.png"
+    assert chart.read_bytes()[:4] == b"\x89PNG"
+    client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
+    exp = client.get_experiment_by_name("recd")
+    runs = client.search_runs([exp.experiment_id], "tags.`recd.stage` = 'pipeline'")
+    run = next(r for r in runs if "eval.ne.baseline" in r.data.metrics)
+    metrics = run.data.metrics
+    assert metrics["train.samples_per_s.dedup"] > metrics["train.samples_per_s.baseline"]
+    assert abs(metrics["eval.ne.dedup"] - metrics["eval.ne.baseline"]) < 0.01
+    assert chart.name in [a.path for a in client.list_artifacts(run.info.run_id)]
