@@ -77,6 +77,7 @@ def test_recd_bench_writes_and_logs_its_report(tmp_path):
     assert all(w["oracle_ne"] < w["bound_ne"] < 1 for w in week)  # what the data teaches
     # the features show less than the bound hands over (topics and latents, read noisily)
     assert all(w["bound_ne"] < w["features_ne"] < 1.05 for w in week)
+    assert all(w["oracle_ne"] < w["ids_ne"] < 1 for w in week)  # ids learned, the rest given
     assert result["bench.quality.week.arms_ne_gap"] < 0.01
     # where each model's gap lies: the true terms, added to its logit, close most of it
     for w in week:
@@ -114,6 +115,37 @@ def test_the_logistic_regression_reference_and_the_split_by_time_per_user(fresh_
     features = features.model_copy(update={"features": [features[f] for f in keep]})
     lr = logistic_regression(train, held, features, per_user=False, strengths=(0.1, 1.0))
     assert 0.5 < lr["auc"] < 1 and 0 < lr["ne"] < 1.2 and lr["c"] > 0
+
+
+def test_the_id_terms_fit_recovers_biases_and_id_only_affinity_from_enough_impressions():
+    """`fit_id_terms` (the week's "ids learned" reference): labels drawn from the model it
+    fits, with plenty of impressions per id, give back the biases and the affinity; with
+    the labels shuffled and few, it learns no affinity, and its priors bound what it fits."""
+    import numpy as np
+
+    from recd_core.bench.quality import fit_id_terms
+
+    rng = np.random.default_rng(0)
+    n_users, n_items, k, n = 60, 80, 2, 60_000
+    bu, bi = rng.normal(0, 0.5, n_users), rng.normal(0, 0.5, n_items)
+    p, q = rng.normal(size=(n_users, k)), rng.normal(size=(n_items, k))
+    u, i = rng.integers(0, n_users, n), rng.integers(0, n_items, n)
+    offset = rng.normal(-1.0, 0.5, n)
+    affinity = (p[u] * q[i]).sum(1) / 2.0
+    y = (rng.random(n) < 1 / (1 + np.exp(-(offset + bu[u] + bi[i] + affinity)))).astype(float)
+    fit = fit_id_terms(u, i, y, offset, (n_users, n_items, k), bias_sd=0.5, latent_scale=2.0)
+    assert np.corrcoef(fit["user_bias"], bu)[0, 1] > 0.9
+    assert np.corrcoef(fit["item_bias"], bi)[0, 1] > 0.9
+    learned = (fit["P"][u] * fit["Q"][i]).sum(1) / 2.0
+    assert np.corrcoef(learned, affinity)[0, 1] > 0.9
+    few = slice(0, 4_000)  # ~60 impressions an id: where the priors matter
+    shuffled = rng.permutation(y[few])
+    noise = fit_id_terms(u[few], i[few], shuffled, offset[few], (n_users, n_items, k), 0.5, 2.0)
+    fitted_noise = (noise["P"][u] * noise["Q"][i]).sum(1) / 2.0
+    assert abs(np.corrcoef(fitted_noise, affinity)[0, 1]) < 0.1
+    # MAP fits some noise where ids are seen ~60 times (the affinity's own scale, not more):
+    # the week's reference recalibrates on the evaluated day, which weighs that down
+    assert np.abs(fitted_noise).mean() < 1.5 * np.abs(affinity).mean()
 
 
 def test_the_factorization_machine_scores_every_pair_of_active_columns():

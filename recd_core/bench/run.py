@@ -248,15 +248,16 @@ def quality_markdown(r: dict) -> list[str]:
     if r.get("week"):
         rows += [
             "",
-            f"| synthetic ({r['bench.preset']}), day trained -> evaluated | start | next-day NE | AUC | oracle NE | gap to the oracle | learnable bound (gap) | the features alone (gap) |",
-            "|---|---|---|---|---|---|---|---|",
+            f"| synthetic ({r['bench.preset']}), day trained -> evaluated | start | next-day NE | AUC | oracle NE | gap to the oracle | learnable bound (gap) | the features alone (gap) | the ids learned (gap) |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for w in r["week"]:
             rows.append(
                 f"| {w['day']} -> {w['eval_day']} | {w['init']} | {w['ne']:.4f} | {w['auc']:.4f} | "
                 f"{w['oracle_ne']:.4f} | {w['gap']:+.4f} | "
                 f"{w['bound_ne']:.4f} ({w['bound_ne'] - w['oracle_ne']:+.4f}) | "
-                f"{w['features_ne']:.4f} ({w['features_ne'] - w['oracle_ne']:+.4f}) |"
+                f"{w['features_ne']:.4f} ({w['features_ne'] - w['oracle_ne']:+.4f}) | "
+                f"{w['ids_ne']:.4f} ({w['ids_ne'] - w['oracle_ne']:+.4f}) |"
             )
         missed = [w for w in r["week"] if "missed" in w]
         if missed:
