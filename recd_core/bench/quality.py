@@ -476,10 +476,7 @@ def learnable_bounds(
             fit = LogisticRegression(C=1e6, max_iter=2000).fit(x, day.labels)
             return float(metrics.normalized_entropy(day.labels, fit.predict_proba(x)[:, 1]))
 
-        ids = _id_terms(days, parts, seen, synth, seen_dims)
-        learned_affinity = (ids["P"][day.users] * ids["Q"][day.items]).sum(1)
-        id_columns = [ids["user_bias"][day.users], ids["item_bias"][day.items],
-                      learned_affinity / np.sqrt(synth.latent_dim)]  # fmt: skip
+        id_columns = _learned_id_terms(days, parts, seen, day, synth, seen_dims)
         out.append(
             {
                 "bound": ne([p["topic_match"], p["affinity_seen"], *rest]),
@@ -490,8 +487,11 @@ def learnable_bounds(
     return out
 
 
-def _id_terms(days: dict, parts: dict, seen: list[str], synth: SynthConfig, seen_dims: int):
-    """`fit_id_terms` on the days seen, every term but the ids' own as offset."""
+def _learned_id_terms(
+    days: dict, parts: dict, seen: list[str], day, synth: SynthConfig, seen_dims: int
+) -> list[np.ndarray]:
+    """The ids' own terms of `day`'s impressions (user bias, item bias, id-only affinity),
+    fitted by `fit_id_terms` on the days seen with every other term as offset."""
     from recd_core.data.synth import click_logit
 
     def cat(f):
@@ -499,11 +499,14 @@ def _id_terms(days: dict, parts: dict, seen: list[str], synth: SynthConfig, seen
 
     offset = cat(lambda d: click_logit(synth, parts[d]["topic_match"], parts[d]["affinity_seen"],
                                        0.0, 0.0, parts[d]["position"]))  # fmt: skip
-    return fit_id_terms(
+    scale = np.sqrt(synth.latent_dim)
+    fit = fit_id_terms(
         cat(lambda d: days[d].users), cat(lambda d: days[d].items), cat(lambda d: days[d].labels),
         offset, (synth.users, synth.items, synth.latent_dim - seen_dims), bias_sd=0.5,
-        latent_scale=np.sqrt(synth.latent_dim),
+        latent_scale=scale,
     )  # fmt: skip
+    affinity = (fit["P"][day.users] * fit["Q"][day.items]).sum(1) / scale
+    return [fit["user_bias"][day.users], fit["item_bias"][day.items], affinity]
 
 
 def missed_terms(
