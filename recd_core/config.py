@@ -299,6 +299,10 @@ class TrainConfig(_Strict):
     # 0.755: its one list is the rated items' history; its bench turns it off)
     cooccurrence_weight: float = Field(default=3.0, ge=0)
     cooccurrence_negatives: int = Field(default=1024, gt=0)
+    # after training, fit a slope and an offset of the logit on the validation slice (the
+    # day's latest rows, never trained on) so the scores follow the latest click rate
+    # (modeling/calibration.py); off: the model's raw scores
+    calibrate: bool = True
     lr_dense: float = Field(default=3e-3, gt=0)
     # embedding tables: row-wise Adagrad (modeling/optim.py); its per-row accumulator starts here
     lr_sparse: float = Field(default=0.1, gt=0)

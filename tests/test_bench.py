@@ -115,6 +115,7 @@ def test_the_logistic_regression_reference_and_the_split_by_time_per_user(fresh_
     features = features.model_copy(update={"features": [features[f] for f in keep]})
     lr = logistic_regression(train, held, features, per_user=False, strengths=(0.1, 1.0))
     assert 0.5 < lr["auc"] < 1 and 0 < lr["ne"] < 1.2 and lr["c"] > 0
+    assert 0 < lr["ne_calibrated"] < 1.2  # calibrated as ours is (on the latest tenth)
 
 
 def test_the_id_terms_fit_recovers_biases_and_id_only_affinity_from_enough_impressions():

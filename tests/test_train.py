@@ -246,9 +246,13 @@ def test_early_stopping_keeps_the_best_validated_state(fresh_warehouse):
     assert all(ne >= best_ne for step, ne in curve if step > best_step)
     model, _ = load_model(s["train.model_uri"])
     valid = BatchStore(fresh_warehouse, DAY, "dedup", split="validation")
-    assert validate(model, valid, torch.device("cpu"))["eval.ne"] == pytest.approx(
-        best_ne, rel=1e-5
+    cpu = torch.device("cpu")
+    # saved calibrated (fitted on the same slice after the best state was chosen)
+    assert validate(model, valid, cpu)["eval.ne"] == pytest.approx(
+        s["train.val_ne_calibrated"], rel=1e-5
     )
+    model.reset_calibration()  # the raw logit: the state early stopping chose
+    assert validate(model, valid, cpu)["eval.ne"] == pytest.approx(best_ne, rel=1e-5)
 
 
 def test_each_pass_restarts_the_tables_from_where_the_run_started(fresh_warehouse, monkeypatch):
@@ -300,6 +304,10 @@ def test_warm_start_loads_the_given_models_weights_or_says_why_it_cannot(fresh_w
 
     first = fit(fresh_warehouse, TrainConfig(batch_size=256, max_steps=6, model=SMALL_MODEL))
     model, _ = load_model(first["train.model_uri"])
+    assert model.calibration.tolist() == pytest.approx(
+        [first["train.calibration_slope"], first["train.calibration_offset"]]
+    )
+    model.reset_calibration()  # training starts from the raw logit and fits its own
     valid = BatchStore(fresh_warehouse, DAY, "dedup", split="validation")
     start_ne = validate(model, valid, torch.device("cpu"))["eval.ne"]
     cfg = TrainConfig(batch_size=256, max_steps=2, model=SMALL_MODEL)
@@ -488,3 +496,58 @@ def test_the_list_cooccurrence_loss_equals_a_direct_computation():
         weight += c
     assert float(got_weight) == weight
     assert float(got_sum) == pytest.approx(total, rel=1e-5)
+
+
+def test_the_calibration_fit_recovers_a_known_slope_and_offset_and_never_reverses_a_ranking():
+    from recd_core.modeling.calibration import fit_calibration
+
+    rng = np.random.default_rng(0)
+    z = rng.normal(0, 2, 50_000)
+    y = (rng.random(z.size) < 1 / (1 + np.exp(-(0.6 * z - 0.8)))).astype(float)
+    fit = fit_calibration(z, y)
+    assert (fit.slope, fit.offset) == (pytest.approx(0.6, abs=0.02), pytest.approx(-0.8, abs=0.03))
+    p = 1 / (1 + np.exp(-fit.apply(z)))
+    assert p.mean() == pytest.approx(y.mean(), rel=1e-6)  # the offset's condition: rates agree
+    one_class = fit_calibration(z, np.ones_like(z))
+    assert (one_class.slope, one_class.offset) == (1.0, 0.0) and "one class" in one_class.reason
+    reversed_ = fit_calibration(-z, y)  # scores that rank the slice backwards
+    assert reversed_.slope == 1.0 and "offset only" in reversed_.reason
+    assert (1 / (1 + np.exp(-reversed_.apply(-z)))).mean() == pytest.approx(y.mean(), rel=1e-6)
+
+
+def test_the_saved_model_is_calibrated_on_the_latest_rows_and_predicts_their_click_rate(
+    fresh_warehouse,
+):
+    """Training fits a slope and an offset of the logit on the validation slice (the latest
+    rows, never trained on): the saved model predicts that slice's click rate, its NE there
+    is no worse than the raw logit's, and `calibrate: false` keeps the raw scores."""
+    from recd_core.dpp.batch_store import BatchStore
+    from recd_core.modeling.train import validate
+
+    cfg = TrainConfig(batch_size=256, max_steps=8, model=SMALL_MODEL)
+    s = fit(fresh_warehouse, cfg)
+    assert s["train.calibration_reason"] == "fitted on the validation slice"
+    assert s["train.calibration_slope"] > 0
+    assert s["train.val_ne_calibrated"] <= s["train.val_ne_uncalibrated"]
+    model, _ = load_model(s["train.model_uri"])
+    valid = BatchStore(fresh_warehouse, DAY, "dedup", split="validation")
+    figures = validate(model, valid, torch.device("cpu"))
+    assert figures["eval.calibration"] == pytest.approx(1.0, abs=1e-5)
+    assert figures["eval.ne"] == pytest.approx(s["train.val_ne_calibrated"], rel=1e-6)
+    raw = train(fresh_warehouse, DAY, cfg.model_copy(update={"calibrate": False, "seed": 3}))
+    assert "train.calibration_slope" not in raw
+    assert load_model(raw["train.model_uri"])[0].calibration.tolist() == [1.0, 0.0]
+
+
+def test_a_state_dict_saved_before_the_calibration_loads_uncalibrated(fresh_warehouse):
+    table = fresh_warehouse.read("samples", DAY, layout="clustered").slice(0, 200)
+    features = feature_set_of(table.schema)
+    old = DLRM(features, SMALL_MODEL).state_dict()
+    del old["calibration"]
+    model = DLRM(features, SMALL_MODEL)
+    model.set_calibration(2.0, 1.0)
+    model.load_state_dict(old)  # strict: every other key still has to match
+    assert model.calibration.tolist() == [1.0, 0.0]
+    del old["constant"]
+    with pytest.raises(RuntimeError, match="constant"):
+        model.load_state_dict(old)

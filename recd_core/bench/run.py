@@ -238,6 +238,11 @@ def quality_markdown(r: dict) -> list[str]:
             f"| recd DLRM | {r[q + 'ne']:.4f} | {r[q + 'auc']:.4f} |",
             f"| gain over the reference | {r[q + 'ne_gain']:+.4f} | {r[q + 'auc_gain']:+.4f} |",
         ]
+        if q + "lr_calibrated_ne" in r:
+            rows.append(
+                f"| logistic regression calibrated as ours (on the latest 10%) "
+                f"| {r[q + 'lr_calibrated_ne']:.4f} | {r[q + 'lr_auc']:.4f} |"
+            )
         if q + "fm_auc" in r:
             rows += [
                 f"| factorization machine, same one-hot (L2 {r[q + 'fm_l2']:g}, "

@@ -4,8 +4,9 @@
     user-side dense floats ─── user bottom MLP ─────┤
     item-side dense floats ─── item bottom MLP ─────┤
     each id / id-list feature ─ EmbeddingBag ───────┤── pairwise dots ─┬ top MLP ─┐
-    the history sequence ────── HistoryEncoder ─────┤  (+ the bottom    └ weighted ─┴ + ─ logit
-      └ its tokens, attended by the sample's item ──┘   MLP outputs)      sum (FM)
+    the history sequence ────── HistoryEncoder ─────┤  (+ the bottom    └ weighted ─┴ + ─ raw logit
+      └ its tokens, attended by the sample's item ──┘   MLP outputs)      sum (FM)        │
+                                    logit = slope * raw logit + offset (the calibration) ─┘
 
 Why this shape: the dot interaction only sees what arrives as separate vectors. Dense
 features get one bottom MLP per side (user, item, context), so a user-side dense vector
@@ -23,7 +24,9 @@ attention runs per sample. The dots also reach the logit through one learned wei
 (a factorization machine's second-order term, zero at first): through the top MLP alone a
 pair's signal arrives as one of hundreds of inputs, and on one day's data the tables learned
 the pairs that matter (the user's topics against the item's) more slowly (next-day NE 0.878
-without it, 0.872 with it, on the standard preset's first day).
+without it, 0.872 with it, on the standard preset's first day). The calibration is a
+buffer, the identity while training; training fits it on the validation slice at the end
+(modeling/calibration.py), so a served or evaluated model's scores are calibrated.
 
 A `Batch` (dpp/batch_store.py) carries per-sample features in a KeyedJaggedTensor and each deduplicated feature
 group in an InverseKeyedJaggedTensor. Modules that see only a group's features (embedding
@@ -182,6 +185,21 @@ class DLRM(nn.Module):
             self.fm = nn.Linear(n_vec * (n_vec - 1) // 2, 1, bias=False)
             nn.init.zeros_(self.fm.weight)
 
+        # the calibration of the logit (modeling/calibration.py): slope, offset; the identity
+        # while training, fitted on the validation slice after it
+        self.register_buffer("calibration", torch.tensor([1.0, 0.0]))
+
+    def set_calibration(self, slope: float, offset: float) -> None:
+        self.calibration.copy_(torch.tensor([slope, offset]))
+
+    def reset_calibration(self) -> None:
+        self.set_calibration(1.0, 0.0)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a model saved before the calibration existed is an uncalibrated one
+        state_dict.setdefault(prefix + "calibration", torch.tensor([1.0, 0.0]))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def init_output_bias(self, click_rate: float) -> None:
         """Start at the base click rate instead of 50%: the first steps learn structure, not
         the prior (the usual bias initialization for an imbalanced label)."""
@@ -255,6 +273,11 @@ class DLRM(nn.Module):
         return out
 
     def forward(self, batch: Batch) -> torch.Tensor:
+        """The calibrated logit of each sample (the raw one while the calibration is the
+        identity, as in training)."""
+        return self.raw_logit(batch) * self.calibration[0] + self.calibration[1]
+
+    def raw_logit(self, batch: Batch) -> torch.Tensor:
         if batch.dense.shape[1] != self.dense_dim:
             raise JaggedError(
                 f"dense input has {batch.dense.shape[1]} columns, the model expects {self.dense_dim}"

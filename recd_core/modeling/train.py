@@ -23,6 +23,13 @@ then counts passes without a better validation NE, since a pass begins below the
 saved model is the best state, and the optimizer state saved with it (what the next day's
 warm start continues) is that step's, not the last step's.
 
+Calibration (`calibrate`, default on): the best state's logit gets a slope and an offset
+fitted on the validation slice (modeling/calibration.py), so its scores follow the day's
+latest click rate, which training never saw; training itself runs uncalibrated (a warm
+start's calibration is fitted again). `train.val_ne` is the best state's uncalibrated
+validation NE (what early stopping compared); `train.val_ne_calibrated` the same slice
+after the fit.
+
 Warm start: `init_from` names a saved model (the pipelines pass the champion); its weights
 are the starting point when its feature set and model config equal this run's, else
 training starts from scratch and `train.init_reason` says why. The saved model's optimizer
@@ -67,6 +74,7 @@ from recd_core.config import FeatureSet, TrainConfig
 from recd_core.dpp.batch_store import BatchStore
 from recd_core.errors import BadInput
 from recd_core.modeling.batching import epoch_order
+from recd_core.modeling.calibration import calibrate
 from recd_core.modeling.cooccurrence import cooccurrence_loss
 from recd_core.modeling.model import DLRM
 from recd_core.modeling.optim import RowWiseAdagrad
@@ -247,6 +255,7 @@ def _train_worker(
             model = DLRM(features, cfg.model)
     if init.state is None:
         model.init_output_bias(store.click_rate())
+    model.reset_calibration()  # training fits the raw logit; a warm start's is refitted
     model = model.to(device)
     opt_dense, opt_sparse = make_optimizers(model, cfg)
     if init.optimizer is not None:  # a warm start from a model saved with it
@@ -319,6 +328,7 @@ def _train_worker(
     if early.best_state is not None and early.best_step != step:
         model.load_state_dict(early.best_state)  # the best validated state, not the last
         optimizer = early.best_optimizer  # and the optimizers as they were then
+    calibration = calibrate(model, valid, device) if cfg.calibrate and len(valid) else {}
     summary = {
         "train.mode": cfg.mode,
         "train.run": name,
@@ -338,6 +348,7 @@ def _train_worker(
         "train.init_from": init.uri or "",
         "train.init_reason": init.reason,
         **early.summary(),
+        **calibration,
     }
     if rank == 0:
         summary["train.model_uri"] = save_model(

