@@ -2,7 +2,9 @@
 warm start): the model directory, its two files, and scoring with it.
 
     <warehouse>/models/<run>/          (or any local copy, e.g. MLflow's model artifacts)
-        model.pt      the state dict: plain `torch.save` of tensors (loaded weights_only)
+        model.pt      the state dict: plain `torch.save` of tensors (loaded weights_only),
+                      `calibration` among them ([slope, offset] of the logit, fitted on
+                      the validation slice; absent in models saved before it: identity)
         optimizer.pt  both optimizers' state at the end of training (Adam's moments, the
                       tables' Adagrad accumulators): the next day's warm start continues
                       it, as incremental training does, instead of restarting the
