@@ -507,12 +507,15 @@ def test_the_calibration_fit_recovers_a_known_slope_and_offset_and_never_reverse
     fit = fit_calibration(z, y)
     assert (fit.slope, fit.offset) == (pytest.approx(0.6, abs=0.02), pytest.approx(-0.8, abs=0.03))
     p = 1 / (1 + np.exp(-fit.apply(z)))
-    assert p.mean() == pytest.approx(y.mean(), rel=1e-6)  # the offset's condition: rates agree
+    assert p.mean() == pytest.approx(y.mean(), rel=1e-4)  # the offset's condition: rates agree
     one_class = fit_calibration(z, np.ones_like(z))
     assert (one_class.slope, one_class.offset) == (1.0, 0.0) and "one class" in one_class.reason
     reversed_ = fit_calibration(-z, y)  # scores that rank the slice backwards
     assert reversed_.slope == 1.0 and "offset only" in reversed_.reason
-    assert (1 / (1 + np.exp(-reversed_.apply(-z)))).mean() == pytest.approx(y.mean(), rel=1e-6)
+    assert (1 / (1 + np.exp(-reversed_.apply(-z)))).mean() == pytest.approx(y.mean(), rel=1e-4)
+    small = z[:40]  # a small slice the model ranks perfectly: still a finite, steeper fit
+    separated = fit_calibration(small, (small > 0).astype(float))
+    assert separated.reason == "fitted on the validation slice" and 1 < separated.slope < 10
 
 
 def test_the_saved_model_is_calibrated_on_the_latest_rows_and_predicts_their_click_rate(
@@ -532,7 +535,7 @@ def test_the_saved_model_is_calibrated_on_the_latest_rows_and_predicts_their_cli
     model, _ = load_model(s["train.model_uri"])
     valid = BatchStore(fresh_warehouse, DAY, "dedup", split="validation")
     figures = validate(model, valid, torch.device("cpu"))
-    assert figures["eval.calibration"] == pytest.approx(1.0, abs=1e-5)
+    assert figures["eval.calibration"] == pytest.approx(1.0, abs=2e-3)
     assert figures["eval.ne"] == pytest.approx(s["train.val_ne_calibrated"], rel=1e-6)
     raw = train(fresh_warehouse, DAY, cfg.model_copy(update={"calibrate": False, "seed": 3}))
     assert "train.calibration_slope" not in raw

@@ -12,7 +12,9 @@ systems calibrate their scores on recent data:
     calibrated logit = slope * logit + offset       (two numbers, kept in the model)
 
 The fit is a two-parameter logistic regression of the validation labels on the model's
-logits, by Newton's method in float64. A slope at or below zero (a model that ranks the
+logits, by Newton's method in float64, with Platt's smoothed targets (a click counts as
+(n+ + 1) / (n+ + 2), a non-click as 1 / (n- + 2)) so a small slice the model happens to
+separate gets a finite slope. A slope at or below zero (a model that ranks the
 slice no better than chance) is not kept: the offset alone is fitted then, so a
 calibration never reverses a model's ranking. A slice with one class teaches nothing:
 the identity is kept, with the reason.
@@ -61,11 +63,16 @@ def fit_calibration(logits: np.ndarray, labels: np.ndarray) -> Calibration:
     y = np.asarray(labels, np.float64)
     if y.size == 0 or y.min() == y.max():
         return Calibration(reason="not calibrated: the validation slice has one class")
-    ones = np.ones_like(z)
-    w = _newton(np.stack([z, ones], 1), y)
-    if w is not None and w[0] > 0:
+    # Platt's targets: (clicks + 1) / (clicks + 2) and 1 / (non-clicks + 2) instead of 1
+    # and 0, so a slice the model separates perfectly gets a finite slope
+    positives = y.sum()
+    target = np.where(y > 0, (positives + 1) / (positives + 2), 1 / (y.size - positives + 2))
+    w = _newton(np.stack([z, np.ones_like(z)], 1), target)
+    if w is None:
+        return Calibration(reason="not calibrated: the fit did not converge")
+    if w[0] > 0:
         return Calibration(float(w[0]), float(w[1]))
-    b = _offset_only(z, y)
+    b = _offset_only(z, target)
     if b is None:
         return Calibration(reason="not calibrated: the fit did not converge")
     return Calibration(1.0, b, "offset only: the slice ranks no better than chance")
