@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from recd_core import metrics
+from recd_core.modeling.evaluate import batch_logits
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,12 @@ class Calibration:
         return self.slope * logits + self.offset
 
 
-def _newton(x: np.ndarray, y: np.ndarray, iters: int = 100) -> np.ndarray | None:
-    """Maximum-likelihood weights of a logistic regression of `y` on the columns of `x`
-    (no penalty but a 1e-9 ridge that keeps the Hessian invertible); None if it diverges."""
+def _newton(x: np.ndarray, y: np.ndarray, offset=0.0, iters: int = 100) -> np.ndarray | None:
+    """Maximum-likelihood weights w of a logistic regression of `y` on `offset + x @ w` (no
+    penalty but a 1e-9 ridge that keeps the Hessian invertible); None if it diverges."""
     w = np.zeros(x.shape[1])
     for _ in range(iters):
-        p = 1.0 / (1.0 + np.exp(-np.clip(x @ w, -40, 40)))
+        p = 1.0 / (1.0 + np.exp(-np.clip(offset + x @ w, -40, 40)))
         hessian = (x * (p * (1 - p))[:, None]).T @ x + 1e-9 * np.eye(x.shape[1])
         step = np.linalg.solve(hessian, x.T @ (p - y))
         w -= step
@@ -67,51 +67,27 @@ def fit_calibration(logits: np.ndarray, labels: np.ndarray) -> Calibration:
     # and 0, so a slice the model separates perfectly gets a finite slope
     positives = y.sum()
     target = np.where(y > 0, (positives + 1) / (positives + 2), 1 / (y.size - positives + 2))
-    w = _newton(np.stack([z, np.ones_like(z)], 1), target)
-    if w is None:
-        return Calibration(reason="not calibrated: the fit did not converge")
-    if w[0] > 0:
+    ones = np.ones((z.size, 1))
+    w = _newton(np.hstack([z[:, None], ones]), target)
+    if w is not None and w[0] > 0:
         return Calibration(float(w[0]), float(w[1]))
-    b = _offset_only(z, target)
-    if b is None:
-        return Calibration(reason="not calibrated: the fit did not converge")
-    return Calibration(1.0, b, "offset only: the slice ranks no better than chance")
-
-
-def _offset_only(z: np.ndarray, y: np.ndarray, iters: int = 100) -> float | None:
-    """The offset b that makes `sigmoid(z + b)` fit `y` best (one-dimensional Newton)."""
-    b = 0.0
-    for _ in range(iters):
-        p = 1.0 / (1.0 + np.exp(-np.clip(z + b, -40, 40)))
-        curvature = float((p * (1 - p)).sum())
-        if curvature <= 0:
-            return None
-        step = float((p - y).sum()) / curvature
-        b -= step
-        if abs(step) < 1e-10:
-            break
-    return b if np.isfinite(b) else None
-
-
-def logits_and_labels(model, batches, device) -> tuple[np.ndarray, np.ndarray]:
-    """The model's raw logits (before any calibration) and the labels over `batches`."""
-    zs, ys = [], []
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for batch in batches:
-            zs.append(model.raw_logit(batch.to(device)).float().cpu().numpy())
-            ys.append(batch.labels.numpy())
-    model.train(was_training)
-    if not zs:
-        return np.zeros(0), np.zeros(0)
-    return np.concatenate(zs).astype(np.float64), np.concatenate(ys).astype(np.float64)
+    if w is not None:  # the offset alone, the logit entering as it is
+        b = _newton(ones, target, offset=z)
+        if b is not None:
+            return Calibration(
+                1.0, float(b[0]), "offset only: the slice ranks no better than chance"
+            )
+    return Calibration(reason="not calibrated: the fit did not converge")
 
 
 def calibrate(model, batches, device) -> dict:
     """Fit the model's calibration on `batches` (the validation slice) and set it; the
     summary's record of it, with the slice's NE before and after."""
-    z, y = logits_and_labels(model, batches, device)
+    labels, logits = [np.zeros(0)], [np.zeros(0)]
+    for y, z in batch_logits(model, batches, device, raw=True):
+        labels.append(y)
+        logits.append(z.cpu().numpy())
+    y, z = (np.concatenate(parts).astype(np.float64) for parts in (labels, logits))
     fit = fit_calibration(z, y)
     model.set_calibration(fit.slope, fit.offset)
     out = {

@@ -64,19 +64,30 @@ def evaluate(warehouse: Warehouse, model_uri: str, ds: str, batch_size: int = 40
     return {**out, "eval.model_uri": model_uri, "eval.seconds": time.perf_counter() - t0}
 
 
+def batch_logits(model, batches, device="cpu", raw: bool = False):
+    """(labels, float logits on `device`) of each decoded batch, the model in eval mode
+    while they are walked; `raw`: before the model's calibration."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                b = batch.to(device)
+                yield batch.labels.numpy(), (model.raw_logit(b) if raw else model(b)).float()
+    finally:
+        model.train(was_training)
+
+
 def score_batches(model, batches, device="cpu") -> dict[str, float]:
     """The metrics of a model (in eval mode for the call) over decoded batches: a day being
     evaluated, or training's validation batches."""
     import torch
 
     acc = StreamingMetrics()
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for batch in batches:
-            probs = torch.sigmoid(model(batch.to(device)).float())
-            acc.update(batch.labels.numpy(), probs.cpu().numpy())
-    model.train(was_training)
+    for labels, logits in batch_logits(model, batches, device):
+        acc.update(labels, torch.sigmoid(logits).cpu().numpy())
     return acc.result()
 
 
