@@ -217,7 +217,7 @@ def test_the_latent_posterior_mean_is_the_regression_of_the_latent_on_the_dense_
     features,
 ):
     from recd_core.config import SynthConfig
-    from recd_core.data.synth import _World, latent_posterior_mean
+    from recd_core.data.synth import _World, latent_posterior_mean, latent_prior
 
     cfg = SynthConfig(users=4000, items=100, samples_per_day=100)
     world = _World(features, cfg)
@@ -227,3 +227,13 @@ def test_the_latent_posterior_mean_is_the_regression_of_the_latent_on_the_dense_
         slope = (mean[:, k] @ latent[:, k]) / (mean[:, k] @ mean[:, k])
         assert slope == pytest.approx(1.0, abs=0.05)
     assert np.mean((latent - mean) ** 2) < np.mean(latent**2) * 0.2
+    # the full prior: the user's dense feature carries every latent dimension, the item's
+    # only its first four; each variance is what the feature leaves unknown
+    for side, entities in (("user", world.user_latent), ("item", world.item_latent)):
+        mean, var = latent_prior(world, side)
+        assert mean.shape == entities.shape and var.shape == (cfg.latent_dim,)
+        left = np.var(entities - mean, axis=0)
+        assert left == pytest.approx(var, rel=0.15 if side == "user" else 0.5)
+    carried = next(s.dim for s in features.by_side("item") if s.kind == "dense")
+    assert np.all(latent_prior(world, "item")[0][:, carried:] == 0)
+    assert np.all(latent_prior(world, "item")[1][carried:] == 1)

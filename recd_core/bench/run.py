@@ -253,7 +253,7 @@ def quality_markdown(r: dict) -> list[str]:
     if r.get("week"):
         rows += [
             "",
-            f"| synthetic ({r['bench.preset']}), day trained -> evaluated | start | next-day NE | AUC | oracle NE | gap to the oracle | learnable bound (gap) | the features alone (gap) | the ids learned (gap) |",
+            f"| synthetic ({r['bench.preset']}), day trained -> evaluated | start | next-day NE | AUC | oracle NE | gap to the oracle | learnable bound (gap) | the features alone (gap) | the generator's model, learned (gap) |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for w in r["week"]:
@@ -262,7 +262,7 @@ def quality_markdown(r: dict) -> list[str]:
                 f"{w['oracle_ne']:.4f} | {w['gap']:+.4f} | "
                 f"{w['bound_ne']:.4f} ({w['bound_ne'] - w['oracle_ne']:+.4f}) | "
                 f"{w['features_ne']:.4f} ({w['features_ne'] - w['oracle_ne']:+.4f}) | "
-                f"{w['ids_ne']:.4f} ({w['ids_ne'] - w['oracle_ne']:+.4f}) |"
+                f"{w['learned_ne']:.4f} ({w['learned_ne'] - w['oracle_ne']:+.4f}) |"
             )
         missed = [w for w in r["week"] if "missed" in w]
         if missed:

@@ -321,13 +321,26 @@ def topic_posterior(world: _World, side: str) -> np.ndarray:
     return p / p.sum(1, keepdims=True)
 
 
-def latent_posterior_mean(world: _World, side: str, dims: int) -> np.ndarray:
-    """[entities, dims]: E[latent | dense feature] for the first `dims` latent dimensions
-    (latent and noise standard normal, x = DENSE_SIGNAL * latent + DENSE_NOISE * noise)."""
+def latent_prior(world: _World, side: str) -> tuple[np.ndarray, np.ndarray]:
+    """What an entity's dense feature tells of its latent vector: ([entities, latent_dim]
+    means, [latent_dim] variances) of the latent given the feature. The dimensions the
+    feature carries (x = DENSE_SIGNAL * latent + DENSE_NOISE * noise, both standard normal)
+    have mean DENSE_SIGNAL * x / (DENSE_SIGNAL^2 + DENSE_NOISE^2) and variance
+    DENSE_NOISE^2 / (DENSE_SIGNAL^2 + DENSE_NOISE^2); the others keep the prior N(0, 1)."""
     spec = next(s for s in world.features.by_side(side) if s.kind == "dense")
     static = world.user_static if side == "user" else world.item_static
-    x = np.asarray(static[spec.name][:, :dims], np.float64)
-    return DENSE_SIGNAL * x / (DENSE_SIGNAL**2 + DENSE_NOISE**2)
+    k = min(spec.dim, world.cfg.latent_dim)
+    x = np.asarray(static[spec.name][:, :k], np.float64)
+    mean = np.zeros((x.shape[0], world.cfg.latent_dim))
+    var = np.ones(world.cfg.latent_dim)
+    mean[:, :k] = DENSE_SIGNAL * x / (DENSE_SIGNAL**2 + DENSE_NOISE**2)
+    var[:k] = DENSE_NOISE**2 / (DENSE_SIGNAL**2 + DENSE_NOISE**2)
+    return mean, var
+
+
+def latent_posterior_mean(world: _World, side: str, dims: int) -> np.ndarray:
+    """[entities, dims]: E[latent | dense feature] for the first `dims` latent dimensions."""
+    return latent_prior(world, side)[0][:, :dims]
 
 
 def oracle_figures(labels: np.ndarray, click_prob: np.ndarray) -> dict[str, float]:
