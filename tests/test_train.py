@@ -384,13 +384,20 @@ def test_warm_start_continues_the_saved_optimizer_state(fresh_warehouse, monkeyp
     def adam_steps(state: dict) -> set[int]:
         return {int(s["step"]) for s in state["dense"]["state"].values()}
 
+    def adam_lr(state: dict) -> float:
+        return state["dense"]["param_groups"][0]["lr"]
+
     improving_validation(monkeypatch)  # the best state is the last: its optimizer is saved
     first = fit(fresh_warehouse, TrainConfig(batch_size=256, max_steps=6, model=SMALL_MODEL))
     saved = optimizer(first)
     assert adam_steps(saved) == {6}
+    assert first["train.lr_dense"] == adam_lr(saved) == TrainConfig().lr_dense  # scratch
     cfg = TrainConfig(batch_size=256, max_steps=2, model=SMALL_MODEL, seed=1)
-    warm = optimizer(train(fresh_warehouse, DAY, cfg, init_from=first["train.model_uri"]))
+    continued = train(fresh_warehouse, DAY, cfg, init_from=first["train.model_uri"])
+    warm = optimizer(continued)
     assert adam_steps(warm) == {8}
+    # a warm start fine-tunes the dense layers with their own, smaller learning rate
+    assert continued["train.lr_dense"] == adam_lr(warm) == cfg.lr_dense_warm < cfg.lr_dense
     for k, before in saved["sparse"]["state"].items():
         after = warm["sparse"]["state"][k]["sum"]
         assert torch.all(after >= before["sum"])  # accumulated on, never restarted
@@ -403,6 +410,10 @@ def test_warm_start_continues_the_saved_optimizer_state(fresh_warehouse, monkeyp
     again = train(fresh_warehouse, DAY, fresh, init_from=first["train.model_uri"])
     assert again["train.init_reason"].startswith("warm start from")
     assert adam_steps(optimizer(again)) == {2}
+    assert adam_lr(optimizer(again)) == fresh.lr_dense_warm
+    plain = TrainConfig(batch_size=256, max_steps=2, model=SMALL_MODEL, lr_dense_warm=None)
+    same = train(fresh_warehouse, DAY, plain, init_from=first["train.model_uri"])
+    assert same["train.lr_dense"] == plain.lr_dense  # None: the warm start keeps lr_dense
 
 
 def test_a_model_saved_before_an_option_existed_still_loads_and_warm_starts_afresh(

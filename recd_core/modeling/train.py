@@ -256,6 +256,8 @@ def _train_worker(
     if init.state is None:
         model.init_output_bias(store.click_rate())
     model.reset_calibration()  # training fits the raw logit; a warm start's is refitted
+    if init.state is not None and cfg.lr_dense_warm is not None:
+        cfg = cfg.model_copy(update={"lr_dense": cfg.lr_dense_warm})  # fine-tuning steps
     model = model.to(device)
     opt_dense, opt_sparse = make_optimizers(model, cfg)
     if init.optimizer is not None:  # a warm start from a model saved with it
@@ -347,6 +349,7 @@ def _train_worker(
         "train.days": days,
         "train.init_from": init.uri or "",
         "train.init_reason": init.reason,
+        "train.lr_dense": opt_dense.param_groups[0]["lr"],
         **early.summary(),
         **calibration,
     }
