@@ -560,24 +560,15 @@ def learnable_bounds(
             fit = LogisticRegression(C=1e6, max_iter=2000).fit(x, day.labels)
             return float(metrics.normalized_entropy(day.labels, fit.predict_proba(x)[:, 1]))
 
+        scale = np.sqrt(synth.latent_dim)
+        learned_logit = _logit(id_terms_probability(
+            learned, day.users, day.items, _rest_of_logit(synth, day), scale, synth.topic_effect
+        ))  # fmt: skip
         out.append(
             {
                 "bound": ne([p["topic_match"], p["affinity_seen"], *rest]),
-                "features": ne([shown_match, shown_affinity / np.sqrt(synth.latent_dim), *rest]),
-                "learned": ne(
-                    [
-                        _logit(
-                            id_terms_probability(
-                                learned,
-                                day.users,
-                                day.items,
-                                _rest_of_logit(synth, day),
-                                np.sqrt(synth.latent_dim),
-                                synth.topic_effect,
-                            )
-                        )
-                    ]
-                ),  # fmt: skip
+                "features": ne([shown_match, shown_affinity / scale, *rest]),
+                "learned": ne([learned_logit]),
             }
         )
     return out
