@@ -577,7 +577,9 @@ def learnable_bounds(
 def _rest_of_logit(synth: SynthConfig, day) -> np.ndarray:
     """The click logit's terms that are neither an entity's nor its topic's: the base
     rate and the position."""
-    return synth.base_ctr_logit - 0.02 * day.position.astype(np.float64)
+    from recd_core.data.synth import click_logit
+
+    return click_logit(synth, 0.0, 0.0, 0.0, 0.0, day.position.astype(np.float64))
 
 
 def _logit(prob: np.ndarray) -> np.ndarray:

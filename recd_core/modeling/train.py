@@ -167,13 +167,16 @@ def _peak_mem(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
-def make_optimizers(model: DLRM, cfg: TrainConfig):
+def make_optimizers(model: DLRM, cfg: TrainConfig, warm: bool = False):
+    """Adam for the dense layers (at `lr_dense_warm` on a warm start: layers that already
+    fit are fine-tuned), row-wise Adagrad for the tables."""
     sparse = RowWiseAdagrad(
         model.sparse_parameters(),
         lr=cfg.lr_sparse,
         initial_accumulator=cfg.adagrad_initial_accumulator,
     )
-    dense = torch.optim.Adam(model.dense_parameters(), lr=cfg.lr_dense)
+    rate = cfg.lr_dense_warm if warm and cfg.lr_dense_warm is not None else cfg.lr_dense
+    dense = torch.optim.Adam(model.dense_parameters(), lr=rate)
     return dense, sparse
 
 
@@ -256,12 +259,10 @@ def _train_worker(
     if init.state is None:
         model.init_output_bias(store.click_rate())
     model.reset_calibration()  # training fits the raw logit; a warm start's is refitted
-    if init.state is not None and cfg.lr_dense_warm is not None:
-        cfg = cfg.model_copy(update={"lr_dense": cfg.lr_dense_warm})  # fine-tuning steps
     model = model.to(device)
-    opt_dense, opt_sparse = make_optimizers(model, cfg)
+    opt_dense, opt_sparse = make_optimizers(model, cfg, warm=init.state is not None)
     if init.optimizer is not None:  # a warm start from a model saved with it
-        continue_optimizers(opt_dense, opt_sparse, init.optimizer, cfg)
+        continue_optimizers(opt_dense, opt_sparse, init.optimizer)
     # where every pass's tables start (before a checkpoint moves them): scratch or warm start
     restart = None
     if cfg.restart_tables and cfg.epochs > 1:
@@ -502,19 +503,20 @@ class Init:
     optimizer: dict | None = None
 
 
-def continue_optimizers(opt_dense, opt_sparse, saved: dict, cfg: TrainConfig) -> None:
+def continue_optimizers(opt_dense, opt_sparse, saved: dict) -> None:
     """Continue the saved model's optimizers (Adam's moments and step count, the tables'
-    Adagrad accumulators) with this run's learning rates. A state that does not fit (another
-    optimizer layout) is left out: the optimizers then start afresh."""
+    Adagrad accumulators) at the learning rates this run built them with. A state that does
+    not fit (another optimizer layout) is left out: the optimizers then start afresh."""
+    optimizers = (opt_dense, opt_sparse)
+    rates = [[group["lr"] for group in opt.param_groups] for opt in optimizers]
     try:
         opt_dense.load_state_dict(saved["dense"])
         opt_sparse.load_state_dict(saved["sparse"])
     except (KeyError, ValueError, RuntimeError, TypeError):
         return
-    for group in opt_dense.param_groups:
-        group["lr"] = cfg.lr_dense
-    for group in opt_sparse.param_groups:
-        group["lr"] = cfg.lr_sparse
+    for opt, lrs in zip(optimizers, rates, strict=True):
+        for group, lr in zip(opt.param_groups, lrs, strict=True):
+            group["lr"] = lr
 
 
 def initial_state(
