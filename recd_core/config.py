@@ -37,9 +37,15 @@ class FeatureSpec(_Strict):
 
     kind:
       dense     `dim` finite floats per sample (a list of length `dim`, or a scalar if dim=1)
-      sparse    one non-negative id per sample, hashed into `table_size` rows later (DPP)
+      sparse    one non-negative id per sample, mapped to one of `table_size` rows (`hash`)
       id_list   a variable-length list of ids, at most `max_length` long
       sequence  an ordered id list (the user history), at most `max_length` long
+    hash: how an id finds its embedding row. True (default): DPP hashes it into `table_size`
+      rows, so any non-negative id works (raw 64-bit ids from a log); two ids then share a
+      row now and then (with as many rows as distinct ids, ~37% of the ids). False: the
+      ids already are row indices below `table_size` (a vocabulary-mapped log, the synthetic
+      generator's ids): no two share a row, and ingest quarantines an id at or beyond
+      `table_size`. On the synthetic standard preset the shared rows cost 0.005 next-day NE.
     side: which entity owns the value. User-side values are snapshotted at session start and
       are identical for every sample of a session: that is the duplication RecD removes.
     """
@@ -50,6 +56,7 @@ class FeatureSpec(_Strict):
     table_size: int | None = Field(default=None, gt=0)
     max_length: int | None = Field(default=None, gt=0)
     dim: int = Field(default=1, gt=0, le=4096)
+    hash: bool = True
     required: bool = True
     synth_length: tuple[int, int] | None = Field(
         default=None, description="length range the synthetic generator draws lists from"
@@ -66,6 +73,8 @@ class FeatureSpec(_Strict):
                 raise ValueError("a dense feature takes `dim`, not `table_size`/`max_length`")
             if self.table is not None:
                 raise ValueError("a dense feature has no embedding `table`")
+            if not self.hash:
+                raise ValueError("`hash` is for id features only")
         else:
             if self.table_size is None:
                 raise ValueError(f"a {self.kind} feature needs `table_size`")
@@ -330,15 +339,16 @@ class TrainConfig(_Strict):
 class TransformSpec(_Strict):
     """How DPP turns one raw feature into a model input (applied in this order).
 
-    ids:    `hash` (stable 64-bit mix, then mod table size; False: plain mod), `truncate`
-            (id lists keep their first N ids, sequences their last N)
+    ids:    `hash` (stable 64-bit mix, then mod table size; False: plain mod; None: the
+            feature's own `hash`), `truncate` (id lists keep their first N ids, sequences
+            their last N)
     dense:  `default` for nulls, `log1p` (of max(x, 0)), `clip` to [low, high],
             `standardize` with mean/std of the training partition (saved with the batches),
             `buckets`: boundaries that turn the values into ids (the feature becomes an id
             list of `dim` ids, one per dimension)
     """
 
-    hash: bool = True
+    hash: bool | None = None
     truncate: int | None = Field(default=None, gt=0)
     default: float | None = None
     log1p: bool = False
@@ -377,10 +387,13 @@ class PreprocessConfig(_Strict):
     default_dense: TransformSpec = TransformSpec(standardize=True)
     dedup: DedupConfig = DedupConfig()
 
-    def transform_for(self, name: str, kind: str) -> TransformSpec:
-        if name in self.transforms:
-            return self.transforms[name]
-        return self.default_dense if kind == "dense" else TransformSpec()
+    def transform_for(self, spec: FeatureSpec) -> TransformSpec:
+        """The feature's transform, its `hash` resolved (the feature's own where unset)."""
+        if spec.name in self.transforms:
+            t = self.transforms[spec.name]
+        else:
+            t = self.default_dense if spec.kind == "dense" else TransformSpec()
+        return t if t.hash is not None else t.model_copy(update={"hash": spec.hash})
 
 
 class RegistryConfig(_Strict):

@@ -12,7 +12,13 @@ import torch
 from recd_core.config import FeatureSpec, PreprocessConfig, TransformSpec
 from recd_core.dpp.batch_store import BatchStore, expand
 from recd_core.dpp.preprocess import PreprocessError, preprocess
-from recd_core.dpp.transforms import hash_ids, transform_dense, transform_ids, truncate
+from recd_core.dpp.transforms import (
+    hash_ids,
+    model_spec,
+    transform_dense,
+    transform_ids,
+    truncate,
+)
 
 DAY, NEXT = "2026-11-01", "2026-11-02"
 
@@ -41,6 +47,26 @@ def test_id_transforms():
     assert values.tolist() == [3, 4] and lens.tolist() == [2], (
         "sequences keep their most recent ids"
     )
+
+
+def test_ids_are_hashed_into_their_table_or_taken_as_row_indices():
+    """`hash: false` (ids that already are row indices): no two ids share a row; hashed,
+    most of a table's worth of distinct ids do (1 - 1/e of the rows stay empty)."""
+    indices = FeatureSpec(name="x", side="item", kind="sparse", table_size=1000, hash=False)
+    hashed = indices.model_copy(update={"hash": True})
+    ids, ones = np.arange(1000), np.ones(1000, np.int64)
+    assert transform_ids(ids, ones, indices, TransformSpec())[0].tolist() == ids.tolist()
+    rows = transform_ids(ids, ones, hashed, TransformSpec())[0]
+    assert 600 < len(set(rows.tolist())) < 665, "hashed: ~632 of 1000 rows used"
+    overridden = transform_ids(ids, ones, indices, TransformSpec(hash=True))[0]
+    assert overridden.tolist() == rows.tolist(), "a transform's own `hash` wins"
+    cfg = PreprocessConfig()
+    assert cfg.transform_for(indices).hash is False and cfg.transform_for(hashed).hash is True
+    # the model's feature records how its ids found their rows (a warm start must match)
+    assert model_spec(indices, cfg.transform_for(indices)).hash is False
+    assert model_spec(indices, TransformSpec(hash=True)).hash is True
+    with pytest.raises(ValueError, match="`hash` is for id features only"):
+        FeatureSpec(name="d", side="user", kind="dense", dim=2, hash=False)
 
 
 def test_dense_transforms():

@@ -104,6 +104,32 @@ def test_validation_is_order_preserving_and_exact(day_logs, warehouse, features)
             assert row[k] == v, k
 
 
+def test_an_id_past_the_table_of_a_feature_whose_ids_are_row_indices_is_quarantined(
+    day_logs, warehouse, features
+):
+    """The synthetic feature set's ids are row indices (`hash: false`): an id at or past
+    the table would wrap onto another id's row, so it is bad input; hashed, any id fits."""
+    lines = clean_lines(day_logs, 20)
+    items, tags = features["item_id"].table_size, features["item_tags"].table_size
+    lines[3] = mutate(lines[3], item_id=items)
+    lines[7] = mutate(lines[7], item_tags=[1, tags + 5])
+    src = day_logs.parent / "beyond.jsonl"
+    src.write_bytes(b"\n".join(lines))
+    s = ingest(src, warehouse, DAY, features, IngestConfig(max_quarantine_fraction=1.0))
+    q = sorted(warehouse.read("quarantine", DAY).to_pylist(), key=lambda r: r["line"])
+    assert [(r["line"], r["field"]) for r in q] == [(4, "item_id"), (8, "item_tags")]
+    assert q[0]["reason"] == (
+        f"field 'item_id': id not below table_size {items} "
+        f"(its ids are row indices: hash false), got {items}"
+    )
+    assert q[1]["reason"].startswith(f"field 'item_tags': id in list not below table_size {tags}")
+    assert s["ingest.rows_ok"] == 18
+    hashed = features.model_copy(
+        update={"features": [f.model_copy(update={"hash": True}) for f in features.features]}
+    )
+    assert ingest(src, warehouse, DAY, hashed, IngestConfig())["ingest.rows_ok"] == 20
+
+
 def test_an_event_whose_user_features_differ_within_its_session_is_quarantined(
     day_logs, warehouse, features
 ):

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from recd_core.config import load_feature_set, synth_config
+from recd_core.config import ConfigError, load_feature_set, synth_config
 from recd_core.data.synth import synthesize
 
 
@@ -237,3 +237,17 @@ def test_the_latent_posterior_mean_is_the_regression_of_the_latent_on_the_dense_
     carried = next(s.dim for s in features.by_side("item") if s.kind == "dense")
     assert np.all(latent_prior(world, "item")[0][:, carried:] == 0)
     assert np.all(latent_prior(world, "item")[1][carried:] == 1)
+
+
+def test_a_world_whose_ids_outgrow_an_unhashed_table_is_refused(tmp_path, features):
+    """The synthetic ids are row indices (`hash: false`): more users than the user table has
+    rows would wrap users onto each other's rows, so synth says so before drawing a row."""
+    size = features["user_id"].table_size
+    cfg = synth_config("small", users=size + 1)
+    with pytest.raises(ConfigError, match=f"'user_id' draws ids up to {size}, beyond its table"):
+        synthesize(features, cfg, tmp_path)
+    hashed = features.model_copy(
+        update={"features": [f.model_copy(update={"hash": True}) for f in features.features]}
+    )
+    synthesize(hashed, cfg.model_copy(update={"samples_per_day": 50}), tmp_path)
+    assert (tmp_path / "ds=2026-11-01").is_dir()

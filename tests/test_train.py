@@ -300,7 +300,7 @@ def test_validation_rows_are_the_latest_and_never_trained_on(fresh_warehouse):
 
 def test_warm_start_loads_the_given_models_weights_or_says_why_it_cannot(fresh_warehouse):
     from recd_core.dpp.batch_store import BatchStore
-    from recd_core.modeling.train import validate
+    from recd_core.modeling.train import initial_state, validate
 
     first = fit(fresh_warehouse, TrainConfig(batch_size=256, max_steps=6, model=SMALL_MODEL))
     model, _ = load_model(first["train.model_uri"])
@@ -322,6 +322,17 @@ def test_warm_start_loads_the_given_models_weights_or_says_why_it_cannot(fresh_w
     scratch = train(fresh_warehouse, DAY, other, init_from=first["train.model_uri"])
     assert scratch["train.init_from"] == ""
     assert "model config changed (embedding_dim)" in scratch["train.init_reason"]
+    # ids mapped to rows another way (hashed vs row indices): the rows mean other ids
+    flipped = model.features.model_copy(
+        update={
+            "features": [
+                f.model_copy(update={"hash": not f.hash}) if f.name == "item_id" else f
+                for f in model.features.features
+            ]
+        }
+    )
+    init = initial_state(first["train.model_uri"], flipped, cfg)
+    assert init.state is None and "the feature set changed (item_id)" in init.reason
     with pytest.raises(CheckpointError, match="not a recd model"):
         train(fresh_warehouse, DAY, cfg, init_from=str(fresh_warehouse.root) + "/models/nothing")
 

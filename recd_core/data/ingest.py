@@ -4,7 +4,8 @@ Checks run on whole Arrow columns, never a Python loop over rows:
 
   parse      JSON syntax, UTF-8, object shape, types (data/sources.py)
   required   every envelope column and every `required` feature present and non-null
-  ids        sparse ids, list elements, event_id, session_id, ts non-negative
+  ids        sparse ids, list elements, event_id, session_id, ts non-negative; the ids of a
+             feature with `hash: false` (row indices) below its table_size
   label      0 or 1
   lists      no null elements, length <= max_length
   dense      finite; dim > 1 lists of exactly `dim` values
@@ -128,15 +129,26 @@ def semantic_checks(table: pa.Table, features: FeatureSet) -> list[Check]:
             continue
         if spec is None:
             continue
+        # an unhashed feature's ids are row indices (FeatureSpec.hash)
+        size = spec.table_size or 0
+        beyond = f" not below table_size {size} (its ids are row indices: hash false)"
         if spec.kind == "sparse":
             if _below(col, 0):
                 col = col.combine_chunks()
                 bad = np.asarray(pc.less(col, 0).fill_null(False), bool)
                 checks.append(Check(name, bad, _with_value(f"field {name!r}: negative id ", col)))
+            if not spec.hash and _above(col, size - 1):
+                col = col.combine_chunks()
+                bad = np.asarray(pc.greater_equal(col, size).fill_null(False), bool)
+                msg = _with_value(f"field {name!r}: id{beyond}, got ", col)
+                checks.append(Check(name, bad, msg))
         elif spec.is_list:
             flat = pc.list_flatten(col)
             lengths = pc.list_value_length(col)
-            if not (flat.null_count or _below(flat, 0) or _above(lengths, spec.max_length)):
+            too_big = not spec.hash and _above(flat, size - 1)
+            if not (
+                flat.null_count or _below(flat, 0) or too_big or _above(lengths, spec.max_length)
+            ):
                 continue
             col = col.combine_chunks()
             flat = pc.list_flatten(col)
@@ -154,6 +166,9 @@ def semantic_checks(table: pa.Table, features: FeatureSet) -> list[Check]:
                     f"field {name!r}: negative id in list",
                 )
             )
+            if too_big:
+                rows = _list_rows_where(col, pc.greater_equal(flat, size))
+                checks.append(Check(name, rows, f"field {name!r}: id in list{beyond}"))
             lengths = pc.list_value_length(col)
             bad = np.asarray(pc.greater(lengths, spec.max_length).fill_null(False), bool)
             msg = _with_value(

@@ -131,10 +131,31 @@ def _session_length_sampler(
     return lambda rng, n: lengths(mu, rng.standard_normal(n))
 
 
+def _check_index_ranges(features: FeatureSet, cfg: SynthConfig) -> None:
+    """An unhashed feature's ids are row indices (`FeatureSpec.hash`): the largest id the
+    generator draws for it must fit its table (list ids and categoricals always do)."""
+    largest = {
+        features.user_key: cfg.users - 1,
+        features.item_key: cfg.items - 1,
+        "position": cfg.max_session_length - 1,
+        "hour": 23,
+    }
+    largest |= {s.name: cfg.items - 1 for s in features.features if s.kind == "sequence"}
+    for s in features.features:
+        top = largest.get(s.name)
+        if top is not None and not s.hash and top >= (s.table_size or 0):
+            raise ConfigError(
+                f"synth: feature {s.name!r} draws ids up to {top}, beyond its table_size "
+                f"{s.table_size} (hash: false, its ids are row indices): raise table_size "
+                "or let DPP hash them"
+            )
+
+
 class _World:
     """Users and items with their latent factors and static features (fixed per seed)."""
 
     def __init__(self, features: FeatureSet, cfg: SynthConfig):
+        _check_index_ranges(features, cfg)
         rng = np.random.default_rng([cfg.seed, 0])
         self.features, self.cfg = features, cfg
         d = cfg.latent_dim

@@ -157,7 +157,7 @@ def prepare(
     if stats is None:
         stats = {}
         for f in raw.features:
-            t = cfg.transform_for(f.name, f.kind)
+            t = cfg.transform_for(f)
             if f.kind == "dense" and t.standardize:
                 col = (dense if dense is not None else table)[f.name]
                 stats[f.name] = dense_stats(pre_standardize(_dense(col, f.dim), t))
@@ -165,7 +165,7 @@ def prepare(
         name=raw.name,
         user_key=raw.user_key,
         item_key=raw.item_key,
-        features=[model_spec(f, cfg.transform_for(f.name, f.kind)) for f in raw.features],
+        features=[model_spec(f, cfg.transform_for(f)) for f in raw.features],
     )
     groups = {}
     if cfg.mode == "dedup":
@@ -254,7 +254,7 @@ def _encode(
     for f in prep.raw.features:
         if f.kind != "dense":
             continue
-        t = prep.cfg.transform_for(f.name, f.kind)
+        t = prep.cfg.transform_for(f)
         out = transform_dense(_dense(chunk[f.name], f.dim), t, prep.stats.get(f.name))
         if isinstance(out, tuple):
             extra_ids[f.name] = out
@@ -334,7 +334,7 @@ def _lists(flat: np.ndarray, offsets: np.ndarray, typ: pa.DataType) -> pa.Array:
 def _ids(col, prep: Prepared, name: str) -> tuple[np.ndarray, np.ndarray]:
     spec = prep.raw[name]
     values, lengths = _list_parts(col)
-    return transform_ids(values, lengths, spec, prep.cfg.transform_for(name, spec.kind))
+    return transform_ids(values, lengths, spec, prep.cfg.transform_for(spec))
 
 
 # -- a partition ----------------------------------------------------------------------------------

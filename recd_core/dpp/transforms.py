@@ -41,7 +41,8 @@ def truncate(
 def transform_ids(values, lengths, spec: FeatureSpec, t: TransformSpec):
     if t.truncate is not None:
         values, lengths = truncate(values, lengths, t.truncate, keep_last=spec.kind == "sequence")
-    return hash_ids(values, spec.table_size or 1, t.hash), lengths
+    stable_hash = spec.hash if t.hash is None else t.hash
+    return hash_ids(values, spec.table_size or 1, stable_hash), lengths
 
 
 def dense_stats(x: np.ndarray) -> dict[str, list[float]]:
@@ -91,8 +92,10 @@ def model_spec(spec: FeatureSpec, t: TransformSpec) -> FeatureSpec:
             max_length=spec.dim,
             required=spec.required,
         )
+    if spec.kind == "dense":
+        return spec
+    # how the ids found their rows (a warm start must have mapped them alike)
+    update: dict = {"hash": spec.hash if t.hash is None else t.hash}
     if spec.is_list and t.truncate is not None:
-        return spec.model_copy(
-            update={"max_length": min(t.truncate, spec.max_length or t.truncate)}
-        )
-    return spec
+        update["max_length"] = min(t.truncate, spec.max_length or t.truncate)
+    return spec.model_copy(update=update)
