@@ -333,6 +333,11 @@ def test_warm_start_loads_the_given_models_weights_or_says_why_it_cannot(fresh_w
     )
     init = initial_state(first["train.model_uri"], flipped, cfg)
     assert init.state is None and "the feature set changed (item_id)" in init.reason
+    every = model.features.model_copy(
+        update={"features": [f.model_copy(update={"required": False}) for f in flipped.features]}
+    )
+    reason = initial_state(first["train.model_uri"], every, cfg).reason
+    assert reason.endswith(f"and {len(every.features) - 4} more)"), "a long list is cut short"
     with pytest.raises(CheckpointError, match="not a recd model"):
         train(fresh_warehouse, DAY, cfg, init_from=str(fresh_warehouse.root) + "/models/nothing")
 

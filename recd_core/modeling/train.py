@@ -538,7 +538,11 @@ def initial_state(
         changed = sorted(
             {f.name for f in theirs.features} ^ {f.name for f in features.features}
         ) or [a.name for a, b in zip(theirs.features, features.features, strict=False) if a != b]
-        return Init(None, None, f"from scratch: the feature set changed ({', '.join(changed)})")
+        changed = changed or ["its name or user/item keys"]
+        named = ", ".join(changed[:4]) + (
+            f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+        )
+        return Init(None, None, f"from scratch: the feature set changed ({named})")
     if their_model != cfg.model:
         a, b = their_model.model_dump(), cfg.model.model_dump()
         changed = [k for k in a if a[k] != b[k]]
