@@ -41,11 +41,12 @@ class FeatureSpec(_Strict):
       id_list   a variable-length list of ids, at most `max_length` long
       sequence  an ordered id list (the user history), at most `max_length` long
     hash: how an id finds its embedding row. True (default): DPP hashes it into `table_size`
-      rows, so any non-negative id works (raw 64-bit ids from a log); two ids then share a
-      row now and then (with as many rows as distinct ids, ~37% of the ids). False: the
-      ids already are row indices below `table_size` (a vocabulary-mapped log, the synthetic
+      rows, so any non-negative id works (raw 64-bit ids from a log); ids then share rows
+      (with as many rows as distinct ids, 63% of the ids share theirs). False: the ids
+      already are row indices below `table_size` (a vocabulary-mapped log, the synthetic
       generator's ids): no two share a row, and ingest quarantines an id at or beyond
-      `table_size`. On the synthetic standard preset the shared rows cost 0.005 next-day NE.
+      `table_size`. On the synthetic standard preset's first day the shared rows cost
+      0.005-0.009 next-day NE.
     side: which entity owns the value. User-side values are snapshotted at session start and
       are identical for every sample of a session: that is the duplication RecD removes.
     """
