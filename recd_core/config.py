@@ -359,6 +359,10 @@ class TransformSpec(_Strict):
     standardize: bool = False
     buckets: list[float] | None = None
 
+    def hash_for(self, spec: FeatureSpec) -> bool:
+        """Whether `spec`'s ids are hashed: this transform's `hash`, else the feature's."""
+        return spec.hash if self.hash is None else self.hash
+
     @model_validator(mode="after")
     def _ordered(self) -> TransformSpec:
         if self.clip is not None and self.clip[0] > self.clip[1]:
@@ -396,7 +400,7 @@ class PreprocessConfig(_Strict):
             t = self.transforms[spec.name]
         else:
             t = self.default_dense if spec.kind == "dense" else TransformSpec()
-        return t if t.hash is not None else t.model_copy(update={"hash": spec.hash})
+        return t if t.hash is not None else t.model_copy(update={"hash": t.hash_for(spec)})
 
 
 class RegistryConfig(_Strict):

@@ -41,8 +41,7 @@ def truncate(
 def transform_ids(values, lengths, spec: FeatureSpec, t: TransformSpec):
     if t.truncate is not None:
         values, lengths = truncate(values, lengths, t.truncate, keep_last=spec.kind == "sequence")
-    stable_hash = spec.hash if t.hash is None else t.hash
-    return hash_ids(values, spec.table_size or 1, stable_hash), lengths
+    return hash_ids(values, spec.table_size or 1, t.hash_for(spec)), lengths
 
 
 def dense_stats(x: np.ndarray) -> dict[str, list[float]]:
@@ -95,7 +94,7 @@ def model_spec(spec: FeatureSpec, t: TransformSpec) -> FeatureSpec:
     if spec.kind == "dense":
         return spec
     # how the ids found their rows (a warm start must have mapped them alike)
-    update: dict = {"hash": spec.hash if t.hash is None else t.hash}
+    update: dict = {"hash": t.hash_for(spec)}
     if spec.is_list and t.truncate is not None:
         update["max_length"] = min(t.truncate, spec.max_length or t.truncate)
     return spec.model_copy(update=update)
