@@ -259,7 +259,8 @@ def test_each_pass_restarts_the_tables_from_where_the_run_started(fresh_warehous
     """Each pass after the first takes the embedding tables (and their Adagrad state) back to
     the run's start and keeps the dense layers; a second pass over tables that have seen
     the day memorizes it. Patience counts passes, so worse validations early in a pass
-    (new tables) do not stop the run."""
+    (new tables) do not stop the run. Each later pass fine-tunes the dense layers at a
+    lower rate (`lr_dense_pass_decay`)."""
     import recd_core.modeling.train as training
 
     seen = []
@@ -271,22 +272,25 @@ def test_each_pass_restarts_the_tables_from_where_the_run_started(fresh_warehous
                 [p.detach().clone() for p in model.sparse_parameters()],
                 [p.detach().clone() for p in model.dense_parameters()],
                 sum(len(s) for s in opt_sparse.state.values()),
+                opt_dense.param_groups[0]["lr"],
             )
         )
         return real_step(model, batch, opt_dense, opt_sparse, amp, aux)
 
     monkeypatch.setattr(training, "train_step", recording)
-    cfg = TrainConfig(batch_size=256, epochs=2, pass_patience=1, model=SMALL_MODEL)
+    cfg = TrainConfig(batch_size=256, epochs=2, pass_patience=1, model=SMALL_MODEL,
+                      lr_dense=2e-3, lr_dense_pass_decay=0.5)  # fmt: skip
     s = fit(fresh_warehouse, cfg)
     per_pass = s["train.steps_per_epoch"]
     assert s["train.steps"] == 2 * per_pass  # pass_patience 1: not stopped mid-pass
-    (tables0, dense0, _), (tables1, _, _) = seen[0], seen[1]
-    tables2, dense2, opt2 = seen[per_pass]  # the first step of the second pass
+    (tables0, dense0, _, rate0), (tables1, _, _, _) = seen[0], seen[1]
+    tables2, dense2, opt2, rate2 = seen[per_pass]  # the first step of the second pass
     assert not all(torch.equal(a, b) for a, b in zip(tables0, tables1, strict=True))
     for start, again in zip(tables0, tables2, strict=True):
         assert torch.equal(start, again)
     assert opt2 == 0  # Adagrad as at the start: no accumulator yet
     assert not all(torch.equal(a, b) for a, b in zip(dense0, dense2, strict=True))
+    assert (rate0, rate2, seen[-1][3]) == (2e-3, 1e-3, 1e-3)
 
 
 def test_validation_rows_are_the_latest_and_never_trained_on(fresh_warehouse):
@@ -382,7 +386,8 @@ def test_a_pass_without_a_better_state_ends_the_run_and_the_best_states_optimize
 
     monkeypatch.setattr(training, "train_step", counting)
     monkeypatch.setattr(training, "validate", validate)
-    s = train(fresh_warehouse, DAY, TrainConfig(batch_size=256, epochs=3, model=SMALL_MODEL))
+    cfg = TrainConfig(batch_size=256, epochs=3, pass_patience=1, model=SMALL_MODEL)
+    s = train(fresh_warehouse, DAY, cfg)
     assert s["train.steps"] == 2 * per_pass and s["train.stopped_early"]
     assert s["train.best_step"] == per_pass
     saved = torch.load(Path(s["train.model_uri"]) / "optimizer.pt", weights_only=True)

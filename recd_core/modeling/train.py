@@ -308,6 +308,8 @@ def _train_worker(
         epoch, k = divmod(step, per_epoch)
         if restart is not None and epoch > 0 and k == 0:
             restart.restore(model, opt_sparse)
+            for group in opt_dense.param_groups:  # saved with the optimizer: a resume keeps it
+                group["lr"] *= cfg.lr_dense_pass_decay
         b = int(epoch_order(n_batches, cfg.seed, epoch)[rank::world][k])
         batch = store[b].to(device)
         aux = cooccurrence_term(model, cfg, step)
