@@ -283,9 +283,10 @@ class TrainConfig(_Strict):
     # at most this many passes over the day; validation stops earlier and keeps the best
     # state (CTR models overfit after about one pass, the "one-epoch phenomenon", unless
     # the tables restart each pass: `restart_tables`). A day trained from scratch gains
-    # from five to seven passes (the standard day: next-day NE 0.8435 after 3, 0.8400
-    # after 5, 0.8362 after 7, 0.8363 at most 10, best at the sixth); a warm-started day
-    # stops after its best pass and two more
+    # from five to seven passes (the standard day at a constant dense rate: next-day NE
+    # 0.8435 after 3, 0.8400 after 5, 0.8362 after 7, 0.8363 at most 10, best at the
+    # sixth; 0.8308 after 7 with `lr_dense_pass_decay`); a warm-started day stops after
+    # its best pass and two more
     epochs: int = Field(default=7, gt=0)
     max_steps: int | None = Field(default=None, gt=0)
     # each pass after the first starts the embedding tables (and their Adagrad state) again
