@@ -323,6 +323,11 @@ class TrainConfig(_Strict):
     # day's latest rows, never trained on) so the scores follow the latest click rate
     # (modeling/calibration.py); off: the model's raw scores
     calibrate: bool = True
+    # then the tables take one pass over the validation slice (dense layers and calibration
+    # stay): the day's latest rows, which they would otherwise never see, as the bench's
+    # references are refit on all their training rows. MovieLens-100k: AUC 0.7710 -> 0.7797,
+    # NE 0.8265 -> 0.8168; the standard day from scratch: next-day NE 0.8307 -> 0.8294
+    fold_in_validation: bool = True
     lr_dense: float = Field(default=3e-3, gt=0)
     # the dense layers' learning rate when training starts from a saved model (a warm start,
     # the daily retrain): layers that already fit take smaller steps, as fine-tuning does.

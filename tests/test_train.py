@@ -234,8 +234,9 @@ def test_early_stopping_keeps_the_best_validated_state(fresh_warehouse):
 
     # tables kept across passes (they memorize the day): patience counts validations
     cfg = TrainConfig(
-        batch_size=128, epochs=4, patience=3, model=SMALL_MODEL, lr_sparse=0.3, restart_tables=False
-    )
+        batch_size=128, epochs=4, patience=3, model=SMALL_MODEL, lr_sparse=0.3,
+        restart_tables=False, fold_in_validation=False,
+    )  # fmt: skip
     s = fit(fresh_warehouse, cfg)
     curve = s["train.history"]["train.val_ne"]
     assert curve[0][0] == 0 and len(curve) >= 4  # validated before the first step, then often
@@ -559,7 +560,7 @@ def test_the_saved_model_is_calibrated_on_the_latest_rows_and_predicts_their_cli
     from recd_core.dpp.batch_store import BatchStore
     from recd_core.modeling.train import validate
 
-    cfg = TrainConfig(batch_size=256, max_steps=8, model=SMALL_MODEL)
+    cfg = TrainConfig(batch_size=256, max_steps=8, model=SMALL_MODEL, fold_in_validation=False)
     s = fit(fresh_warehouse, cfg)
     assert s["train.calibration_reason"] == "fitted on the validation slice"
     assert s["train.calibration_slope"] > 0
@@ -572,6 +573,39 @@ def test_the_saved_model_is_calibrated_on_the_latest_rows_and_predicts_their_cli
     raw = train(fresh_warehouse, DAY, cfg.model_copy(update={"calibrate": False, "seed": 3}))
     assert "train.calibration_slope" not in raw
     assert load_model(raw["train.model_uri"])[0].calibration.tolist() == [1.0, 0.0]
+
+
+def test_the_tables_fold_in_the_validation_slice_after_it_chose_the_state(fresh_warehouse):
+    """After the validation slice has chosen the state and fitted the calibration, the tables
+    take one pass over it (the day's latest rows, which they would otherwise never see): the
+    saved tables differ from the chosen state only in rows those rows use, the dense layers
+    and the calibration are the chosen state's, and the saved Adagrad accumulators grew
+    (tomorrow's warm start continues them)."""
+    from recd_core.dpp.batch_store import BatchStore
+    from recd_core.modeling.saved import read_optimizer
+
+    cfg = TrainConfig(batch_size=256, max_steps=8, model=SMALL_MODEL)
+    folded = fit(fresh_warehouse, cfg)
+    kept = train(fresh_warehouse, DAY, cfg.model_copy(update={"fold_in_validation": False}))
+    valid = BatchStore(fresh_warehouse, DAY, "dedup", split="validation")
+    assert folded["train.folded_in_samples"] == sum(valid[k].size for k in range(len(valid)))
+    assert kept["train.folded_in_samples"] == 0
+    assert folded["train.val_ne"] == kept["train.val_ne"]  # the same state was chosen
+    a, _ = load_model(folded["train.model_uri"])
+    b, _ = load_model(kept["train.model_uri"])
+    assert torch.equal(a.calibration, b.calibration)
+    for name, p in b.named_parameters():
+        if p in set(b.sparse_parameters()):
+            continue
+        assert torch.equal(dict(a.named_parameters())[name], p), name  # dense layers stay
+    table = b.table_of["position"]  # a table of its own: only the slice's positions move
+    moved = (a.bags[table].weight != b.bags[table].weight).any(dim=1)
+    shown = {int(v) for k in range(len(valid)) for v in valid[k].kjt.to_dict()["position"].values}
+    assert moved.any() and set(moved.nonzero().flatten().tolist()) <= shown
+    acc_a = read_optimizer(folded["train.model_uri"])["sparse"]["state"]
+    acc_b = read_optimizer(kept["train.model_uri"])["sparse"]["state"]
+    grew = [bool((acc_a[k]["sum"] > acc_b[k]["sum"]).any()) for k in acc_b]
+    assert any(grew) and all(bool((acc_a[k]["sum"] >= acc_b[k]["sum"]).all()) for k in acc_b)
 
 
 def test_a_state_dict_saved_before_the_calibration_loads_uncalibrated(fresh_warehouse):

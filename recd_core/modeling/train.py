@@ -196,6 +196,42 @@ def train_step(model, batch, opt_dense, opt_sparse, amp: bool, aux=None) -> floa
     return float(loss.detach())
 
 
+def fold_in(model: DLRM, valid: BatchStore, opt_sparse, cfg: TrainConfig, device) -> int:
+    """One pass of the embedding tables over the validation slice, after it has chosen the
+    state and fitted the calibration; the dense layers and the calibration stay. Returns
+    the samples folded in.
+
+    The slice is the day's latest rows: without this the tables would never see them, and
+    tomorrow's warm start would lack them. The references the bench compares with are refit
+    on all of their training rows the same way. Every rank folds in every batch in the same
+    order, so ranks stay equal without DDP. The loss is training's (click + co-occurrence),
+    on the raw logit as in training."""
+    calibration = model.calibration.clone()
+    model.reset_calibration()
+    samples = 0
+    for k in range(len(valid)):
+        batch = valid[k].to(device)
+        model.zero_grad(set_to_none=True)
+        opt_sparse.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            model(batch).float(), batch.labels
+        )
+        extra = cooccurrence_term(model, cfg, FOLD_IN_SEED_STEP + k)
+        extra = extra(batch) if extra is not None else None
+        (loss if extra is None else loss + extra.float()).backward()
+        opt_sparse.step()
+        samples += batch.size
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        model.calibration.copy_(calibration)
+    return samples
+
+
+# the co-occurrence negatives of the fold-in's k-th batch are seeded as this step + k: apart
+# from every training step's
+FOLD_IN_SEED_STEP = 1 << 40
+
+
 def cooccurrence_term(model: DLRM, cfg: TrainConfig, step: int):
     """The step's auxiliary loss as `train_step` takes it (None when off): the negatives are
     drawn from a generator seeded by the run's seed and the step, so a resumed run and an
@@ -334,6 +370,11 @@ def _train_worker(
         model.load_state_dict(early.best_state)  # the best validated state, not the last
         optimizer = early.best_optimizer  # and the optimizers as they were then
     calibration = calibrate(model, valid, device) if cfg.calibrate and len(valid) else {}
+    folded = 0
+    if cfg.fold_in_validation and len(valid):
+        opt_sparse.load_state_dict(_on_cpu(optimizer["sparse"]))
+        folded = fold_in(model, valid, opt_sparse, cfg, device)
+        optimizer = {"dense": optimizer["dense"], "sparse": opt_sparse.state_dict()}
     summary = {
         "train.mode": cfg.mode,
         "train.run": name,
@@ -353,6 +394,7 @@ def _train_worker(
         "train.init_from": init.uri or "",
         "train.init_reason": init.reason,
         "train.lr_dense": opt_dense.param_groups[0]["lr"],
+        "train.folded_in_samples": folded,
         **early.summary(),
         **calibration,
     }
