@@ -4,7 +4,8 @@ Two workloads:
 
   MovieLens-100k, split by time   each user's first 80% of ratings (by timestamp) train, the
                                   last 20% test. Ours: DPP + training (its validation is the
-                                  latest 10% of the training part) + evaluation. References:
+                                  latest 10% of the training part, folded into the tables
+                                  after it chose the state) + evaluation. References:
                                   a logistic regression (scikit-learn) on a one-hot encoding
                                   of the very same features (multi-hot for id lists and the
                                   history), and a factorization machine on the same encoding
