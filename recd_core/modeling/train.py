@@ -192,14 +192,21 @@ def train_step(model, batch, opt_dense, opt_sparse, amp: bool, aux=None) -> floa
     the click loss."""
     opt_dense.zero_grad(set_to_none=True)
     opt_sparse.zero_grad(set_to_none=True)
+    loss = backward_loss(model, batch, amp, aux)
+    opt_dense.step()
+    opt_sparse.step()
+    return loss
+
+
+def backward_loss(model, batch, amp: bool, aux=None) -> float:
+    """Training's loss on `batch` (the click loss on the raw logit plus `aux(batch)`),
+    back-propagated into the gradients; returns the click loss."""
     ctx = torch.autocast("cuda", dtype=torch.bfloat16) if amp else contextlib.nullcontext()
     with ctx:
         logits = model(batch)
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
     extra = aux(batch) if aux is not None else None
     (loss if extra is None else loss + extra.float()).backward()
-    opt_dense.step()
-    opt_sparse.step()
     return float(loss.detach())
 
 
@@ -218,14 +225,8 @@ def fold_in(model: DLRM, valid: BatchStore, opt_sparse, cfg: TrainConfig, device
     samples = 0
     for k in range(len(valid)):
         batch = valid[k].to(device)
-        model.zero_grad(set_to_none=True)
-        opt_sparse.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            model(batch).float(), batch.labels
-        )
-        extra = cooccurrence_term(model, cfg, FOLD_IN_SEED_STEP + k)
-        extra = extra(batch) if extra is not None else None
-        (loss if extra is None else loss + extra.float()).backward()
+        model.zero_grad(set_to_none=True)  # the tables' gradients too
+        backward_loss(model, batch, False, cooccurrence_term(model, cfg, FOLD_IN_SEED_STEP + k))
         opt_sparse.step()
         samples += batch.size
     model.zero_grad(set_to_none=True)
