@@ -260,6 +260,10 @@ class ModelConfig(_Strict):
     # the pairwise dots also go straight to the logit, one learned weight each (FM term)
     fm: bool = True
     seed: int = 0
+    # how many DLRMs of this shape (seeds seed, seed+1, ...) train side by side on the same
+    # batches, each on its own loss, scored by their mean logit (modeling/model.py,
+    # `Ensemble`): lower NE for K times the training and scoring
+    members: int = Field(default=1, ge=1, le=16)
 
 
 class DedupConfig(_Strict):

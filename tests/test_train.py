@@ -16,7 +16,7 @@ from recd_core.dpp.preprocess import preprocess
 from recd_core.metrics import auc
 from recd_core.modeling.batching import make_batch, plan_dedup
 from recd_core.modeling.model import DLRM
-from recd_core.modeling.saved import CheckpointError, load_model, predict
+from recd_core.modeling.saved import CheckpointError, batches_of, load_model, predict
 from recd_core.modeling.train import Checkpoints, batches_id, run_name, train
 from recd_core.schema import feature_set_of
 
@@ -620,3 +620,31 @@ def test_a_state_dict_saved_before_the_calibration_loads_uncalibrated(fresh_ware
     del old["constant"]
     with pytest.raises(RuntimeError, match="constant"):
         model.load_state_dict(old)
+
+
+def test_an_ensembles_members_learn_as_models_of_their_own_and_it_scores_their_mean(
+    fresh_warehouse,
+):
+    """`model.members`: each member fits its own loss (click and co-occurrence), so the
+    first member ends exactly where a single model of its seed does; the saved ensemble
+    loads as one and scores the mean of its members' logits. A warm start from a single
+    model into an ensemble trains from scratch and says why."""
+    preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=256, validation_fraction=0.0))
+    single = TrainConfig(batch_size=256, max_steps=6, model=SMALL_MODEL)
+    pair = single.model_copy(update={"model": SMALL_MODEL.model_copy(update={"members": 2})})
+    one, two = train(fresh_warehouse, DAY, single), train(fresh_warehouse, DAY, pair)
+    solo, _ = load_model(one["train.model_uri"])
+    ensemble, meta = load_model(two["train.model_uri"])
+    first, second = ensemble.members
+    assert first.cfg.seed == 0 and second.cfg.seed == 1
+    for name, weight in solo.state_dict().items():
+        torch.testing.assert_close(first.state_dict()[name], weight, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(first.bags["t_items"].weight, second.bags["t_items"].weight)
+    table = fresh_warehouse.read("samples", NEXT, layout="clustered").slice(0, 500)
+    p = predict(ensemble, meta, table)
+    batch = next(batches_of(meta, table, batch_size=500))  # as predict preprocesses it
+    with torch.no_grad():
+        mean = torch.stack([first.raw_logit(batch), second.raw_logit(batch)]).mean(0)
+    np.testing.assert_allclose(p, torch.sigmoid(mean).numpy(), rtol=1e-5, atol=1e-6)
+    warm = train(fresh_warehouse, DAY, pair, init_from=one["train.model_uri"])
+    assert warm["train.init_from"] == "" and "members" in warm["train.init_reason"]

@@ -41,6 +41,7 @@ from torch.nn import functional as F
 from recd_core.config import FeatureSet
 from recd_core.dedup.sparse import JaggedTensor
 from recd_core.dpp.batch_store import Batch
+from recd_core.modeling.model import members_of
 
 
 def list_features(features: FeatureSet) -> set[str]:
@@ -115,8 +116,11 @@ def cooccurrence_loss(
     model, batch: Batch, negatives: int, generator: torch.Generator
 ) -> torch.Tensor | None:
     """The mean over the user-side lists of their members' loss (see the module); None
-    when the batch has no list with two ids in a row."""
-    return rows_loss(model, list_rows(model, batch), negatives, generator)
+    when the batch has no list with two ids in a row. An `Ensemble`: the sum of its
+    members' losses, each on its own tables (as its click loss)."""
+    rows = list_rows(model, batch)
+    losses = [rows_loss(m, rows, negatives, generator) for m in members_of(model)]
+    return None if losses[0] is None else torch.stack(losses).sum()
 
 
 def rows_loss(

@@ -272,9 +272,12 @@ class DLRM(nn.Module):
             out[f"{name}@item"] = target_attention(x, valid, out[self.features.item_key])
         return out
 
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """The calibrated logit of each sample (the raw one while the calibration is the
-        identity, as in training)."""
+    def forward(self, batch: Batch, per_member: bool = False) -> torch.Tensor:
+        """The calibrated logit of each sample, [B] (the raw one while the calibration is
+        the identity, as in training); `per_member`: the raw logit training fits, [1, B] (an
+        `Ensemble` gives one row per member)."""
+        if per_member:
+            return self.raw_logit(batch).unsqueeze(0)
         return self.raw_logit(batch) * self.calibration[0] + self.calibration[1]
 
     def raw_logit(self, batch: Batch) -> torch.Tensor:
@@ -295,3 +298,66 @@ class DLRM(nn.Module):
         if self.fm is not None:
             logit = logit + self.fm(dots)
         return logit.squeeze(1)
+
+
+class Ensemble(nn.Module):
+    """`ModelConfig.members` DLRMs of one shape, each from its own seed, scored by their
+    mean logit:
+
+        batch ─┬─ DLRM (seed s)     ─ raw logit ─┐
+               ├─ DLRM (seed s + 1) ─ raw logit ─┼─ mean ─ slope * . + offset ─ logit
+               └─ ...               ─ raw logit ─┘           (the calibration)
+
+    Training fits each member on its own loss (the losses summed), not the mean logit on
+    one loss: members sharing a loss learn to cover for each other, and the gain of an
+    average is that independent errors partly cancel. The members see the same batches in
+    the same order and differ by their initialization. The calibration is the ensemble's
+    (the members' stay the identity). Saved like a DLRM: one state dict, `members.K.` in
+    front of each member's keys."""
+
+    def __init__(self, features: FeatureSet, cfg: ModelConfig):
+        super().__init__()
+        self.features, self.cfg = features, cfg
+        self.members = nn.ModuleList(
+            DLRM(features, cfg.model_copy(update={"seed": cfg.seed + k, "members": 1}))
+            for k in range(cfg.members)
+        )
+        self.register_buffer("calibration", torch.tensor([1.0, 0.0]))
+
+    def set_calibration(self, slope: float, offset: float) -> None:
+        self.calibration.copy_(torch.tensor([slope, offset]))
+
+    def reset_calibration(self) -> None:
+        self.set_calibration(1.0, 0.0)
+
+    def init_output_bias(self, click_rate: float) -> None:
+        for m in self.members:
+            m.init_output_bias(click_rate)
+
+    def sparse_parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.members for p in m.sparse_parameters()]
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.members for p in m.dense_parameters()]
+
+    def forward(self, batch: Batch, per_member: bool = False) -> torch.Tensor:
+        """As `DLRM.forward`; `per_member`: each member's raw logit, [K, B]."""
+        if per_member:
+            return torch.stack([m.raw_logit(batch) for m in self.members])
+        return self.raw_logit(batch) * self.calibration[0] + self.calibration[1]
+
+    def raw_logit(self, batch: Batch) -> torch.Tensor:
+        return torch.stack([m.raw_logit(batch) for m in self.members]).mean(0)
+
+
+Model = DLRM | Ensemble
+
+
+def build_model(features: FeatureSet, cfg: ModelConfig) -> Model:
+    """The model a config describes: one DLRM, or an `Ensemble` of `cfg.members`."""
+    return DLRM(features, cfg) if cfg.members == 1 else Ensemble(features, cfg)
+
+
+def members_of(model: Model) -> list[DLRM]:
+    """The DLRMs a model is made of (itself, for a DLRM)."""
+    return list(model.members) if isinstance(model, Ensemble) else [model]

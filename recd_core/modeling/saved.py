@@ -35,7 +35,7 @@ from recd_core.config import FeatureSet, ModelConfig, TrainConfig
 from recd_core.dpp.batch_store import Batch, decode_batch
 from recd_core.dpp.preprocess import Prepared, batch_ranges, encode_batch
 from recd_core.errors import BadInput
-from recd_core.modeling.model import DLRM
+from recd_core.modeling.model import Model, build_model
 from recd_core.warehouse import Warehouse
 
 
@@ -125,7 +125,7 @@ def read_optimizer(location: str) -> dict | None:
 def save_model(
     wh: Warehouse,
     run: str,
-    model: DLRM,
+    model: Model,
     cfg: TrainConfig,
     prepared: dict,
     summary: dict,
@@ -154,7 +154,7 @@ def _model_location(uri: str) -> tuple[Warehouse, str]:
     return wh, f"{wh.root}/models/{run}"
 
 
-def load_model(uri: str) -> tuple[DLRM, dict]:
+def load_model(uri: str) -> tuple[Model, dict]:
     """A saved model (state dict + model.json) at `<warehouse>/models/<run>` or in a local
     directory (a copy, e.g. MLflow's model artifacts), for scoring."""
     meta, weights, where = _read_saved(str(uri))
@@ -217,9 +217,9 @@ def saved_lineage_key(location: str) -> str:
     return lineage_key(FeatureSet.model_validate(meta["features"]), saved_train_config(meta).model)
 
 
-def model_from(meta: dict, weights: bytes, where: str) -> DLRM:
+def model_from(meta: dict, weights: bytes, where: str) -> Model:
     features = FeatureSet.model_validate(meta["features"])
-    model = DLRM(features, saved_train_config(meta).model)
+    model = build_model(features, saved_train_config(meta).model)
     model.load_state_dict(_torch_load(weights, where, "model"))
     return model.eval()
 
@@ -240,7 +240,7 @@ def batches_of(
 
 
 def predict(
-    model: DLRM,
+    model: Model,
     meta: dict,
     table: pa.Table,
     batch_size: int = 4096,

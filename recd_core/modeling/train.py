@@ -75,6 +75,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from recd_core.config import FeatureSet, TrainConfig
@@ -83,7 +84,7 @@ from recd_core.errors import BadInput
 from recd_core.modeling.batching import epoch_order
 from recd_core.modeling.calibration import calibrate
 from recd_core.modeling.cooccurrence import cooccurrence_loss
-from recd_core.modeling.model import DLRM
+from recd_core.modeling.model import Model, build_model
 from recd_core.modeling.optim import RowWiseAdagrad
 from recd_core.modeling.saved import (
     CheckpointError,
@@ -174,7 +175,7 @@ def _peak_mem(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
-def make_optimizers(model: DLRM, cfg: TrainConfig, warm: bool = False):
+def make_optimizers(model: Model, cfg: TrainConfig, warm: bool = False):
     """Adam for the dense layers (at `lr_dense_warm` on a warm start: layers that already
     fit are fine-tuned), row-wise Adagrad for the tables."""
     sparse = RowWiseAdagrad(
@@ -200,17 +201,21 @@ def train_step(model, batch, opt_dense, opt_sparse, amp: bool, aux=None) -> floa
 
 def backward_loss(model, batch, amp: bool, aux=None) -> float:
     """Training's loss on `batch` (the click loss on the raw logit plus `aux(batch)`),
-    back-propagated into the gradients; returns the click loss."""
+    back-propagated into the gradients; returns the click loss. An `Ensemble`'s members
+    each fit their own: the sum of their losses is back-propagated, their mean returned."""
     ctx = torch.autocast("cuda", dtype=torch.bfloat16) if amp else contextlib.nullcontext()
     with ctx:
-        logits = model(batch)
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+        logits = model(batch, per_member=True)  # [members, B]: each member on its own loss
+    losses = torch.stack(
+        [F.binary_cross_entropy_with_logits(z.float(), batch.labels) for z in logits]
+    )
     extra = aux(batch) if aux is not None else None
+    loss = losses.sum()
     (loss if extra is None else loss + extra.float()).backward()
-    return float(loss.detach())
+    return float(losses.detach().mean())
 
 
-def fold_in(model: DLRM, valid: BatchStore, opt_sparse, cfg: TrainConfig, device) -> int:
+def fold_in(model: Model, valid: BatchStore, opt_sparse, cfg: TrainConfig, device) -> int:
     """One pass of the embedding tables over the validation slice, after it has chosen the
     state and fitted the calibration; the dense layers and the calibration stay. Returns
     the samples folded in.
@@ -240,7 +245,7 @@ def fold_in(model: DLRM, valid: BatchStore, opt_sparse, cfg: TrainConfig, device
 FOLD_IN_SEED_STEP = 1 << 40
 
 
-def cooccurrence_term(model: DLRM, cfg: TrainConfig, step: int):
+def cooccurrence_term(model: Model, cfg: TrainConfig, step: int):
     """The step's auxiliary loss as `train_step` takes it (None when off): the negatives are
     drawn from a generator seeded by the run's seed and the step, so a resumed run and an
     uninterrupted one, and both arms, draw the same."""
@@ -289,7 +294,7 @@ def _train_worker(
     days = add_window(wh, store, ds, cfg)
     valid = BatchStore(wh, ds, cfg.mode, split="validation")
     features = store.model_features
-    model = DLRM(features, cfg.model)
+    model = build_model(features, cfg.model)
     init = initial_state(init_from, features, cfg, init_label)
     if init.state is not None:
         try:
@@ -299,7 +304,7 @@ def _train_worker(
             init = Init(
                 None, None, f"from scratch: the saved weights do not fit this model ({first})"
             )
-            model = DLRM(features, cfg.model)
+            model = build_model(features, cfg.model)
     if init.state is None:
         model.init_output_bias(store.click_rate())
     model.reset_calibration()  # training fits the raw logit; a warm start's is refitted
@@ -436,7 +441,7 @@ def add_window(wh: Warehouse, store: BatchStore, ds: str, cfg: TrainConfig) -> l
     return days
 
 
-def validate(model: DLRM, valid: BatchStore, device: torch.device) -> dict[str, float]:
+def validate(model: Model, valid: BatchStore, device: torch.device) -> dict[str, float]:
     """NE, AUC and calibration of the current weights on the day's validation batches."""
     from recd_core.modeling.evaluate import score_batches
 
@@ -467,10 +472,10 @@ class TableStart:
     optimizer: dict
 
     @classmethod
-    def capture(cls, model: DLRM, opt_sparse) -> TableStart:
+    def capture(cls, model: Model, opt_sparse) -> TableStart:
         return cls(_on_cpu(model.sparse_parameters()), _on_cpu(opt_sparse.state_dict()))
 
-    def restore(self, model: DLRM, opt_sparse) -> None:
+    def restore(self, model: Model, opt_sparse) -> None:
         with torch.no_grad():
             for p, w in zip(model.sparse_parameters(), self.weights, strict=True):
                 p.copy_(w)
@@ -497,7 +502,7 @@ class EarlyStopping:
     history: list[list[float]] = dataclasses.field(default_factory=list)  # step, NE, AUC
     losses: list[list[float]] = dataclasses.field(default_factory=list)  # step, loss
 
-    def update(self, step: int, figures: dict, model: DLRM, optimizers: dict) -> None:
+    def update(self, step: int, figures: dict, model: Model, optimizers: dict) -> None:
         # plain floats: the checkpoint is loaded with weights_only=True (no numpy scalars)
         ne = float(figures["eval.ne"])
         self.history.append([int(step), ne, float(figures["eval.auc"])])
