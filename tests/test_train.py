@@ -626,7 +626,7 @@ def test_an_ensembles_members_learn_as_models_of_their_own_and_it_scores_their_m
     fresh_warehouse,
 ):
     """`model.members`: each member fits its own loss (click and co-occurrence), so the
-    first member ends exactly where a single model of its seed does; the saved ensemble
+    first member ends where a single model of its seed does (to roundoff); the ensemble
     loads as one and scores the mean of its members' logits. A warm start from a single
     model into an ensemble trains from scratch and says why."""
     preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=256, validation_fraction=0.0))
