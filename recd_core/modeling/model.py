@@ -121,7 +121,37 @@ def target_attention(tokens: torch.Tensor, valid: torch.Tensor, query: torch.Ten
     return torch.bmm(weights.unsqueeze(1), tokens).squeeze(1)
 
 
-class DLRM(nn.Module):
+class Calibrated(nn.Module):
+    """What every model here ends in: logit = slope * raw logit + offset, the calibration a
+    buffer, the identity while training (training fits it on the validation slice after,
+    modeling/calibration.py). A subclass gives `member_logits`, the raw logits training
+    fits ([K, B]: one row per model trained on its own loss), and `raw_logit`."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calibration", torch.tensor([1.0, 0.0]))
+
+    def set_calibration(self, slope: float, offset: float) -> None:
+        self.calibration.copy_(torch.tensor([slope, offset]))
+
+    def reset_calibration(self) -> None:
+        self.set_calibration(1.0, 0.0)
+
+    def forward(self, batch: Batch, per_member: bool = False) -> torch.Tensor:
+        """The calibrated logit of each sample, [B] (the raw one while the calibration is
+        the identity, as in training); `per_member`: `member_logits`, [K, B]."""
+        if per_member:
+            return self.member_logits(batch)
+        return self.raw_logit(batch) * self.calibration[0] + self.calibration[1]
+
+    def member_logits(self, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def raw_logit(self, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DLRM(Calibrated):
     def __init__(self, features: FeatureSet, cfg: ModelConfig):
         super().__init__()
         self.features, self.cfg = features, cfg
@@ -184,16 +214,6 @@ class DLRM(nn.Module):
         if cfg.fm:
             self.fm = nn.Linear(n_vec * (n_vec - 1) // 2, 1, bias=False)
             nn.init.zeros_(self.fm.weight)
-
-        # the calibration of the logit (modeling/calibration.py): slope, offset; the identity
-        # while training, fitted on the validation slice after it
-        self.register_buffer("calibration", torch.tensor([1.0, 0.0]))
-
-    def set_calibration(self, slope: float, offset: float) -> None:
-        self.calibration.copy_(torch.tensor([slope, offset]))
-
-    def reset_calibration(self) -> None:
-        self.set_calibration(1.0, 0.0)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # a model saved before the calibration existed is an uncalibrated one
@@ -272,13 +292,8 @@ class DLRM(nn.Module):
             out[f"{name}@item"] = target_attention(x, valid, out[self.features.item_key])
         return out
 
-    def forward(self, batch: Batch, per_member: bool = False) -> torch.Tensor:
-        """The calibrated logit of each sample, [B] (the raw one while the calibration is
-        the identity, as in training); `per_member`: the raw logit training fits, [1, B] (an
-        `Ensemble` gives one row per member)."""
-        if per_member:
-            return self.raw_logit(batch).unsqueeze(0)
-        return self.raw_logit(batch) * self.calibration[0] + self.calibration[1]
+    def member_logits(self, batch: Batch) -> torch.Tensor:
+        return self.raw_logit(batch).unsqueeze(0)  # [1, B]: one model, one loss
 
     def raw_logit(self, batch: Batch) -> torch.Tensor:
         if batch.dense.shape[1] != self.dense_dim:
@@ -300,7 +315,7 @@ class DLRM(nn.Module):
         return logit.squeeze(1)
 
 
-class Ensemble(nn.Module):
+class Ensemble(Calibrated):
     """`ModelConfig.members` DLRMs of one shape, each from its own seed, scored by their
     mean logit:
 
@@ -322,13 +337,6 @@ class Ensemble(nn.Module):
             DLRM(features, cfg.model_copy(update={"seed": cfg.seed + k, "members": 1}))
             for k in range(cfg.members)
         )
-        self.register_buffer("calibration", torch.tensor([1.0, 0.0]))
-
-    def set_calibration(self, slope: float, offset: float) -> None:
-        self.calibration.copy_(torch.tensor([slope, offset]))
-
-    def reset_calibration(self) -> None:
-        self.set_calibration(1.0, 0.0)
 
     def init_output_bias(self, click_rate: float) -> None:
         for m in self.members:
@@ -340,14 +348,11 @@ class Ensemble(nn.Module):
     def dense_parameters(self) -> list[nn.Parameter]:
         return [p for m in self.members for p in m.dense_parameters()]
 
-    def forward(self, batch: Batch, per_member: bool = False) -> torch.Tensor:
-        """As `DLRM.forward`; `per_member`: each member's raw logit, [K, B]."""
-        if per_member:
-            return torch.stack([m.raw_logit(batch) for m in self.members])
-        return self.raw_logit(batch) * self.calibration[0] + self.calibration[1]
+    def member_logits(self, batch: Batch) -> torch.Tensor:
+        return torch.stack([m.raw_logit(batch) for m in self.members])  # [K, B]
 
     def raw_logit(self, batch: Batch) -> torch.Tensor:
-        return torch.stack([m.raw_logit(batch) for m in self.members]).mean(0)
+        return self.member_logits(batch).mean(0)
 
 
 Model = DLRM | Ensemble
