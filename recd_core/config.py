@@ -134,6 +134,9 @@ class FeatureSet(_Strict):
     def by_side(self, side: Side) -> list[FeatureSpec]:
         return [f for f in self.features if f.side == side]
 
+    def __contains__(self, name: object) -> bool:
+        return any(f.name == name for f in self.features)
+
     def __getitem__(self, name: str) -> FeatureSpec:
         for f in self.features:
             if f.name == name:

@@ -139,3 +139,20 @@ def test_real_movielens_100k_storage_and_dedup(movielens_dir, warehouse, ml_feat
     assert g["storage.ratio"] > 2.0
     assert clustered["storage.bytes"] <= 1.15 * clustered["storage.lower_bound_bytes"]
     assert clustered["dedup.factor.user_history"] > 20
+
+
+def test_a_feature_set_without_the_history_or_zip_codes_ingests_what_it_names(
+    tmp_path, warehouse, ml_features
+):
+    """A user may leave features out of the MovieLens set (the zip codes for privacy, the
+    history for a model without it): the adapter builds the columns the set names."""
+    kept = [f for f in ml_features.features if f.name not in ("user_history", "user_zip3")]
+    lean = ml_features.model_copy(update={"features": kept})
+    src = write_ml100k(tmp_path / "ml", RATINGS)
+    s = ingest(src, warehouse, DAY, lean, IngestConfig(format="movielens"))
+    assert s["ingest.rows_ok"] == 5
+    t = warehouse.read("events", DAY)
+    assert "user_history" not in t.column_names and "user_zip3" not in t.column_names
+    by_item = {(r["user_id"], r["item_id"]): r for r in t.to_pylist()}
+    assert by_item[(1, 30)]["label"] == 1 and by_item[(1, 10)]["label"] == 0
+    assert by_item[(2, 30)]["position"] == 1, "the other columns as in the full set"

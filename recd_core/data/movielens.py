@@ -154,14 +154,16 @@ def _users(path: Path, layout: Layout, features: FeatureSet):
     cols = _side_table(path, layout, names, {"user_id": INT, "age": INT, "gender": r"^[MFmf]$"})
     gender = np.where(np.asarray(pc.equal(pc.utf8_upper(cols["gender"]), "M")), 0, 1)
     zip3 = pc.utf8_slice_codeunits(pc.utf8_upper(cols["zip"]), 0, 3)
+
+    def table_size(name: str) -> int:  # a feature the set leaves out is not built
+        return (features[name].table_size or 1) if name in features else 1
+
     return {
         "user_id": np.asarray(pc.cast(cols["user_id"], pa.int64())),
         "user_age": np.asarray(pc.cast(cols["age"], pa.int64())),
         "user_gender": gender.astype(np.int64),
-        "user_occupation": _hash_ids(
-            cols["occupation"], features["user_occupation"].table_size or 1
-        ),
-        "user_zip3": _hash_ids(zip3, features["user_zip3"].table_size or 1),
+        "user_occupation": _hash_ids(cols["occupation"], table_size("user_occupation")),
+        "user_zip3": _hash_ids(zip3, table_size("user_zip3")),
     }
 
 
@@ -278,10 +280,14 @@ def read_movielens(
     user_start_row = np.maximum.accumulate(np.where(new_user, np.arange(n), 0))
     position = np.arange(n) - session_start[session]
 
-    hist_spec = features["user_history"]
-    history = _history(
-        it, user_start_row[session_start], session_start, hist_spec.max_length or 128
-    )
+    history = None
+    if "user_history" in features:  # the adapter builds what the feature set names
+        history = _history(
+            it,
+            user_start_row[session_start],
+            session_start,
+            features["user_history"].max_length or 128,
+        ).take(pa.array(session))
     uidx = np.searchsorted(users["user_id"], u, sorter=np.argsort(users["user_id"]))
     uidx = np.argsort(users["user_id"])[uidx]
     iorder = np.argsort(items["item_id"])
@@ -297,7 +303,7 @@ def read_movielens(
         "user_gender": users["user_gender"][uidx],
         "user_occupation": users["user_occupation"][uidx],
         "user_zip3": users["user_zip3"][uidx],
-        "user_history": history.take(pa.array(session)),
+        "user_history": history,
         "item_id": it,
         "item_genres": genres,
         "item_year": items["item_year"][iidx],
