@@ -12,6 +12,8 @@ given ratings file):
 Samples: label = rating >= 4; a session is one user's ratings with
 gaps under 30 minutes; `user_history` is the items the user rated before the session
 started (most recent last, at most `max_length`); `event_id` is the rating's line number.
+The feature set may leave features out (the history, the zip codes): the adapter builds
+the columns it names.
 Rating lines are validated column-wise; a bad line, or a rating whose user or movie is not
 in the side files, is quarantined. A damaged line in a side file (users, movies) is an
 error naming the file and line: reference data is not guessed at.
