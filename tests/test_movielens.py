@@ -156,3 +156,37 @@ def test_a_feature_set_without_the_history_or_zip_codes_ingests_what_it_names(
     by_item = {(r["user_id"], r["item_id"]): r for r in t.to_pylist()}
     assert by_item[(1, 30)]["label"] == 1 and by_item[(1, 10)]["label"] == 0
     assert by_item[(2, 30)]["position"] == 1, "the other columns as in the full set"
+
+
+def test_what_the_user_rated_before_splits_by_label_and_never_sees_the_same_second(
+    tmp_path, warehouse, ml_features
+):
+    """user_liked / user_passed / user_ratings: the ratings before the session; the session_
+    ones: the ratings earlier in the session, at an earlier second (two ratings in the same
+    second do not see each other: which came first is unknown)."""
+    ratings = [
+        *RATINGS,
+        (3, 10, 5, 100),  # user 3: two ratings in one second, then one more
+        (3, 20, 1, 100),
+        (3, 30, 4, 130),
+    ]
+    src = write_ml100k(tmp_path / "ml", ratings)
+    ingest(src, warehouse, DAY, ml_features, IngestConfig(format="movielens"))
+    row = {(r["user_id"], r["item_id"]): r for r in warehouse.read("events", DAY).to_pylist()}
+    lists = ("user_liked", "user_passed", "session_liked", "session_passed")
+    seen = lambda key: [row[key][name] for name in lists]  # noqa: E731
+    assert seen((1, 10)) == [[], [], [], []]
+    assert seen((1, 20)) == [[], [], [], [10]], "item 10 was rated 3: passed"
+    assert seen((1, 30)) == [[20], [10], [], []], (
+        "a new session: its earlier ratings are the user's"
+    )
+    assert seen((2, 30)) == [[], [], [10], []]
+    assert seen((3, 10)) == seen((3, 20)) == [[], [], [], []], "the same second is not before"
+    assert seen((3, 30)) == [[], [], [10], [20]]
+    # [share liked, mean rating - 3.5, log1p(count)], shrunk towards 1/2 and 3.5
+    np.testing.assert_allclose(row[(1, 10)]["session_ratings"], [0.5, 0.0, 0.0])
+    np.testing.assert_allclose(
+        row[(1, 20)]["session_ratings"], [1 / 3, -0.5 / 4, np.log(2)], rtol=1e-6
+    )
+    np.testing.assert_allclose(row[(1, 30)]["user_ratings"], [2 / 4, 1 / 5, np.log(3)], rtol=1e-6)
+    assert row[(1, 20)]["user_ratings"] == row[(1, 10)]["user_ratings"], "one per session"

@@ -12,6 +12,11 @@ given ratings file):
 Samples: label = rating >= 4; a session is one user's ratings with
 gaps under 30 minutes; `user_history` is the items the user rated before the session
 started (most recent last, at most `max_length`); `event_id` is the rating's line number.
+What the user rated before, split by the label, is there too: `user_liked`, `user_passed`
+and a summary `user_ratings` for the ratings before the session (user side, constant in a
+session), `session_liked`, `session_passed`, `session_ratings` for the ones earlier in the
+session (per sample; only ratings at an earlier second: within one second the order is
+unknown). Ratings are known once given, so none of these looks ahead.
 The feature set may leave features out (the history, the zip codes): the adapter builds
 the columns it names.
 Rating lines are validated column-wise; a bad line, or a rating whose user or movie is not
@@ -40,6 +45,7 @@ GENRES = (
     "Romance", "Sci-Fi", "Thriller", "War", "Western",
 )  # fmt: skip
 GENRE_ID = {g.lower(): i for i, g in enumerate(GENRES)}
+MID_RATING = 3.5  # the middle of the 1..5 scale
 INT = r"^\d+$"
 NUM = r"^\d+(\.\d+)?$"
 
@@ -212,15 +218,45 @@ def _year(text: str | None) -> int | None:
     return int(m.group(0)) if m else None
 
 
-def _history(
-    items: np.ndarray, user_start: np.ndarray, session_start: np.ndarray, max_len: int
+def _rated_between(
+    items: np.ndarray, keep: np.ndarray, lo: np.ndarray, hi: np.ndarray, max_len: int
 ) -> pa.ListArray:
-    """Per session, items[max(user_start, start - max_len) : start] as one list array."""
-    lo = np.maximum(user_start, session_start - max_len)
-    lengths = session_start - lo
+    """Per row r, the items of the rows lo[r]..hi[r]-1 that `keep` marks (the last
+    `max_len` of them, most recent last), as one list array."""
+    rank = np.concatenate([[0], np.cumsum(keep)])  # rank[i]: kept rows before row i
+    end, start = rank[hi], np.maximum(rank[lo], rank[hi] - max_len)
+    lengths = end - start
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    idx = np.repeat(lo - offsets[:-1], lengths) + np.arange(offsets[-1])
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(items[idx], pa.int64()))
+    idx = np.repeat(start - offsets[:-1], lengths) + np.arange(offsets[-1])
+    return pa.ListArray.from_arrays(
+        pa.array(offsets, pa.int32()), pa.array(items[keep][idx], pa.int64())
+    )
+
+
+def _rating_summary(
+    liked: np.ndarray, rating: np.ndarray, lo: np.ndarray, hi: np.ndarray
+) -> pa.ListArray:
+    """Per row r, a summary of the ratings lo[r]..hi[r]-1: [share liked, mean rating - 3.5
+    (both smoothed towards the middle by a few pseudo-ratings, so a first rating does not
+    read as certainty), log1p(count)]."""
+
+    def between(x: np.ndarray) -> np.ndarray:
+        total = np.concatenate([[0.0], np.cumsum(x, dtype=np.float64)])
+        return total[hi] - total[lo]
+
+    count = hi - lo
+    summary = np.stack(
+        [
+            (between(liked) + 1.0) / (count + 2.0),
+            (between(rating) - MID_RATING * count) / (count + 3.0),
+            np.log1p(count),
+        ],
+        axis=1,
+    )
+    offsets = np.arange(0, summary.size + 1, summary.shape[1])
+    return pa.ListArray.from_arrays(
+        pa.array(offsets, pa.int32()), pa.array(summary.ravel(), pa.float32())
+    )
 
 
 def read_movielens(
@@ -282,14 +318,28 @@ def read_movielens(
     user_start_row = np.maximum.accumulate(np.where(new_user, np.arange(n), 0))
     position = np.arange(n) - session_start[session]
 
-    history = None
-    if "user_history" in features:  # the adapter builds what the feature set names
-        history = _history(
-            it,
-            user_start_row[session_start],
-            session_start,
-            features["user_history"].max_length or 128,
-        ).take(pa.array(session))
+    liked = rating[order] >= cfg.label_min_rating
+    # What the user rated before (the adapter builds what the feature set names): before
+    # the session (user side: one snapshot per session, deduplicated) and earlier in the
+    # session, at an earlier second (per sample: known when this one is rated).
+    new_second = new_session | np.concatenate([[True], t[1:] != t[:-1]])[:n]
+    second_start = np.maximum.accumulate(np.where(new_second, np.arange(n), 0))
+    before = {  # (first row, end row), and the row each is built for
+        "user": (user_start_row[session_start], session_start, pa.array(session)),
+        "session": (session_start[session], second_start, None),
+    }
+    rated = {}
+    for side, (lo, hi, rows) in before.items():
+        built = {}
+        if side == "user" and "user_history" in features:
+            max_len = features["user_history"].max_length or 128
+            built["user_history"] = _rated_between(it, np.ones(n, bool), lo, hi, max_len)
+        for name, keep in ((f"{side}_liked", liked), (f"{side}_passed", ~liked)):
+            if name in features:
+                built[name] = _rated_between(it, keep, lo, hi, features[name].max_length or 64)
+        if f"{side}_ratings" in features:
+            built[f"{side}_ratings"] = _rating_summary(liked, rating[order], lo, hi)
+        rated |= {k: v if rows is None else v.take(rows) for k, v in built.items()}
     uidx = np.searchsorted(users["user_id"], u, sorter=np.argsort(users["user_id"]))
     uidx = np.argsort(users["user_id"])[uidx]
     iorder = np.argsort(items["item_id"])
@@ -299,18 +349,18 @@ def read_movielens(
         "event_id": line_no[order],
         "ts": t * 1000,
         "session_id": session,
-        "label": (rating[order] >= cfg.label_min_rating).astype(np.int8),
+        "label": liked.astype(np.int8),
         "user_id": u,
         "user_age": users["user_age"][uidx],
         "user_gender": users["user_gender"][uidx],
         "user_occupation": users["user_occupation"][uidx],
         "user_zip3": users["user_zip3"][uidx],
-        "user_history": history,
         "item_id": it,
         "item_genres": genres,
         "item_year": items["item_year"][iidx],
         "position": position,
         "hour": (t // 3600) % 24,
+        **rated,
     }
     schema = events_schema(features)
     missing = [f.name for f in schema if f.name not in columns]
