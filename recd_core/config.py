@@ -499,9 +499,11 @@ def load_feature_set(name_or_path: str | Path) -> FeatureSet:
 def load_pipeline_config(
     path: str | Path | None = None, *, dataset: str = "synthetic"
 ) -> PipelineConfig:
-    """The pipeline config from a YAML file, or the built-in one for `dataset`."""
+    """The pipeline config from a YAML file, or the built-in one for `dataset` (its feature
+    set, and the settings its file gives beside it: MovieLens' training)."""
     if path is None:
-        return PipelineConfig(features=load_feature_set(dataset))
+        builtin = PACKAGE_CONFIGS / f"{dataset}.yaml"
+        return parse_config(PipelineConfig, load_yaml(builtin), str(builtin))
     data = load_yaml(path)
     if isinstance(data.get("features"), str):
         data["features"] = load_feature_set(data["features"]).model_dump()

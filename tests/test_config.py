@@ -31,6 +31,21 @@ def test_pipeline_config_from_yaml_with_named_feature_set(tmp_path: Path):
     assert cfg.ingest.max_quarantine_fraction == 0.2
 
 
+def test_the_builtin_movielens_pipeline_trains_as_its_file_says(tmp_path: Path):
+    """A `format: movielens` run without a config file trains as the MovieLens bench does
+    (small batches, several passes, five models averaged), not with the daily retrain's
+    settings; the synthetic default keeps those; a user's file keeps its own."""
+    movielens = load_pipeline_config(dataset="movielens")
+    assert movielens.train.batch_size == movielens.preprocess.batch_size == 256
+    assert movielens.train.epochs == 20 and movielens.train.model.members == 5
+    assert not movielens.train.restart_tables and movielens.train.cooccurrence_weight == 0
+    synthetic = load_pipeline_config(dataset="synthetic")
+    assert synthetic.train.batch_size == 512 and synthetic.train.model.members == 1
+    own = tmp_path / "own.yaml"
+    own.write_text("features: movielens\ntrain: {epochs: 2}\n")
+    assert load_pipeline_config(own).train.model.members == 1
+
+
 def test_bad_config_names_file_and_field(tmp_path: Path):
     path = tmp_path / "bad.yaml"
     path.write_text(

@@ -54,6 +54,7 @@ from recd_core.config import (
     SynthConfig,
     TrainConfig,
     load_feature_set,
+    load_pipeline_config,
     synth_config,
 )
 from recd_core.warehouse import Warehouse
@@ -307,7 +308,7 @@ def movielens_quality(
     from recd_core.modeling.train import train
 
     wh = Warehouse(_fresh(out / "movielens-quality"))
-    pipeline = PipelineConfig(features=load_feature_set("movielens"))
+    pipeline = load_pipeline_config(dataset="movielens")
     ingest(
         source, wh, ML_ALL, pipeline.features, IngestConfig(format="movielens"), pipeline.generate
     )
@@ -317,7 +318,7 @@ def movielens_quality(
     train_rows, test_rows = samples.filter(pc.invert(late)), samples.filter(late)
     write_samples(wh, ML_TRAIN, "clustered", train_rows, pipeline.generate)
     write_samples(wh, ML_TEST, "clustered", test_rows, pipeline.generate)
-    cfg = train_cfg or movielens_train_config(pipeline.train)
+    cfg = train_cfg or pipeline.train
     by = "user" if per_user else "time"  # validate like the test split
     prep = pipeline.preprocess.model_copy(
         update={"batch_size": cfg.batch_size, "validation_by": by}
@@ -349,22 +350,6 @@ def movielens_quality(
             "val_ne": trained.get("train.val_ne"),
         },
     }
-
-
-def movielens_train_config(base: TrainConfig) -> TrainConfig:
-    """MovieLens-100k is one small table (80k training ratings): several passes, stopped by
-    validation, instead of the daily retrain's few, over tables that keep learning (943 users
-    and 1,682 items, each seen ~50-85 times a pass, need several passes: restarting the
-    tables each pass measured AUC 0.758 vs 0.771). Without the list co-occurrence loss: on
-    MovieLens' one list, the rated items' history, it lowered the AUC (0.7710 without it,
-    0.7637 at weight 0.3, 0.7551 at 3). Five models averaged (`model.members`): on 80k
-    ratings one model's fit varies a lot from seed to seed (one: NE 0.8063 / AUC 0.7876;
-    three: 0.7971 / 0.7927; five: 0.7930 / 0.7950), at five times the training (seconds
-    here)."""
-    update = {"epochs": 20, "patience": 8, "batch_size": 256, "restart_tables": False,
-              "cooccurrence_weight": 0.0,
-              "model": base.model.model_copy(update={"members": 5})}  # fmt: skip
-    return base.model_copy(update=update)
 
 
 # -- what the data teaches: the learnable bound ---------------------------------------------------
