@@ -37,6 +37,7 @@ import pyarrow.compute as pc
 
 from recd_core.config import FeatureSet, IngestConfig
 from recd_core.data.sources import Parsed, Rejects, SourceError, open_text
+from recd_core.dedup.unique import list_array
 from recd_core.schema import events_schema
 
 GENRES = (
@@ -228,9 +229,7 @@ def _rated_between(
     lengths = end - start
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     idx = np.repeat(start - offsets[:-1], lengths) + np.arange(offsets[-1])
-    return pa.ListArray.from_arrays(
-        pa.array(offsets, pa.int32()), pa.array(items[keep][idx], pa.int64())
-    )
+    return list_array(items[keep][idx], offsets, pa.list_(pa.int64()))
 
 
 def _rating_summary(
@@ -254,9 +253,7 @@ def _rating_summary(
         axis=1,
     )
     offsets = np.arange(0, summary.size + 1, summary.shape[1])
-    return pa.ListArray.from_arrays(
-        pa.array(offsets, pa.int32()), pa.array(summary.ravel(), pa.float32())
-    )
+    return list_array(summary.ravel(), offsets, pa.list_(pa.float32()))
 
 
 def read_movielens(

@@ -255,6 +255,12 @@ def list_parts(col: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]
     return np.asarray(col, np.int64), np.ones(len(col), np.int64)
 
 
+def list_array(flat: np.ndarray, offsets: np.ndarray, typ: pa.DataType) -> pa.Array:
+    """The inverse of `list_parts`: a list column of type `typ` whose row i is
+    flat[offsets[i]:offsets[i+1]]."""
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, typ.value_type))
+
+
 class DedupPlan(BaseModel):
     model_config = ConfigDict(frozen=True)
 

@@ -45,6 +45,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from recd_core.config import FeatureSet, PreprocessConfig
+from recd_core.dedup.unique import list_array as _lists
 from recd_core.dedup.unique import list_parts as _list_parts
 from recd_core.dedup.unique import unique_rows, unique_runs, unique_sessions
 from recd_core.dpp.transforms import (
@@ -324,11 +325,6 @@ def _add_ids(cols: dict, name: str, values: np.ndarray, lengths: np.ndarray, bou
     offsets = np.r_[0, np.cumsum(lengths)]
     cols[f"{name}.values"] = _lists(values, offsets[bounds], _I64)
     cols[f"{name}.lengths"] = _lists(lengths.astype(np.int32), bounds, _I32)
-
-
-def _lists(flat: np.ndarray, offsets: np.ndarray, typ: pa.DataType) -> pa.Array:
-    """A list column whose row i is flat[offsets[i]:offsets[i+1]]."""
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, typ.value_type))
 
 
 def _ids(col, prep: Prepared, name: str) -> tuple[np.ndarray, np.ndarray]:
