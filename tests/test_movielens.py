@@ -190,3 +190,31 @@ def test_what_the_user_rated_before_splits_by_label_and_never_sees_the_same_seco
     )
     np.testing.assert_allclose(row[(1, 30)]["user_ratings"], [2 / 4, 1 / 5, np.log(3)], rtol=1e-6)
     assert row[(1, 20)]["user_ratings"] == row[(1, 10)]["user_ratings"], "one per session"
+
+
+def test_recent_ratings_summarize_the_last_ten_across_the_session_boundary(
+    tmp_path, warehouse, ml_features
+):
+    """recent_ratings: [share liked, mean rating - 3.5, log1p(count)] of the user's last ten
+    ratings at an earlier second, wherever the session began (a new session's first row
+    sees how the last one went; two ratings in one second see the same ten)."""
+    items = (10, 20, 30)
+    rating = lambda k: 5 if k % 3 == 0 else 2  # noqa: E731
+    times = [60 * k for k in range(6)] + [7200 + 60 * k for k in range(6)]  # two sessions
+    ratings = [(3, items[k % 3], rating(k), times[k]) for k in range(12)]
+    ratings.append((3, 10, 5, times[-1]))  # the same second as the twelfth
+    src = write_ml100k(tmp_path / "ml", ratings)
+    ingest(src, warehouse, DAY, ml_features, IngestConfig(format="movielens"))
+    rows = sorted(
+        (r for r in warehouse.read("events", DAY).to_pylist() if r["user_id"] == 3),
+        key=lambda r: (r["ts"], r["event_id"]),
+    )
+    recent = [r["recent_ratings"] for r in rows]
+    np.testing.assert_allclose(recent[0], [0.5, 0.0, 0.0], err_msg="nothing before")
+    # the second session's first row: all six of the first session (ratings 5, 2, 2, 5, 2, 2)
+    assert rows[6]["session_id"] != rows[5]["session_id"]
+    np.testing.assert_allclose(recent[6], [3 / 8, -3 / 9, np.log(7)], rtol=1e-6)
+    np.testing.assert_allclose(rows[6]["session_ratings"], [0.5, 0.0, 0.0])
+    # the twelfth: ratings 1..10, three liked (k = 3, 6, 9), sum 29
+    np.testing.assert_allclose(recent[11], [4 / 12, -6 / 13, np.log(11)], rtol=1e-6)
+    assert recent[12] == recent[11], "the same second is not before"

@@ -16,7 +16,9 @@ What the user rated before, split by the label, is there too: `user_liked`, `use
 and a summary `user_ratings` for the ratings before the session (user side, constant in a
 session), `session_liked`, `session_passed`, `session_ratings` for the ones earlier in the
 session (per sample; only ratings at an earlier second: within one second the order is
-unknown). Ratings are known once given, so none of these looks ahead.
+unknown), and `recent_ratings`, the same summary of the user's last ten ratings at an
+earlier second, across the session boundary (per sample: the first rows of a session
+see how the last one went). Ratings are known once given, so none of these looks ahead.
 The feature set may leave features out (the history, the zip codes): the adapter builds
 the columns it names.
 Rating lines are validated column-wise; a bad line, or a rating whose user or movie is not
@@ -47,6 +49,7 @@ GENRES = (
 )  # fmt: skip
 GENRE_ID = {g.lower(): i for i, g in enumerate(GENRES)}
 MID_RATING = 3.5  # the middle of the 1..5 scale
+RECENT = 10  # `recent_ratings` summarizes the user's last this many ratings
 INT = r"^\d+$"
 NUM = r"^\d+(\.\d+)?$"
 
@@ -318,12 +321,14 @@ def read_movielens(
     liked = rating[order] >= cfg.label_min_rating
     # What the user rated before (the adapter builds what the feature set names): before
     # the session (user side: one snapshot per session, deduplicated) and earlier in the
-    # session, at an earlier second (per sample: known when this one is rated).
+    # session, at an earlier second (per sample: known when this one is rated); the last
+    # RECENT ratings at an earlier second, wherever the session began.
     new_second = new_session | np.concatenate([[True], t[1:] != t[:-1]])[:n]
     second_start = np.maximum.accumulate(np.where(new_second, np.arange(n), 0))
     before = {  # (first row, end row), and the row each is built for
         "user": (user_start_row[session_start], session_start, pa.array(session)),
         "session": (session_start[session], second_start, None),
+        "recent": (np.maximum(user_start_row, second_start - RECENT), second_start, None),
     }
     rated = {}
     for side, (lo, hi, rows) in before.items():
