@@ -306,7 +306,7 @@ def read_movielens(
 
     keep = np.flatnonzero(~rejected)
     order = keep[np.lexsort((line_no[keep], ts_s[keep], user[keep]))]
-    u, it, t = user[order], item[order], ts_s[order]
+    u, it, t, r = user[order], item[order], ts_s[order], rating[order]
     n = order.size
     new_user = np.concatenate([[True], u[1:] != u[:-1]]) if n else np.zeros(0, bool)
     gap = (
@@ -318,7 +318,7 @@ def read_movielens(
     user_start_row = np.maximum.accumulate(np.where(new_user, np.arange(n), 0))
     position = np.arange(n) - session_start[session]
 
-    liked = rating[order] >= cfg.label_min_rating
+    liked = r >= cfg.label_min_rating
     # What the user rated before (the adapter builds what the feature set names): before
     # the session (user side: one snapshot per session, deduplicated) and earlier in the
     # session, at an earlier second (per sample: known when this one is rated); the last
@@ -340,7 +340,7 @@ def read_movielens(
             if name in features:
                 built[name] = _rated_between(it, keep, lo, hi, features[name].max_length or 64)
         if f"{side}_ratings" in features:
-            built[f"{side}_ratings"] = _rating_summary(liked, rating[order], lo, hi)
+            built[f"{side}_ratings"] = _rating_summary(liked, r, lo, hi)
         rated |= {k: v if rows is None else v.take(rows) for k, v in built.items()}
     uidx = np.searchsorted(users["user_id"], u, sorter=np.argsort(users["user_id"]))
     uidx = np.argsort(users["user_id"])[uidx]
