@@ -199,6 +199,19 @@ class IngestConfig(_Strict):
     # (the cluster of RAY_ADDRESS, or a local instance); the output is the same
     engine: Literal["local", "ray"] = "local"
     workers: int = Field(default=2, gt=0)
+    # A source file is held whole while one of `workers` threads parses it: one that
+    # expands past max_file_mb, or more than max_expansion_ratio times its compressed size
+    # (judged past 64 MiB), is refused as a whole (a quarantine record and the summary's
+    # ingest.refused_files name it), so no file, a decompression bomb included, takes ingest
+    # past ~workers x 2 x max_file_mb of memory; the day's other files go on.
+    max_file_mb: int = Field(default=512, gt=0)
+    max_expansion_ratio: float = Field(default=100.0, gt=1.0)
+    # Events stamped outside the partition's day (ts, UTC): late arrivals from before the
+    # day's start up to ts_before_day_s and clock skew past its end up to ts_after_day_s are
+    # kept; beyond those they are quarantined with the reason. Both kinds are counted in
+    # ingest.rows_out_of_day. MovieLens ratings keep their own dates and are not checked.
+    ts_before_day_s: int = Field(default=86_400, ge=0)
+    ts_after_day_s: int = Field(default=3_600, ge=0)
 
 
 class ParquetWrite(_Strict):

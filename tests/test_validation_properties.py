@@ -33,6 +33,10 @@ FEATURES = FeatureSet.model_validate(
     }
 )
 I64 = st.integers(min_value=0, max_value=2**63 - 1)
+DAY = "2026-11-01"
+DAY_START = 1_793_491_200_000  # 2026-11-01T00:00Z in ms
+# what a day accepts: from a day before it (late arrivals) to an hour after it (clock skew)
+TS_OK = st.integers(DAY_START - 86_400_000, DAY_START + 25 * 3_600_000 - 1)
 F32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
 
 
@@ -60,7 +64,7 @@ def events(draw, min_size=1, max_size=30):
     return [
         {
             "event_id": eid,
-            "ts": draw(st.integers(0, 2**62)),
+            "ts": draw(TS_OK),
             **draw(st.sampled_from(sessions)),
             "label": draw(st.sampled_from([0, 1])),
             "item_id": draw(I64),
@@ -76,7 +80,7 @@ CORRUPTIONS = {
     "user_tags": st.one_of(st.lists(I64, min_size=6, max_size=9), st.lists(st.integers(max_value=-1), min_size=1, max_size=3), st.integers(), st.just([None])),
     "user_emb": st.one_of(st.lists(F32, min_size=0, max_size=1), st.lists(F32, min_size=3, max_size=4), st.just([float("nan"), 1.0]), st.just([1.0, float("-inf")])),
     "item_score": st.one_of(st.just(float("nan")), st.just(float("inf")), st.text(max_size=2), st.lists(F32, max_size=2)),
-    "ts": st.one_of(st.integers(max_value=-1), st.none()),
+    "ts": st.one_of(st.integers(max_value=-1), st.none(), st.integers(0, DAY_START - 86_400_001), st.integers(DAY_START + 25 * 3_600_000, 2**63 - 1)),
 }  # fmt: skip
 
 
@@ -85,9 +89,9 @@ def _ingest(lines: list[bytes]):
         src = Path(d) / "events.jsonl"
         src.write_bytes(b"\n".join(lines) + b"\n")
         wh = Warehouse(Path(d) / "wh")
-        summary = ingest(src, wh, "2026-11-01", FEATURES, IngestConfig(max_quarantine_fraction=1.0))
-        events = wh.read("events", "2026-11-01") if summary["ingest.rows_ok"] else None
-        return summary, events, wh.read("quarantine", "2026-11-01").to_pylist()
+        summary = ingest(src, wh, DAY, FEATURES, IngestConfig(max_quarantine_fraction=1.0))
+        events = wh.read("events", DAY) if summary["ingest.rows_ok"] else None
+        return summary, events, wh.read("quarantine", DAY).to_pylist()
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -10,6 +10,8 @@ Checks run on whole Arrow columns, never a Python loop over rows:
   lists      no null elements, length <= max_length
   dense      finite; dim > 1 lists of exactly `dim` values
   unique     event_id appears once per day (a redelivered event is quarantined)
+  day        ts within the partition's day, give or take the tolerances (`ts_before_day_s`,
+             `ts_after_day_s`); rows inside them but off the day are kept and counted
   sessions   user-side values equal the session's first event's (`check_sessions`)
 
 The last two are day-wide; the others run file by file. Ingest streams: a file's clean rows
@@ -39,12 +41,15 @@ import pyarrow.parquet as pq
 
 from recd_core.config import ENVELOPE_COLUMNS, FeatureSet, IngestConfig, ParquetWrite
 from recd_core.data.sources import (
+    FileRefused,
     Parsed,
+    ReadLimits,
     Rejects,
     SourceError,
     raw_lines,
     read_json_lines,
     read_parquet_events,
+    path_text,
     rows_as_json,
 )
 from recd_core.dedup.unique import group_hashes
@@ -52,7 +57,10 @@ from recd_core.errors import GateFailed
 from recd_core.schema import events_schema, mark_sessions_checked
 from recd_core.warehouse import Warehouse, validate_ds
 
-EVENT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson", ".ndjson.gz", ".parquet")
+EVENT_SUFFIXES = tuple(
+    f"{stem}{z}" for stem in (".jsonl", ".json", ".ndjson") for z in ("", ".gz", ".zst")
+) + (".parquet",)
+DAY_MS = 86_400_000
 
 
 class QuarantineExceeded(GateFailed):
@@ -222,10 +230,56 @@ def first_failure(n: int, checks: list[Check]) -> tuple[np.ndarray, pa.Array, pa
     return bad, fields, reasons
 
 
-def validate(parsed: Parsed, features: FeatureSet) -> tuple[Parsed, Rejects]:
-    """Split parsed rows into valid ones and rejects (with reasons)."""
+@dataclass(frozen=True)
+class DayWindow:
+    """Where a day's events may be stamped (ms since the epoch, UTC): the day itself, and
+    around it the tolerated `lo`..`hi` (late arrivals before, clock skew after)."""
+
+    ds: str
+    start: int
+    end: int
+    lo: int
+    hi: int
+
+    @classmethod
+    def of(cls, ds: str, cfg: IngestConfig) -> DayWindow:
+        start = int(np.datetime64(ds, "ms").astype(np.int64))
+        return cls(ds, start, start + DAY_MS, start - cfg.ts_before_day_s * 1000,
+                   start + DAY_MS + cfg.ts_after_day_s * 1000)  # fmt: skip
+
+
+def day_check(table: pa.Table, window: DayWindow) -> tuple[list[Check], int]:
+    """Rows stamped beyond the window's tolerances (a check), and how many rows are off the
+    day at all (kept or not)."""
+    if not table.num_rows:
+        return [], 0
+    ts = np.asarray(table["ts"].fill_null(window.start), np.int64)
+    off = int(((ts < window.start) | (ts >= window.end)).sum())
+    if not off:
+        return [], 0
+    bad = (ts < window.lo) | (ts >= window.hi)
+    if not bad.any():
+        return [], off
+    words = np.full(ts.size, None, object)
+    for i in np.flatnonzero(bad):  # a loop over the rejected rows only
+        h = (ts[i] - (window.start if ts[i] < window.start else window.end)) / 3_600_000
+        words[i] = (f"field 'ts': {abs(h):.1f} h {'before' if h < 0 else 'after'} ds={window.ds}, "
+                    "beyond the tolerance (ingest.ts_before_day_s / ts_after_day_s)")  # fmt: skip
+    return [Check("ts", bad, pa.array(words, pa.string()))], off
+
+
+def validate(
+    parsed: Parsed, features: FeatureSet, window: DayWindow | None = None
+) -> tuple[Parsed, Rejects]:
+    """Split parsed rows into valid ones and rejects (with reasons); with a `window`, count
+    the rows off the day (`Parsed.out_of_day`) and reject those beyond its tolerances."""
     t = parsed.table
-    bad, fields, reasons = first_failure(t.num_rows, semantic_checks(t, features))
+    checks = semantic_checks(t, features)
+    off = 0
+    if window is not None:
+        late, off = day_check(t, window)
+        checks += late
+    bad, fields, reasons = first_failure(t.num_rows, checks)
     rejects = Rejects()
     if bad.any():
         where = np.flatnonzero(bad)
@@ -238,6 +292,7 @@ def validate(parsed: Parsed, features: FeatureSet) -> tuple[Parsed, Rejects]:
             parsed.raw_rows(where),
         )
         parsed = parsed.subset(np.flatnonzero(~bad))
+    parsed.out_of_day = off
     return parsed, rejects
 
 
@@ -350,38 +405,63 @@ def _positions(parts: list[_Part]) -> tuple[np.ndarray, np.ndarray]:
     return part_of, row_of
 
 
-def list_source_files(source: Path, suffixes: tuple[str, ...]) -> list[Path]:
+def list_source_files(source: Path, suffixes: tuple[str, ...]) -> tuple[list[Path], dict[str, str]]:
+    """The source's files, in name order, and the ones refused with why: a file is read only
+    where it lies inside the source directory, so a symlink that leads out of it (to
+    `/etc/passwd`, `/proc/self/environ`, another day) is named and never opened."""
     if not source.exists():
         raise SourceError(f"source not found: {source}")
     if source.is_file():
-        return [source]
-    files = sorted(
-        p
-        for p in source.rglob("*")
-        if p.is_file()
-        and not any(part.startswith((".", "_")) for part in p.relative_to(source).parts)
-        and p.name.endswith(suffixes)
-    )
-    if not files:
+        return [source], {}
+    root = source.resolve()
+    files, refused = [], {}
+    for p in sorted(source.rglob("*")):
+        rel = p.relative_to(source)
+        if any(part.startswith((".", "_")) for part in rel.parts) or not p.name.endswith(suffixes):
+            continue
+        if not p.resolve().is_relative_to(root):
+            refused[path_text(p)] = "a symlink that leads out of the source directory: not read"
+        elif p.is_file():
+            files.append(p)
+    if not files and not refused:
         raise SourceError(f"no input files ({', '.join(suffixes)}) under {source}")
-    return files
+    return files, refused
 
 
 def _parse(
-    path: Path, schema: pa.Schema, features: FeatureSet, user_cols: list[str], sink=None
-) -> tuple[Parsed, Rejects, np.ndarray, str | None]:
+    path: Path, schema: pa.Schema, features: FeatureSet, user_cols: list[str],
+    limits: ReadLimits, window: DayWindow | None, sink=None,
+) -> tuple[Parsed, Rejects, np.ndarray, str | None]:  # fmt: skip
     """One source file's work, in a parsing thread (or a Ray task): read, validate, hash the
     user-side values for the session check, and with a `sink` write the clean rows as the
-    file's events file (its name; None when the rows are left to the caller)."""
-    if path.name.endswith(".parquet"):
-        parsed, rejects = read_parquet_events(path, schema)
-    else:
-        shared = [f.name for f in features.by_side("user")]  # a session's: parsed once
-        parsed, rejects = read_json_lines(path, schema, shared)
-    parsed, bad = validate(parsed, features)
+    file's events file (its name; None when the rows are left to the caller). A file
+    refused as a whole comes back as no rows and one quarantine record saying why."""
+    try:
+        if path.name.endswith(".parquet"):
+            parsed, rejects = read_parquet_events(path, schema)
+        else:
+            shared = [f.name for f in features.by_side("user")]  # a session's: parsed once
+            parsed, rejects = read_json_lines(path, schema, shared, limits)
+    except FileRefused as e:
+        return (*refused_file(path_text(path), str(e), schema), _no_rows(), None)
+    parsed, bad = validate(parsed, features, window)
     rejects.extend(bad)
     user = user_hashes(parsed.table, user_cols)
     return parsed, rejects, user, sink(parsed.table) if sink and parsed.table.num_rows else None
+
+
+def _no_rows() -> np.ndarray:
+    return np.zeros(0, np.uint64)
+
+
+def refused_file(source: str, reason: str, schema: pa.Schema) -> tuple[Parsed, Rejects]:
+    """A file refused whole: no rows, and one quarantine record (line 0: the whole file,
+    no bytes kept) with the reason."""
+    rejects = Rejects()
+    rejects.add(source, [0], [None], [f"file refused: {reason}"], [b""])
+    parsed = Parsed(schema.empty_table(), source, np.zeros(0, np.int64), None)
+    parsed.refused = reason
+    return parsed, rejects
 
 
 def _parse_columns(*args) -> tuple[Parsed, Rejects, np.ndarray, None]:
@@ -414,11 +494,11 @@ def _ordered(fn, items: list, threads: int) -> Iterator:
 
 
 def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.Schema,
-             user_cols: list[str], progress, sink=None):  # fmt: skip
+             user_cols: list[str], window: DayWindow, progress, sink=None):  # fmt: skip
     """The file count, the bytes to read, and an iterator of (parsed and validated rows,
     their rejects, their user-side hashes, a re-reader of raw lines, the events file the
     parsing thread wrote them to with `sink(index, table)`, if given) per source file, in
-    file order."""
+    file order (after the files refused before reading: links out of the source)."""
     if cfg.format == "movielens":
         from recd_core.data.movielens import read_movielens
 
@@ -427,8 +507,9 @@ def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.S
         rejects.extend(bad)
         user = user_hashes(parsed.table, user_cols)
         return nfiles, bytes_in, iter([(parsed, rejects, user, parsed.raw, None)])
-    files = list_source_files(source, EVENT_SUFFIXES)
-    args = [(p, schema, features, user_cols) for p in files]
+    files, refused = list_source_files(source, EVENT_SUFFIXES)
+    limits = ReadLimits(cfg.max_file_mb << 20, cfg.max_expansion_ratio)
+    args = [(p, schema, features, user_cols, limits, window) for p in files]
     if cfg.engine == "ray":
         from recd_core.ray_cluster import ordered_map
 
@@ -438,16 +519,19 @@ def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.S
         parsed_files = _ordered(lambda a: _parse(*a), tasks, cfg.workers)
 
     def with_raw():
+        for source_name, reason in refused.items():  # links out of the source: never opened
+            yield *refused_file(source_name, reason, schema), _no_rows(), None, None
         try:
             for path, (parsed, rejects, user, file) in zip(files, parsed_files, strict=True):
                 if progress:
                     progress(path.name, 1)
-                raw = None if path.name.endswith(".parquet") else functools.partial(raw_lines, path)
+                text = not path.name.endswith(".parquet")
+                raw = functools.partial(raw_lines, path, limits) if text else None
                 yield parsed, rejects, user, raw, file
         finally:  # a failure downstream: the parsing threads finish before staging goes
             getattr(parsed_files, "close", lambda: None)()
 
-    return len(files), sum(p.stat().st_size for p in files), with_raw()
+    return len(files) + len(refused), sum(p.stat().st_size for p in files), with_raw()
 
 
 def ingest(
@@ -475,15 +559,19 @@ def ingest(
     options.pop("row_group_size")  # the quarantine's
     schema = mark_sessions_checked(base_schema) if cfg.check_sessions else base_schema
     user_cols = [f.name for f in features.by_side("user")] if cfg.check_sessions else []
-    rejects, parts, shared_lines = Rejects(), [], 0
+    rejects, parts, shared_lines, out_of_day, refused = Rejects(), [], 0, 0, {}
     with warehouse.writing("events", ds) as w:
         sink = functools.partial(_write_events, w, schema, file_options)
+        window = DayWindow.of(ds, cfg) if cfg.format == "events" else None
         nfiles, bytes_in, stream = _sources(source, features, cfg, base_schema, user_cols,
-                                            progress, sink)  # fmt: skip
+                                            window, progress, sink)  # fmt: skip
         try:
             for parsed, bad, user, raw, file in stream:
                 rejects.extend(bad)
                 shared_lines += parsed.shared_lines
+                out_of_day += parsed.out_of_day
+                if parsed.refused:
+                    refused[parsed.source] = parsed.refused
                 part = _Part.of(parsed, user, raw)
                 if file:  # written by its parsing thread
                     w.add_file(file, parsed.table.num_rows)
@@ -521,6 +609,12 @@ def ingest(
             # below rows_in where the logs' layout does not allow it (~2x slower there)
             "ingest.rows_shared_parse": shared_lines,
             "ingest.bytes_in": bytes_in,
+            # off the day: kept within the tolerances, quarantined beyond them
+            "ingest.rows_out_of_day": out_of_day,
+            # files refused whole (one quarantine record each): too large once expanded,
+            # links out of the source directory
+            "ingest.files_refused": len(refused),
+            "ingest.refused_files": refused,
             "ingest.seconds": seconds,
             "ingest.published": False,
             "ingest.top_reasons": top_reasons(quarantine),

@@ -14,6 +14,7 @@ is caught by counting rows.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -102,10 +103,12 @@ class Parsed:
     lines: np.ndarray  # int64, 1-based, one per table row
     raw: Callable[[np.ndarray], pa.Array] | None
     shared_lines: int = 0  # lines whose shared columns were parsed once per distinct text
+    out_of_day: int = 0  # rows stamped off the partition's day (ingest's day check)
+    refused: str | None = None  # why the whole file was refused (then no rows)
 
     def subset(self, keep: np.ndarray) -> Parsed:
-        return Parsed(self.table.take(pa.array(keep)), self.source, self.lines[keep], self.raw,
-                      self.shared_lines)  # fmt: skip
+        return dataclasses.replace(self, table=self.table.take(pa.array(keep)),
+                                   lines=self.lines[keep])  # fmt: skip
 
     def raw_rows(self, rows: np.ndarray) -> pa.Array:
         """The original bytes of table rows `rows`."""
@@ -160,34 +163,103 @@ class Lines:
 
 
 # -- bytes ------------------------------------------------------------------------------------
-def read_bytes(path: Path) -> tuple[bytes, str | None]:
-    """The file's decompressed bytes, and a problem if a gzip stream was cut short."""
+GZIP_MAGIC, ZSTD_MAGIC = b"\x1f\x8b", b"\x28\xb5\x2f\xfd"
+_FEED = 1 << 20  # compressed bytes handed to the decompressor at a time
+_DRAIN = 16 << 20  # decompressed bytes taken out at a time
+
+
+@dataclass(frozen=True)
+class ReadLimits:
+    """How far one source file may expand (`IngestConfig.max_file_mb`, `max_expansion_ratio`).
+    A file is held whole while it is parsed, by each of `workers` threads, so these bound
+    ingest's memory whatever a file holds: a gzip or zstd "bomb" (1 MB of zeros expanding to
+    1 GiB) is refused once it passes either limit, not after it has filled memory. The ratio
+    is judged only past `ratio_floor` bytes, so a small, very repetitive file still reads."""
+
+    max_bytes: int = 512 << 20
+    max_ratio: float = 100.0
+    ratio_floor: int = 64 << 20
+
+    def check(self, out: int, consumed: int) -> None:
+        if out > self.max_bytes:
+            raise FileRefused(f"expands past the limit of {self.max_bytes >> 20} MiB "
+                              "(ingest.max_file_mb): split the file or raise the limit")  # fmt: skip
+        if out > self.ratio_floor and out > self.max_ratio * max(consumed, 1):
+            raise FileRefused(
+                f"expands more than {self.max_ratio:g}x ({out >> 20} MiB from "
+                f"{max(consumed, 1) >> 10} KiB; ingest.max_expansion_ratio): a decompression bomb?"
+            )
+
+
+class FileRefused(SourceError):
+    """A source file refused as a whole (too large once expanded, a link out of the source
+    directory): ingest quarantines one record for it, names it in the summary and goes on
+    with the day's other files."""
+
+
+def read_bytes(path: Path, limits: ReadLimits = ReadLimits()) -> tuple[bytes, str | None]:
+    """The file's decompressed bytes (gzip and zstd are recognized by their magic bytes, every
+    member or frame of a concatenated file read), and a problem if the stream was damaged or
+    cut short (what came out before it is kept). Raises `FileRefused` past `limits`."""
     try:
-        data = path.read_bytes()
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(4)
+            if head[:2] != GZIP_MAGIC and head != ZSTD_MAGIC:
+                limits.check(size, size)
+                return head + f.read(), None
+            data = head + f.read()
     except OSError as e:
         raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
-    if data[:2] != b"\x1f\x8b":
-        return data, None
-    d = zlib.decompressobj(wbits=31)
-    try:
-        out = d.decompress(data)
-    except zlib.error as e:
-        # Keep what came out before the damage; the tail is reported as one rejected record.
-        return _partial_gunzip(data), f"gzip stream corrupt: {e}"
-    if not d.eof:
-        return out, "gzip stream truncated (file cut short)"
-    return out, None
+    return _gunzip(data, limits) if head[:2] == GZIP_MAGIC else _unzstd(data, limits)
 
 
-def _partial_gunzip(data: bytes) -> bytes:
+def _gunzip(data: bytes, limits: ReadLimits) -> tuple[bytes, str | None]:
+    """Every member of a gzip file (`cat a.gz b.gz`, log rotation), streamed: input fed a
+    MiB at a time, output drained in bounded pieces, the limits checked as it grows."""
+    out: list[bytes] = []
+    total = fed = 0
+    view = memoryview(data)
     d = zlib.decompressobj(wbits=31)
-    out = []
-    for i in range(0, len(data), 1 << 16):
+    pending = b""  # input fed but not yet consumed
+    while True:
+        if not pending and fed < len(view):
+            pending, fed = bytes(view[fed : fed + _FEED]), min(fed + _FEED, len(view))
         try:
-            out.append(d.decompress(data[i : i + (1 << 16)]))
-        except zlib.error:
-            break
-    return b"".join(out)
+            chunk = d.decompress(pending, _DRAIN)
+        except zlib.error as e:
+            return b"".join(out), f"gzip stream corrupt: {e}"
+        out.append(chunk)
+        total += len(chunk)
+        limits.check(total, fed - len(d.unconsumed_tail))
+        pending = d.unconsumed_tail
+        if d.eof:  # a member ends: another may follow (padding of zeros is ignored)
+            rest = d.unused_data + bytes(view[fed:])
+            if not rest.strip(b"\x00"):
+                return b"".join(out), None
+            if rest[:2] != GZIP_MAGIC:
+                return b"".join(out), "gzip stream corrupt: bytes after the last member"
+            view, fed, pending = memoryview(rest), 0, b""
+            d = zlib.decompressobj(wbits=31)
+        elif not chunk and not pending and fed >= len(view):
+            return b"".join(out), "gzip stream truncated (file cut short)"
+
+
+def _unzstd(data: bytes, limits: ReadLimits) -> tuple[bytes, str | None]:
+    """A zstd file (every frame), streamed through Arrow's codec in bounded pieces. The
+    codec does not say how much input it consumed, so the ratio is judged against the
+    whole file: a bomb is refused after at most `max_ratio` x its size."""
+    out: list[bytes] = []
+    total = 0
+    try:
+        with pa.CompressedInputStream(pa.BufferReader(data), "zstd") as stream:
+            while chunk := stream.read(_DRAIN):
+                out.append(chunk)
+                total += len(chunk)
+                limits.check(total, len(data))
+    except (OSError, pa.ArrowException) as e:
+        return b"".join(out), f"zstd stream corrupt or truncated: {str(e).splitlines()[0][:120]}"
+    return b"".join(out), None
 
 
 def _bad_utf8_lines(lines: Lines) -> np.ndarray:
@@ -211,27 +283,27 @@ def _bad_utf8_lines(lines: Lines) -> np.ndarray:
 
 
 # -- JSON lines -------------------------------------------------------------------------------
-def _text_bytes(path: Path) -> tuple[bytes, str | None]:
-    data, problem = read_bytes(path)
+def _text_bytes(path: Path, limits: ReadLimits = ReadLimits()) -> tuple[bytes, str | None]:
+    data, problem = read_bytes(path, limits)
     if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM (Windows tools): accepted, as blanks
         data = b"   " + data[3:]
     return data, problem
 
 
-def raw_lines(path: Path, line_numbers: np.ndarray) -> pa.Array:
+def raw_lines(path: Path, limits: ReadLimits, line_numbers: np.ndarray) -> pa.Array:
     """Lines of a JSON-lines file by 1-based number, as its reader saw them, read again:
     ingest keeps no file's bytes past its parse; rows rejected later are looked up here."""
-    return Lines.of(_text_bytes(path)[0]).take(np.asarray(line_numbers, np.int64) - 1)
+    return Lines.of(_text_bytes(path, limits)[0]).take(np.asarray(line_numbers, np.int64) - 1)
 
 
 def read_json_lines(
-    path: Path, schema: pa.Schema, shared: list[str] | tuple = ()
+    path: Path, schema: pa.Schema, shared: list[str] | tuple = (), limits: ReadLimits = ReadLimits()
 ) -> tuple[Parsed, Rejects]:
-    """Parse a JSON-lines file (plain or gzipped) into `schema`'s columns. `shared`: columns
-    whose values repeat across many lines (a session's user-side features), parsed once per
-    distinct text where the lines allow it (data/shared_parse.py)."""
+    """Parse a JSON-lines file (plain, gzip or zstd) into `schema`'s columns. `shared`:
+    columns whose values repeat across many lines (a session's user-side features), parsed
+    once per distinct text where the lines allow it (data/shared_parse.py)."""
     source = path_text(path)
-    data, stream_problem = _text_bytes(path)
+    data, stream_problem = _text_bytes(path, limits)
     lines = Lines.of(data)
     n = len(lines)
     rejects = Rejects()
