@@ -46,10 +46,10 @@ from recd_core.data.sources import (
     ReadLimits,
     Rejects,
     SourceError,
+    path_text,
     raw_lines,
     read_json_lines,
     read_parquet_events,
-    path_text,
     rows_as_json,
 )
 from recd_core.dedup.unique import group_hashes
