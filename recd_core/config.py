@@ -221,6 +221,9 @@ class ParquetWrite(_Strict):
     row_group_size: int = Field(default=65_536, gt=0)
     compression: Literal["zstd", "snappy", "gzip", "lz4", "none"] = "zstd"
     compression_level: int | None = 3
+    # a CRC-32 in every page header, verified by every warehouse reader: a damaged file is
+    # an error naming it (PartitionDamaged), never values trained on
+    page_checksum: bool = True
 
     def options(self) -> dict:
         """pyarrow's writer options (`none`: uncompressed, and no level)."""
@@ -229,6 +232,7 @@ class ParquetWrite(_Strict):
             "compression": None if none else self.compression,
             "compression_level": None if none else self.compression_level,
             "row_group_size": self.row_group_size,
+            "write_page_checksum": self.page_checksum,
         }
 
 

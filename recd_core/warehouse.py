@@ -2,7 +2,9 @@
 
     <root>/<table>/[<key>=<value>/]ds=YYYY-MM-DD/part-00000.parquet
                                                  part-00001.parquet
-                                                 _manifest.json      files, rows, bytes, write id
+                                                 _manifest.json      files, rows, bytes, write id,
+                                                                     each file's size (and CRC-32
+                                                                     where the format has none)
     <root>/<table>/_staging/…   partitions being written (ignored by Hive discovery: '_' prefix)
     <root>/<table>/_trash/…     the previous version during a swap
     <root>/<table>/_locks/…     one lock file per partition (local warehouses)
@@ -29,7 +31,11 @@ then is committed:
                  then the files the manifest no longer lists are deleted.
 
 Readers go through the manifest, so either protocol shows the old version or the new one,
-never a mix. A failure or crash before the commit leaves the live partition as it was; its
+never a mix. They trust nothing else in it: every name must be a plain file name inside the
+partition, every file must be there at the size the manifest records, Parquet pages are read
+with their CRC-32 verified, and files of formats without checksums (the Arrow IPC batches)
+carry a CRC-32 in the manifest (`verify`). A file that fails any of these is a
+`PartitionDamaged` error naming the partition and the file, never a traceback or garbage. A failure or crash before the commit leaves the live partition as it was; its
 leftovers are removed by the next write. Re-writing a partition replaces it: no duplicates,
 whatever the number of runs.
 
@@ -61,7 +67,9 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from recd_core.errors import BadInput
+from zlib_ng import zlib_ng as zlib
+
+from recd_core.errors import BadInput, RecdError
 
 MANIFEST = "_manifest.json"
 WRITER_LOCK = "_writer.lock"  # inside a staging directory, held (flock) by its live writer
@@ -69,6 +77,63 @@ WRITER_LOCK = "_writer.lock"  # inside a staging directory, held (flock) by its 
 
 class PartitionNotFound(BadInput, FileNotFoundError):
     """A partition a stage reads does not exist (yet): run the stage that writes it."""
+
+
+class PartitionDamaged(BadInput):
+    """A committed partition whose manifest or files cannot be trusted (damaged, truncated,
+    missing, or a name that leads outside it): named, never read. Rerun the stage that
+    writes it; a retry of the reader cannot help."""
+
+
+_PLAIN_NAME = re.compile(r"[^/\\\x00]+")
+
+
+def _plain(name) -> bool:
+    """Whether a manifest entry is a plain file name inside its partition."""
+    return (isinstance(name, str) and bool(_PLAIN_NAME.fullmatch(name))
+            and name not in (".", "..", MANIFEST))  # fmt: skip
+
+
+@contextlib.contextmanager
+def damage_named(path: str) -> Iterator[None]:
+    """Reading `path`, a file of a committed partition: what Arrow or the OS raise about its
+    bytes becomes a `PartitionDamaged` naming it (a permission error stays what it is)."""
+    try:
+        yield
+    except (PermissionError, RecdError):
+        raise
+    except (pa.ArrowException, OSError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise PartitionDamaged(
+            f"{path} is damaged ({first}): rerun the stage that writes it"
+        ) from None
+
+
+def open_parquet(fs: pafs.FileSystem, path: str) -> pq.ParquetFile:
+    """A Parquet file of the warehouse, opened so that every page read verifies its CRC-32."""
+    with damage_named(path):
+        return pq.ParquetFile(fs.open_input_file(path), page_checksum_verification=True)
+
+
+def read_batches(fs: pafs.FileSystem, path: str, batch_size: int) -> Iterator[pa.RecordBatch]:
+    """A warehouse Parquet file's record batches, verified as read (`open_parquet`): damage
+    is a `PartitionDamaged` naming it; what the caller does with a batch is not wrapped."""
+    batches = open_parquet(fs, path).iter_batches(batch_size=batch_size)
+    while True:
+        with damage_named(path):
+            batch = next(batches, None)
+        if batch is None:
+            return
+        yield batch
+
+
+def file_crc32(fs: pafs.FileSystem, path: str) -> int:
+    """The CRC-32 of a file's bytes, read in pieces (zlib-ng: several GB/s)."""
+    crc = 0
+    with fs.open_input_stream(path) as f:
+        while chunk := f.read(8 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 @dataclass(frozen=True)
@@ -318,14 +383,56 @@ class Warehouse:
         return self._manifest(table, ds, keys)
 
     def _manifest(self, table: str, ds: str, keys: dict[str, str]) -> dict:
-        path = f"{self.partition_path(table, ds, **keys)}/{MANIFEST}"
+        """The partition's manifest, checked: readable JSON naming at least one file, every
+        name plain (inside the partition), every file present at its recorded size."""
+        base = self.partition_path(table, ds, **keys)
+        path = f"{base}/{MANIFEST}"
         try:
             with self.fs.open_input_stream(path) as f:
-                return json.loads(f.read())
+                m = json.loads(f.read())
         except FileNotFoundError:
             raise PartitionNotFound(
                 f"no partition {self._rel(table, ds, keys)} in warehouse {self.uri}"
             ) from None
+        except (ValueError, OSError) as e:
+            raise PartitionDamaged(f"{path} is damaged ({e}): rerun the stage that writes it")
+        if not (isinstance(m, dict) and isinstance(m.get("files"), list) and m["files"]):
+            raise PartitionDamaged(f"{path} lists no files: rerun the stage that writes it")
+        try:
+            names = _stored_files(m)
+        except (AttributeError, KeyError, TypeError):
+            names = [None]
+        foreign = next((n for n in names if not _plain(n)), "")
+        if foreign != "":
+            raise PartitionDamaged(f"{path} names {foreign!r}, not a file of the partition: "
+                                   "nothing is read outside it")  # fmt: skip
+        self._check_files(base, names, m.get("file_bytes") or {})
+        return m
+
+    def _check_files(self, base: str, names: list[str], sizes: dict) -> None:
+        """Every file the manifest names is there, at the size it records (one listing)."""
+        present = {i.base_name: i.size for i in self._children(base)}
+        for name in names:
+            if name not in present:
+                raise PartitionDamaged(f"{base}/{name} is missing (listed in {MANIFEST}): "
+                                       "rerun the stage that writes it")  # fmt: skip
+            if name in sizes and present[name] != sizes[name]:
+                raise PartitionDamaged(
+                    f"{base}/{name} is damaged ({present[name]} bytes, written as "
+                    f"{sizes[name]}): rerun the stage that writes it"
+                )
+
+    def verify(self, path: str, manifest: dict) -> None:
+        """A file's bytes against the CRC-32 its manifest records (formats without page
+        checksums: the Arrow IPC batches); nothing to check where none is recorded."""
+        want = (manifest.get("file_crc32") or {}).get(path.rsplit("/", 1)[-1])
+        if want is None:
+            return
+        with damage_named(path):
+            got = file_crc32(self.fs, path)
+        if got != want:
+            raise PartitionDamaged(f"{path} is damaged (CRC-32 {got:08x}, written as "
+                                   f"{want:08x}): rerun the stage that writes it")  # fmt: skip
 
     def files(self, table: str, ds: str, **keys: str) -> list[str]:
         base = self.partition_path(table, ds, **keys)
@@ -459,13 +566,17 @@ class _StoredFile:
 
     def pf(self) -> pq.ParquetFile:
         if self._pf is None:
-            self._pf = pq.ParquetFile(self.fs.open_input_file(self.path))
+            self._pf = open_parquet(self.fs, self.path)
         return self._pf
 
     def side(self) -> pq.ParquetFile:
         if self._side is None:
-            self._side = pq.ParquetFile(self.fs.open_input_file(self.side_path))
+            self._side = open_parquet(self.fs, self.side_path)
         return self._side
+
+    def _named(self):
+        """Errors of this file's bytes (or its side file's) as `PartitionDamaged`."""
+        return damage_named(self.path if not self.norm else f"{self.path} (or {self.side_path})")
 
     def schema(self) -> pa.Schema:
         main = self.pf().schema_arrow
@@ -481,7 +592,8 @@ class _StoredFile:
 
     def read(self, columns: list[str] | None) -> pa.Table:
         if not self.norm:
-            return pq.read_table(self.path, columns=columns, filesystem=self.fs)
+            with self._named():
+                return self.pf().read(columns=columns)
         parts = [self.read_row_group(rg, columns) for rg in range(self.pf().num_row_groups)]
         return pa.concat_tables(parts) if parts else self.schema().empty_table()
 
@@ -490,7 +602,8 @@ class _StoredFile:
     ) -> pa.Table:
         """Rows [lo, hi) of row group `rg`, whole (normalized: only those rows expanded)."""
         if not self.norm:
-            t = self.pf().read_row_group(rg, columns=columns)
+            with self._named():
+                t = self.pf().read_row_group(rg, columns=columns)
             return t.slice(lo, (t.num_rows if hi is None else hi) - lo)
         rows, index, side = self.read_row_group_normalized(rg, columns)
         hi = rows.num_rows if hi is None else hi
@@ -501,16 +614,20 @@ class _StoredFile:
     def read_row_group_normalized(
         self, rg: int, columns: list[str] | None
     ) -> tuple[pa.Table, np.ndarray, pa.Table]:
-        if not self.norm:
-            rows = self.pf().read_row_group(rg, columns=columns)
-            return rows, np.arange(rows.num_rows), pa.table({})  # every row its own run
-        wanted = self.norm["order"] if columns is None else columns
-        side_cols = [c for c in wanted if c in self.norm["columns"]]
-        row_cols = [c for c in wanted if c not in self.norm["columns"]]
-        key = self.norm["index"]
-        rows = self.pf().read_row_group(rg, columns=[*row_cols, key])
-        index = np.asarray(rows[key], np.int64)
-        side = self.side().read_row_group(rg, columns=side_cols) if side_cols else pa.table({})
+        with self._named():
+            if not self.norm:
+                rows = self.pf().read_row_group(rg, columns=columns)
+                return rows, np.arange(rows.num_rows), pa.table({})  # every row its own run
+            wanted = self.norm["order"] if columns is None else columns
+            side_cols = [c for c in wanted if c in self.norm["columns"]]
+            row_cols = [c for c in wanted if c not in self.norm["columns"]]
+            key = self.norm["index"]
+            rows = self.pf().read_row_group(rg, columns=[*row_cols, key])
+            index = np.asarray(rows[key], np.int64)
+            side = self.side().read_row_group(rg, columns=side_cols) if side_cols else pa.table({})
+        if index.size and (index.min() < 0 or index.max() >= side.num_rows > 0):
+            raise PartitionDamaged(f"{self.path}: row group {rg} points past its side file's "
+                                   f"{side.num_rows} rows: rerun the stage that writes it")  # fmt: skip
         return rows.drop_columns([key]), index, side
 
 
@@ -534,6 +651,10 @@ class PartitionWriter:
         self.extra: dict = {}  # more manifest fields
         self.rows: int | None = None  # the row count, for files written through add_file
         self._normalized: dict | None = None  # columns, index, order, sides (module doc)
+
+    def path(self, name: str) -> str:
+        """Where a file named `name` of this write goes (registered later with `add_file`)."""
+        return f"{self.staging}/{name}"
 
     def add_file(self, name: str, rows: int = 0) -> str:
         """Register a file that someone else writes into the staging directory (`rows`: its
@@ -581,7 +702,7 @@ class PartitionWriter:
 
     def read_file(self, name: str, columns: list[str] | None = None) -> pa.Table:
         """Read back a closed file of this write (a later check looks at its rows)."""
-        return pq.read_table(f"{self.staging}/{name}", columns=columns, filesystem=self.fs)
+        return open_parquet(self.fs, f"{self.staging}/{name}").read(columns=columns)
 
     def rewrite(self, name: str, table: pa.Table, **parquet_options) -> None:
         """Replace a closed file of this write (rows dropped after a later check)."""
@@ -604,23 +725,31 @@ class PartitionWriter:
             self._writer.close()
             self._writer = None
 
+    def _sizes(self) -> dict[str, int]:
+        stored = _stored_files({"files": self._files, "normalized": self._normalized})
+        return {n: int(self.fs.get_file_info(f"{self.staging}/{n}").size or 0) for n in stored}
+
     def totals(self) -> tuple[list[str], int, int]:
         if self._totals is not None:
             return self._totals
-        stored = _stored_files({"files": self._files, "normalized": self._normalized})
-        sizes = [self.fs.get_file_info(f"{self.staging}/{n}").size for n in stored]
         rows = self.rows if self.rows is not None else sum(self._rows)
-        return list(self._files), rows, int(sum(s or 0 for s in sizes))
+        return list(self._files), rows, sum(self._sizes().values())
 
     def close(self) -> None:
         self._close_file()
         files, rows, nbytes = self._totals = self.totals()
+        sizes = self._sizes()
+        # Parquet carries page checksums; the other formats (Arrow IPC) a CRC-32 here
+        crcs = {n: file_crc32(self.fs, f"{self.staging}/{n}")
+                for n in sizes if not n.endswith(".parquet")}  # fmt: skip
         manifest = {
             "write_id": self.write_id,
             "files": files,
             "rows": rows,
             "bytes": nbytes,
             "rows_per_file": self._rows,
+            "file_bytes": sizes,
+            **({"file_crc32": crcs} if crcs else {}),
             "written_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             **({"normalized": self._normalized} if self._normalized else {}),
             **self.extra,

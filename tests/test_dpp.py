@@ -12,6 +12,7 @@ import torch
 from recd_core.config import FeatureSpec, PreprocessConfig, TransformSpec
 from recd_core.dpp.batch_store import BatchStore, expand
 from recd_core.dpp.preprocess import PreprocessError, preprocess
+from recd_core.warehouse import PartitionDamaged
 from recd_core.dpp.transforms import (
     hash_ids,
     model_spec,
@@ -191,7 +192,7 @@ def test_bad_samples_fail_with_file_and_column_and_publish_nothing(fresh_warehou
     path = fresh_warehouse.files("samples", DAY, layout="clustered")[0]
     with open(path, "r+b") as f:
         f.truncate(1000)
-    with pytest.raises(PreprocessError, match=r"not a readable Parquet file"):
+    with pytest.raises(PartitionDamaged, match=r"part-00000-.*\.parquet is damaged \(1000 bytes"):
         preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=1024))
     assert _shard_bytes(fresh_warehouse) == before, "the earlier batches partition is untouched"
 

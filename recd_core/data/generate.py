@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from recd_core.config import FeatureSet, GenerateConfig
 from recd_core.dedup.unique import batch_factors, combine_hashes, row_hashes, unique_sessions
 from recd_core.schema import SIDE_ROW, feature_set_of, sessions_checked
-from recd_core.warehouse import Warehouse
+from recd_core.warehouse import Warehouse, open_parquet, read_batches
 
 LAYOUTS = ("clustered", "shuffled")
 
@@ -201,7 +201,7 @@ def _bucket_rows(warehouse: Warehouse, ds: str, budget_bytes: int, multiple: int
     """Rows an output bucket may hold in memory: the budget over ~3 copies of a row (the
     bucket, its sorted copy, the writer's buffers), a multiple of the row-group size."""
     files = warehouse.files("events", ds)
-    pf = pq.ParquetFile(warehouse.fs.open_input_file(files[0]))
+    pf = open_parquet(warehouse.fs, files[0])
     if pf.metadata.num_row_groups == 0 or pf.metadata.num_rows == 0:
         return multiple
     sample = pf.read_row_group(0)
@@ -224,7 +224,7 @@ def spill_source(
     options = pa.ipc.IpcWriteOptions(compression="lz4")
     start = 0
     try:
-        for batch in pq.ParquetFile(fs.open_input_file(path)).iter_batches(batch_size=65_536):
+        for batch in read_batches(fs, path, 65_536):
             pos = position[start : start + batch.num_rows]
             start += batch.num_rows
             file, bucket_of = pos // file_rows, pos % file_rows // bucket
@@ -364,7 +364,7 @@ def _write_layout(
     position = np.empty(n, np.int64)
     position[order] = np.arange(n)
     sources = warehouse.files("events", ds)
-    counts = [pq.ParquetFile(warehouse.fs.open_input_file(s)).metadata.num_rows for s in sources]
+    counts = [open_parquet(warehouse.fs, s).metadata.num_rows for s in sources]
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
     file_rows = min(cfg.max_rows_per_file, max(n, 1))
     bucket = min(bucket, file_rows)

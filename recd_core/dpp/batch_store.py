@@ -17,7 +17,7 @@ import torch
 
 from recd_core.config import FeatureSet
 from recd_core.dedup.sparse import InverseKeyedJaggedTensor, KeyedJaggedTensor
-from recd_core.warehouse import Warehouse
+from recd_core.warehouse import Warehouse, damage_named
 
 
 @dataclass
@@ -118,11 +118,13 @@ class BatchStore:
         prefix = SPLIT_PREFIX[split]
         for path in wh.files("batches", ds, mode=mode):
             if path.rsplit("/", 1)[-1].startswith(prefix):
+                wh.verify(path, self.manifest)  # its CRC-32: IPC files carry none of their own
                 self.refs += [(path, i) for i in range(self._reader(path).num_record_batches)]
 
     def _reader(self, path: str) -> ipc.RecordBatchFileReader:
         if path not in self._readers:
-            self._readers[path] = ipc.open_file(self.fs.open_input_file(path))
+            with damage_named(path):
+                self._readers[path] = ipc.open_file(self.fs.open_input_file(path))
         return self._readers[path]
 
     def prepend(self, older: BatchStore) -> None:
@@ -132,7 +134,8 @@ class BatchStore:
 
     def record(self, i: int) -> pa.RecordBatch:
         path, k = self.refs[i]
-        return self._reader(path).get_batch(k)
+        with damage_named(path):
+            return self._reader(path).get_batch(k)
 
     def __len__(self) -> int:
         return len(self.refs)

@@ -34,6 +34,8 @@ config, never by the number of workers, so the output is the same whatever `--wo
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import time
 from collections.abc import Iterator
@@ -412,15 +414,14 @@ def _write_batches(
         compression=None if prep.cfg.compression == "none" else prep.cfg.compression
     )
     n_batches = 0
-    with wh.fs.open_output_stream(path) as sink:
+    with contextlib.ExitStack() as stack:
         writer = None
         for rb in encode_batches(rows, keep, prep, prep.cfg.batch_size, side):
-            if writer is None:
-                writer = ipc.new_file(sink, rb.schema, options=opts)
+            if writer is None:  # no batch, no file: the manifest lists the files written
+                sink = stack.enter_context(wh.fs.open_output_stream(path))
+                writer = stack.enter_context(ipc.new_file(sink, rb.schema, options=opts))
             writer.write_batch(rb)
             n_batches += 1
-        if writer is not None:
-            writer.close()
     return n_batches
 
 
@@ -481,10 +482,10 @@ def preprocess(
     )
     valid = validation_rows(warehouse, ds, cfg)
     with warehouse.writing("batches", ds, mode=cfg.mode) as w:
-        paths = [w.add_file(f"shard-{i:05d}.arrow") for i in range(len(splits))]
+        paths = [w.path(f"shard-{i:05d}.arrow") for i in range(len(splits))]
         valid_paths: list[str | None] = [None] * len(splits)
         if valid is not None:
-            valid_paths = [w.add_file(f"valid-{i:05d}.arrow") for i in range(len(splits))]
+            valid_paths = [w.path(f"valid-{i:05d}.arrow") for i in range(len(splits))]
         args = [
             (
                 warehouse.uri,
@@ -499,6 +500,12 @@ def preprocess(
             for (lo, hi), p, v in zip(splits, paths, valid_paths, strict=True)
         ]
         results = run_splits(args, cfg, progress)
+        # exactly the files written: a split may hold no training or no validation rows
+        # (one long session, small row groups), and then writes no file of that kind
+        for p, v, r in zip(paths, valid_paths, results, strict=True):
+            for path, n in ((p, r["batches"]), (v, r["valid_batches"])):
+                if path is not None and n:
+                    w.add_file(path.rsplit("/", 1)[-1])
         samples = sum(r["samples"] for r in results)
         valid_samples = sum(r["valid_samples"] for r in results)
         w.rows = samples + valid_samples
