@@ -421,8 +421,9 @@ def _print_decision(result: dict) -> None:
     console.print(
         f"{result['registry.model']} v{result['registry.version']}: {result['registry.decision']}"
         f" (challenger NE {result['registry.challenger_ne']:.4f}"
-        + (f" vs champion NE {champ:.4f}" if champ is not None else ", no champion yet")
+        + (f" vs champion NE {champ:.4f}" if champ is not None else ", no champion compared")
         + f" on {result['run.eval_ds']})"
+        + (f": {result['registry.reason']}" if result.get("registry.reason") else "")
     )
 
 

@@ -66,10 +66,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-
 from zlib_ng import zlib_ng as zlib
 
 from recd_core.errors import BadInput, RecdError
+from recd_core.leftovers import held, hold
 
 MANIFEST = "_manifest.json"
 WRITER_LOCK = "_writer.lock"  # inside a staging directory, held (flock) by its live writer
@@ -315,11 +315,7 @@ class Warehouse:
 
     def _hold_writer_lock(self, staging: str) -> int | None:
         """Mark a staging directory as a live writer's: its lock file, held until commit."""
-        if not self.locks:
-            return None
-        fd = os.open(f"{staging}/{WRITER_LOCK}", os.O_RDWR | os.O_CREAT, 0o666)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        return fd
+        return hold(f"{staging}/{WRITER_LOCK}") if self.locks else None
 
     def _release_writer_lock(self, staging: str, fd: int | None) -> None:
         if fd is None:
@@ -330,19 +326,9 @@ class Warehouse:
 
     def _writer_alive(self, staging: str) -> bool:
         """Whether another writer still holds this staging directory (local: its lock)."""
-        if not self.locks:
-            return False  # no lock to ask; the orchestrator runs one writer per day
-        try:
-            fd = os.open(f"{staging}/{WRITER_LOCK}", os.O_RDWR)
-        except OSError:
-            return False  # no lock file: a writer that died before taking it
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-        return False
+        # no lock to ask: the orchestrator runs one writer per day; no lock file: a writer
+        # that died before taking it
+        return self.locks and held(f"{staging}/{WRITER_LOCK}")
 
     def _swap(self, staging: str, table: str, ds: str, keys: dict[str, str], write_id: str) -> None:
         live = self.partition_path(table, ds, **keys)
@@ -395,7 +381,9 @@ class Warehouse:
                 f"no partition {self._rel(table, ds, keys)} in warehouse {self.uri}"
             ) from None
         except (ValueError, OSError) as e:
-            raise PartitionDamaged(f"{path} is damaged ({e}): rerun the stage that writes it")
+            raise PartitionDamaged(
+                f"{path} is damaged ({e}): rerun the stage that writes it"
+            ) from None
         if not (isinstance(m, dict) and isinstance(m.get("files"), list) and m["files"]):
             raise PartitionDamaged(f"{path} lists no files: rerun the stage that writes it")
         try:

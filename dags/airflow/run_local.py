@@ -108,6 +108,7 @@ def print_summary(dag_id: str, day: dt.date, state: str, tracking_uri: str | Non
         console.print(
             f"champion decision: {summary.get('registry.decision', '-')}"
             f" (model {summary.get('registry.model', '-')} v{summary.get('registry.version', '-')})"
+            + (f": {summary['registry.reason']}" if summary.get("registry.reason") else "")
         )
     console.print(f"MLflow run {runs[0].info.run_id} [{t.get('recd.status')}]")
     console.print("open the MLflow UI: make ui  (then http://127.0.0.1:5000)")

@@ -20,7 +20,6 @@ options, in one row group per 65,536 sessions).
 from __future__ import annotations
 
 import contextlib
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import pyarrow.parquet as pq
 
 from recd_core.config import FeatureSet, GenerateConfig
 from recd_core.dedup.unique import batch_factors, combine_hashes, row_hashes, unique_sessions
+from recd_core.leftovers import owned_tempdir
 from recd_core.schema import SIDE_ROW, feature_set_of, sessions_checked
 from recd_core.warehouse import Warehouse, open_parquet, read_batches
 
@@ -421,7 +421,8 @@ def generate(
         from recd_core.ray_cluster import ray_session
 
         ray = ray_session(cfg.workers)  # one instance for every map below
-    with ray, tempfile.TemporaryDirectory(prefix="recd-generate-", dir=cfg.spill_dir) as tmp:
+    # a spill directory of its own; a killed generate's are removed first (leftovers.py)
+    with ray, owned_tempdir("recd-generate-", cfg.spill_dir) as tmp:
         for layout in (*layouts, *(() if "clustered" in layouts else ("bound",))):
             order = layout_order(keys, features, "clustered" if layout == "bound" else layout,
                                  cfg.shuffle_seed)  # fmt: skip

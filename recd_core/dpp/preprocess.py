@@ -35,7 +35,6 @@ config, never by the number of workers, so the output is the same whatever `--wo
 from __future__ import annotations
 
 import contextlib
-
 import json
 import time
 from collections.abc import Iterator

@@ -18,7 +18,17 @@ Aliases, per registered model name:
                 challenger NE <= champion NE + tolerance, both scored on the same day
 
 The decision, both NEs and the day are written as tags on the challenger's version and as
-metrics on the pipeline's run.
+metrics on the pipeline's run. Two cases decide nothing or decide alone:
+
+    no decision   the evaluation day has no clicks (or only clicks): AUC and NE are
+                  undefined, so the champion stays, and the reason is recorded
+    unreadable    a version whose artifacts are gone or damaged is tagged
+                  `recd.unreadable` with the reason; the champion decision then compares
+                  against what can be read (an unreadable champion cannot serve: the
+                  challenger is promoted), and the warm start falls back to the newest
+                  readable ancestor (`recd.init_from`), or to scratch, saying why
+
+so a vanished artifact store never leaves the daily pipeline stuck.
 """
 
 from __future__ import annotations
@@ -207,6 +217,7 @@ def init_model(
     config or features changed), training continues the newest version of the run's own
     lineage instead, when there is one: a changed model then accumulates days as the
     champion did, and can win, instead of starting from scratch every day."""
+    pinned_champion = False  # the pipelines' warm start: falls back along the lineage
     if not init_from:
         yield None, "from scratch: no model to start from"
         return
@@ -232,7 +243,7 @@ def init_model(
             reason = f"the champion ({pinned}) was trained on {last}, not before {before}"
             yield None, f"from scratch: {reason}"
             return
-        init_from = pinned
+        init_from, pinned_champion = pinned, True
     if not init_from.startswith("models:/"):
         yield init_from, init_from
         return
@@ -240,15 +251,79 @@ def init_model(
         raise ValueError(f"--init-from {init_from}: a registry URI needs a tracking URI")
     version = registry_version(tracker, init_from)
     with tempfile.TemporaryDirectory() as tmp:
+        if not pinned_champion:
+            yield (
+                str(fetch_version(tracker, version, tmp)),
+                f"models:/{version.name}/{version.version}",
+            )
+            return
+        found, label = readable_ancestor(tracker, version, tmp)
+        yield (str(found) if found else None), label
+
+
+class Unreadable(BadInput):
+    """A registered version whose artifacts cannot be read (gone, damaged, not a recd
+    model): named with why; a retry cannot bring them back."""
+
+
+def fetch_version(tracker, version, tmp: str) -> Path:
+    """A registered version's recd model, downloaded into `tmp` and loaded once to prove it
+    readable: its directory. `Unreadable`, with a one-line reason, otherwise."""
+    from recd_core.modeling.saved import load_model
+
+    where = f"models:/{version.name}/{version.version}"
+    try:
         local = mlflow.artifacts.download_artifacts(
             artifact_uri=version.source, dst_path=tmp, tracking_uri=tracker.uri
         )
         found = next(Path(local).rglob("model.json"), None)
         if found is None:
-            raise ValueError(
-                f"--init-from {init_from}: version {version.version} has no model.json"
-            )
-        yield str(found.parent), f"models:/{version.name}/{version.version}"
+            raise Unreadable(f"{where} holds no recd model (model.json)")
+        load_model(str(found.parent))
+        return found.parent
+    except Unreadable:
+        raise
+    except Exception as e:  # noqa: BLE001 - MLflow, the OS and torch raise many kinds
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise Unreadable(f"{where} cannot be read ({type(e).__name__}: {first})") from None
+
+
+def mark_unreadable(tracker, version, reason: str) -> None:
+    """Tag a version as unreadable (the registry UI shows why), best effort."""
+    with contextlib.suppress(Exception):
+        tracker.client().set_model_version_tag(version.name, version.version,
+                                               "recd.unreadable", reason[:500])  # fmt: skip
+
+
+def readable_ancestor(tracker, version, tmp: str) -> tuple[Path | None, str]:
+    """The newest readable model along `version`'s warm-start lineage (itself, then the
+    version it was warm-started from, ...), downloaded into `tmp`: (its directory, its
+    label), or (None, why training starts from scratch). Unreadable ones are tagged."""
+    client, skipped = tracker.client(), []
+    seen: set[str] = set()
+    while version is not None and version.version not in seen:
+        seen.add(version.version)
+        try:
+            found = fetch_version(tracker, version, tmp)
+        except Unreadable as e:
+            mark_unreadable(tracker, version, str(e))
+            skipped.append(str(e))
+            version = _lineage_parent(client, version)
+            continue
+        label = f"models:/{version.name}/{version.version}"
+        return found, label + (f" (instead of: {'; '.join(skipped)})" if skipped else "")
+    return None, f"from scratch: no readable model in the champion's lineage ({'; '.join(skipped)})"
+
+
+def _lineage_parent(client, version):
+    """The version `version` was warm-started from (its `recd.init_from`), or None."""
+    ref = version.tags.get("recd.init_from", "").split(" ", 1)[0].removeprefix("models:/")
+    if "/" not in ref or "@" in ref:
+        return None
+    try:
+        return client.get_model_version(*ref.rsplit("/", 1))
+    except Exception:  # noqa: BLE001 - a deleted version ends the lineage
+        return None
 
 
 def registry_version(tracker, uri: str):
@@ -276,6 +351,20 @@ def decide(challenger_ne: float, champion_ne: float | None, tolerance: float) ->
     return bool(challenger_ne <= champion_ne + tolerance)
 
 
+def undecidable(scored: dict, ds: str) -> str | None:
+    """Why an evaluation day cannot judge models (None when it can): without clicks, or
+    without non-clicks, AUC is undefined and NE divides by a zero entropy."""
+    ctr = scored.get("eval.ctr")
+    if ctr == 0:
+        return f"the evaluation day {ds} has no clicks: AUC and NE are undefined"
+    if ctr == 1:
+        return f"the evaluation day {ds} has only clicks: AUC and NE are undefined"
+    auc = scored.get("eval.auc")
+    if auc is None or not np.isfinite(auc):
+        return f"AUC is undefined on the evaluation day {ds}"
+    return None
+
+
 def record_decision(
     tracker,
     reg: Registered,
@@ -284,6 +373,8 @@ def record_decision(
     challenger_ne: float,
     champion_ne,
     lineage: dict | None = None,
+    decision: str | None = None,
+    reason: str = "",
 ) -> None:
     """The decision as tags of the challenger's version; `lineage` adds where its training
     started (`recd.init_from`: the version it was warm-started from, empty for scratch)."""
@@ -293,7 +384,8 @@ def record_decision(
         "recd.eval_ds": ds,
         "recd.eval_ne": f"{challenger_ne:.6f}",
         "recd.champion_ne": "" if champion_ne is None else f"{champion_ne:.6f}",
-        "recd.decision": "promoted" if promoted else "kept champion",
+        "recd.decision": decision or ("promoted" if promoted else "kept champion"),
+        **({"recd.decision_reason": reason[:500]} if reason else {}),
     }
     for k, v in tags.items():
         client.set_model_version_tag(reg.name, reg.version, k, v)
@@ -305,29 +397,24 @@ def score_version(tracker, version, warehouse, ds: str, batch_size: int) -> dict
     """A registered version's metrics on a day, scored from the registry's copy (its own
     transforms and statistics), so the champion is judged on the challenger's day. The
     model directory is loaded by this code, not through the pyfunc's stored entry code, so a
-    champion registered by an older recd is judged the same way (as warm start loads it)."""
-    import mlflow.artifacts
-
+    champion registered by an older recd is judged the same way (as warm start loads it).
+    `Unreadable` when its artifacts cannot be read."""
     from recd_core.modeling.evaluate import score_day
     from recd_core.modeling.saved import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        local = mlflow.artifacts.download_artifacts(
-            artifact_uri=version.source, dst_path=tmp, tracking_uri=tracker.uri
-        )
-        found = next(Path(local).rglob("model.json"), None)
-        if found is None:
-            raise BadInput(f"{version.name} v{version.version} holds no recd model (model.json)")
-        model, meta = load_model(str(found.parent))
+        model, meta = load_model(str(fetch_version(tracker, version, tmp)))
         return score_day(warehouse, model, meta, ds, batch_size)
 
 
 def register_and_promote(
-    tracker, warehouse, model_uri: str, run_id: str, eval_ds: str, challenger_ne: float, cfg
+    tracker, warehouse, model_uri: str, run_id: str, eval_ds: str, scored: dict, cfg
 ) -> dict:
     """Log and register the model saved at `model_uri` (to MLflow run `run_id`) as
     `challenger`; score the current champion on `eval_ds`; move `champion` by NE (`cfg`: the
-    pipeline's `RegistryConfig`). Returns the `registry.*` figures."""
+    pipeline's `RegistryConfig`; `scored`: the challenger's figures on `eval_ds`). A day
+    that cannot judge decides nothing; an unreadable champion is passed over (module doc).
+    Returns the `registry.*` figures."""
     from recd_core.modeling.saved import model_dir, saved_lineage_key, saved_summary
 
     trained = saved_summary(model_uri)
@@ -337,23 +424,32 @@ def register_and_promote(
         "recd.trained_on": ",".join(trained.get("train.days", [])),
         "recd.lineage_key": saved_lineage_key(model_uri),
     }
-
+    challenger_ne = scored["eval.ne"]
     samples = warehouse.read("samples", eval_ds, layout="clustered").slice(0, EXAMPLE_ROWS)
     with model_dir(model_uri) as local:
         new = log_and_register(tracker, run_id, local, samples, cfg.model_name)
     current = champion(tracker, cfg.model_name)
-    champion_ne = None
-    if current is not None:
-        champion_ne = score_version(tracker, current, warehouse, eval_ds, cfg.eval_batch_size)[
-            "eval.ne"
-        ]
-    promoted = decide(challenger_ne, champion_ne, cfg.ne_tolerance)
-    record_decision(tracker, new, promoted, eval_ds, challenger_ne, champion_ne, lineage)
+    champion_ne, reason = None, undecidable(scored, eval_ds)
+    if reason is not None:  # the champion stays
+        decision, promoted = "no decision", False
+    else:
+        if current is not None:
+            try:
+                champion_ne = score_version(tracker, current, warehouse, eval_ds,
+                                            cfg.eval_batch_size)["eval.ne"]  # fmt: skip
+            except Unreadable as e:
+                mark_unreadable(tracker, current, str(e))
+                reason = f"the champion cannot be read, so it cannot serve: {e}"
+        promoted = decide(challenger_ne, champion_ne, cfg.ne_tolerance)
+        decision = "promoted" if promoted else "kept champion"
+    record_decision(tracker, new, promoted, eval_ds, challenger_ne, champion_ne, lineage,
+                    decision, reason or "")  # fmt: skip
     return {
         "registry.model": cfg.model_name,
         "registry.version": int(new.version),
         "registry.promoted": promoted,
-        "registry.decision": "promoted" if promoted else "kept champion",
+        "registry.decision": decision,
+        "registry.reason": reason or "",
         "registry.challenger_ne": challenger_ne,
         "registry.champion_ne": champion_ne,
         "registry.previous_champion": None if current is None else int(current.version),

@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import io
 import json
-import os
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from recd_core.config import FeatureSet, ModelConfig, TrainConfig
 from recd_core.dpp.batch_store import Batch, decode_batch
 from recd_core.dpp.preprocess import Prepared, batch_ranges, encode_batch
 from recd_core.errors import BadInput
+from recd_core.leftovers import write_atomically
 from recd_core.modeling.model import Model, build_model
 from recd_core.warehouse import Warehouse
 
@@ -48,12 +48,8 @@ class CheckpointError(BadInput):
 
 
 def _write_bytes(wh: Warehouse, path: str, data: bytes) -> None:
-    """Write atomically: a temporary name, then a move (atomic on local filesystems)."""
-    wh.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with wh.fs.open_output_stream(tmp) as f:
-        f.write(data)
-    wh.fs.move(tmp, path)
+    """Write atomically, leaving nothing behind on failure (recd_core/leftovers.py)."""
+    write_atomically(wh.fs, path, data)
 
 
 def _read_bytes(wh: Warehouse, path: str) -> bytes:

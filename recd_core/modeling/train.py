@@ -81,6 +81,7 @@ from torch.nn.parallel import DistributedDataParallel
 from recd_core.config import FeatureSet, TrainConfig
 from recd_core.dpp.batch_store import BatchStore
 from recd_core.errors import BadInput
+from recd_core.leftovers import sweep_files
 from recd_core.modeling.batching import epoch_order
 from recd_core.modeling.calibration import calibrate
 from recd_core.modeling.cooccurrence import cooccurrence_loss
@@ -138,6 +139,7 @@ class Checkpoints:
 
         if self.wh.fs.get_file_info(self.dir).type != pafs.FileType.Directory:
             return []
+        sweep_files(self.wh.fs, self.dir)  # a killed or failed save's temporary file
         infos = self.wh.fs.get_file_info(pafs.FileSelector(self.dir))
         return sorted(
             i.path for i in infos if i.base_name.startswith("step-") and i.base_name.endswith(".pt")

@@ -416,8 +416,9 @@ def _register(args: StageArgs, advance: Advance) -> dict:
     cfg, wh = args.pipeline_config(), args.store()
     eval_ds, uri = args.eval_day(args.training_days()[-1]), args.model_uri.split(";")[-1]
     # scored here again (seconds), so the stage needs only the train stage's outputs
-    ne = evaluate(wh, uri, eval_ds, cfg.registry.eval_batch_size)["eval.ne"]
-    return register_and_promote(tracker, wh, uri, args.register_run_id, eval_ds, ne, cfg.registry)
+    scored = evaluate(wh, uri, eval_ds, cfg.registry.eval_batch_size)
+    return register_and_promote(tracker, wh, uri, args.register_run_id, eval_ds, scored,
+                                cfg.registry)  # fmt: skip
 
 
 def _compare(args: StageArgs, upstream: list[dict]) -> dict:

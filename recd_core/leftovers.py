@@ -1,0 +1,118 @@
+"""What a killed or failed process leaves behind, and how the next one clears it.
+
+A process that dies (SIGKILL, OOM, a full disk) cannot clean up after itself, so every
+temporary thing recd makes is marked as its owner's while the owner lives, and whoever comes
+next removes the unmarked ones:
+
+    <dir>/recd-generate-XXXX/          a spill directory (`owned_tempdir`)
+          .owner.lock                  flock held by the live owner
+    <dir>/step-00000100.pt.tmp-<id>    a file being written atomically (`write_atomically`),
+                                       flock held on the file itself while it is written
+
+The kernel drops a dead process's locks, so "nobody holds the lock" means "its owner is
+gone" without guessing from ages or pids. Filesystems without flock (object stores) write
+their files in one PUT and leave no temporary behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+OWNER_LOCK = ".owner.lock"
+TMP_MARK = ".tmp-"
+
+
+def hold(path: str | Path) -> int:
+    """Take the exclusive lock of `path` (created if missing); the fd holds it until closed."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def held(path: str | Path) -> bool:
+    """Whether a live process holds the lock of `path` (False when there is no such file)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def sweep_dirs(parent: str | Path, prefix: str) -> list[str]:
+    """Remove `parent`'s directories named `prefix*` whose owner is gone; their names."""
+    gone = []
+    with contextlib.suppress(OSError):
+        for d in Path(parent).iterdir():
+            mine = d.name.startswith(prefix) and d.is_dir() and not d.is_symlink()
+            if mine and not held(d / OWNER_LOCK):
+                shutil.rmtree(d, ignore_errors=True)
+                gone.append(d.name)
+    return gone
+
+
+@contextlib.contextmanager
+def owned_tempdir(prefix: str, parent: str | None = None) -> Iterator[str]:
+    """A temporary directory marked as this process's, removed on exit; a killed owner's
+    directories of the same prefix are removed first."""
+    parent = parent or tempfile.gettempdir()
+    sweep_dirs(parent, prefix)
+    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    fd = hold(Path(path) / OWNER_LOCK)
+    try:
+        yield path
+    finally:
+        os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def sweep_files(fs: pafs.FileSystem, directory: str) -> list[str]:
+    """Remove the temporary files (`*.tmp-*`) in `directory` whose writer is gone (local
+    filesystems: nobody holds their lock); their names."""
+    if fs.type_name != "local" or fs.get_file_info(directory).type != pafs.FileType.Directory:
+        return []
+    gone = []
+    for info in fs.get_file_info(pafs.FileSelector(directory)):
+        if TMP_MARK in info.base_name and not held(info.path):
+            with contextlib.suppress(OSError):
+                os.unlink(info.path)
+                gone.append(info.base_name)
+    return gone
+
+
+def write_atomically(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    """Write `path` whole or not at all: a temporary name, then a rename (atomic on local
+    filesystems). The temporary file is removed on failure (a full disk); while it is
+    written it is locked, so a killed writer's is recognized and swept by the next writer
+    to the directory."""
+    directory = path.rsplit("/", 1)[0]
+    fs.create_dir(directory, recursive=True)
+    sweep_files(fs, directory)
+    tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+    local = fs.type_name == "local"
+    fd = hold(tmp) if local else None
+    try:
+        with fs.open_output_stream(tmp) as f:
+            f.write(data)
+        fs.move(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            fs.delete_file(tmp)
+        raise
+    finally:
+        if fd is not None:
+            os.close(fd)
