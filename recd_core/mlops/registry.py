@@ -34,6 +34,7 @@ so a vanished artifact store never leaves the daily pipeline stuck.
 from __future__ import annotations
 
 import contextlib
+import logging
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,19 +57,42 @@ NON_FEATURE_COLUMNS = ("event_id", "ts", "label")
 
 
 class SampleScorer(mlflow.pyfunc.PythonModel):
-    """Click probabilities for sample rows (one DataFrame row per impression)."""
+    """Click probabilities for sample rows (one DataFrame row per impression).
+
+    Served input is checked as ingest checks events (finite dense values of the right
+    width, ids in range, list lengths): a bad request is refused whole, a 400 naming the row
+    and the field, and no response ever carries a stack trace (an unexpected failure is a
+    500 that says to look in the server's log, where the traceback goes)."""
 
     def load_context(self, context) -> None:
         from recd_core.modeling.saved import load_model
 
         self.model, self.meta = load_model(context.artifacts["dlrm"])
-        self.schema = events_schema(samples_features(self.meta))
+        self.features = samples_features(self.meta)
+        self.schema = events_schema(self.features)
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> np.ndarray:
+        from mlflow.exceptions import MlflowException
+        from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, INVALID_PARAMETER_VALUE
+
+        from recd_core.data.ingest import first_failure, semantic_checks
         from recd_core.modeling.saved import predict
 
-        table = rows_table(model_input, self.schema)
-        return predict(self.model, self.meta, table, trust_sessions=False).astype(np.float64)
+        try:
+            table = rows_table(model_input, self.schema)
+        except ValueError as e:
+            raise MlflowException(str(e), INVALID_PARAMETER_VALUE) from None
+        bad, fields, reasons = first_failure(table.num_rows, semantic_checks(table, self.features))
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            raise MlflowException(f"scoring input row {row}: {reasons[row].as_py()} "
+                                  f"({int(bad.sum())} row(s) refused)", INVALID_PARAMETER_VALUE)  # fmt: skip
+        try:
+            return predict(self.model, self.meta, table, trust_sessions=False).astype(np.float64)
+        except Exception as e:  # noqa: BLE001 - the traceback to the log, not to the client
+            logging.getLogger("recd.serving").exception("scoring failed")
+            raise MlflowException(f"scoring failed ({type(e).__name__}); the server log has "
+                                  "the details", INTERNAL_ERROR) from None  # fmt: skip
 
 
 def rows_table(frame: pd.DataFrame, schema: pa.Schema) -> pa.Table:

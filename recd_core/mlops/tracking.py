@@ -8,6 +8,12 @@ MLflow state). The store is checked before the stage runs, so a store that canno
 record fails the command at once instead of after the work: an HTTP server is probed with a
 short timeout; a SQLite database must open for writing (MLflow itself would retry for almost
 two minutes, warning at every try).
+
+A run opened and closed by one process (a command's, a stage's) is tagged `recd.owner`
+(host, pid and the process's start time). If that process dies, or the server goes away
+before the run is closed, the run would stay RUNNING for ever; the next command that opens
+a run on the same host closes such runs FAILED (`recd.status` = abandoned). The pipeline run
+of an orchestrator (`start` ... `finish`, tasks in separate processes) has no owner tag.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import contextlib
 import math
 import os
 import platform
+import socket
 import sqlite3
 import time
 import urllib.error
@@ -88,9 +95,12 @@ class Tracker:
             location = (db.parent.resolve() / "mlartifacts").as_uri()
         return client.create_experiment(self.experiment, artifact_location=location)
 
-    def start(self, stage: str, params: dict, parent_id: str | None = None, **tags) -> str:
+    def start(
+        self, stage: str, params: dict, parent_id: str | None = None, owned: bool = False, **tags
+    ) -> str:
         """Open a run (status RUNNING) for a stage; returns its id. Children of a pipeline
-        run carry `mlflow.parentRunId`, so the UI nests them under it."""
+        run carry `mlflow.parentRunId`, so the UI nests them under it. `owned`: this process
+        closes it (tagged `recd.owner`, see the module doc)."""
         from mlflow.entities import Param, RunTag
 
         with self._errors():
@@ -104,6 +114,8 @@ class Tracker:
             }
             if parent_id:
                 run_tags["mlflow.parentRunId"] = parent_id
+            if owned:
+                run_tags[OWNER_TAG] = process_owner()
             name = " ".join(x for x in (stage, run_tags["ds"], run_tags["mode"]) if x)
             run = client.create_run(self.experiment_id(client), run_name=name, tags=run_tags)
             facts = {
@@ -151,6 +163,34 @@ class Tracker:
                     client.log_artifact(run_id, str(path))
             client.set_terminated(run_id, "FINISHED" if status == "ok" else "FAILED")
 
+    def close_abandoned(self) -> int:
+        """Close FAILED the RUNNING runs whose owner process on this host is gone (module
+        doc); how many. Best effort: a store that cannot answer closes nothing."""
+        try:
+            client = self.client()
+            exp = client.get_experiment_by_name(self.experiment)
+            if exp is None:
+                return 0
+            host = socket.gethostname()
+            runs = client.search_runs(
+                [exp.experiment_id],
+                f"attributes.status = 'RUNNING' and tags.`{OWNER_TAG}` LIKE '{host}:%'",
+                max_results=1000,
+            )
+            closed = 0
+            for run in runs:
+                owner = run.data.tags.get(OWNER_TAG, "")
+                if owner_alive(owner):
+                    continue
+                client.set_tag(run.info.run_id, "recd.status", "abandoned")
+                client.set_tag(run.info.run_id, "recd.error",
+                               f"abandoned: its process ({owner}) ended without closing it")  # fmt: skip
+                client.set_terminated(run.info.run_id, "FAILED")
+                closed += 1
+            return closed
+        except Exception:  # noqa: BLE001 - housekeeping must not fail the command
+            return 0
+
     def log_config(self, run_id: str, config) -> None:
         """The resolved configuration a run used (a pydantic model), as `config.yaml`."""
         with self._errors():
@@ -183,7 +223,8 @@ class RunRecord:
     def open(cls, tracker: Tracker, name: str, params: dict, parent_id: str | None = None):
         if not parent_id:
             tracker.check()
-        return cls(tracker, tracker.start(name, params, parent_id=parent_id))
+            tracker.close_abandoned()
+        return cls(tracker, tracker.start(name, params, parent_id=parent_id, owned=True))
 
     def fail(self, reason: str, summary: dict | None = None, also: tuple[str, ...] = ()) -> None:
         """Close this run (and the runs `also` names) FAILED. A tracking failure here is not
@@ -195,12 +236,41 @@ class RunRecord:
 
     def close(self, summary: dict) -> dict:
         """Close FINISHED with `summary`; returns it with `mlflow.run_id`. If the server
-        fails now, a `TrackingError` says the work succeeded and carries the summary."""
+        fails now, a `TrackingError` says this work is done but unrecorded, and carries the
+        summary (the local runner adds which stages ran and which did not)."""
         try:
             self.tracker.finish(self.run_id, summary)
         except TrackingError as e:
-            raise type(e)(f"the work succeeded but {e}", summary) from None
+            raise type(e)(f"its work is done but could not be recorded: {e}", summary) from None
         return {**summary, "mlflow.run_id": self.run_id}
+
+
+OWNER_TAG = "recd.owner"
+
+
+def _start_ticks(pid: int) -> str:
+    """When process `pid` started (clock ticks since boot, Linux), "" where unknown: with
+    the pid it names one process, never a later one that reuses the pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def process_owner() -> str:
+    """This process as `host:pid:start`."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_start_ticks(os.getpid())}"
+
+
+def owner_alive(owner: str) -> bool:
+    """Whether the process an owner tag names still runs (True where it cannot be told:
+    another host, no start time recorded)."""
+    host, _, rest = owner.partition(":")
+    pid, _, ticks = rest.partition(":")
+    if host != socket.gethostname() or not ticks or not pid.isdigit():
+        return True
+    return _start_ticks(int(pid)) == ticks
 
 
 def histories(summary: dict) -> list[tuple[str, int, float]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from recd_core.errors import RecdError
 from recd_core.orchestration.graph import STAGES, Graph
 from recd_core.orchestration.stages import run_stage, with_upstream
 
@@ -25,7 +26,8 @@ def run_graph(
     each task's summary by task id. A failing stage raises (its `RecdError` when the
     taxonomy knows it), after its MLflow run is closed FAILED."""
     done: dict[str, dict] = {}
-    for task in graph.order():
+    order = graph.order()
+    for i, task in enumerate(order):
         targs = {**args, **task.args()}
         edge = STAGES[task.stage].run_edge
         if run_id is not None and edge:
@@ -33,7 +35,12 @@ def run_graph(
         sources = {pull.stage: done[src] for pull, src in graph.pulls(task)}
         targs = with_upstream(task.stage, targs, sources)
         upstream = [done[t] for t in task.gathers] if task.gathers else None
-        summary = run_stage(task.stage, targs, upstream)
+        try:
+            summary = run_stage(task.stage, targs, upstream)
+        except RecdError as e:  # say how far the graph got: nothing after this task ran
+            ran = ", ".join(done) or "none"
+            rest = ", ".join(t.id for t in order[i + 1 :]) or "none"
+            raise type(e)(f"{task.id}: {e} (done: {ran}; not run: {rest})", e.summary) from None
         if run_id is not None and edge and not task.gathers:
             summary["mlflow.run_id"] = run_id  # the run the stages record under
         done[task.id] = summary
