@@ -11,17 +11,22 @@ read these two attributes and nothing else, so a failure means the same everywhe
     │   └── CheckpointError, ModelError
     ├── GateFailed                  exit 3, final       the work ran; its result failed a gate
     │   └── QuarantineExceeded                          (too many bad rows, arms differ)
-    └── TrackingError               exit 4, retryable   the tracking server is unreachable or
-        │                                               refuses the run
-        └── TrackingStoreUnwritable exit 4, final       the store refuses writes (permissions,
-                                                        a read-only file): a retry cannot help
+    ├── TrackingError               exit 4, retryable   the tracking server is unreachable or
+    │   │                                               refuses the run
+    │   └── TrackingStoreUnwritable exit 4, final       the store refuses writes (permissions,
+    │                                                   a read-only file): a retry cannot help
+    └── StorageFull                 exit 1, retryable   no space left on a device (or a quota):
+                                                        what was being written is removed, the
+                                                        committed partitions are intact; free
+                                                        space and the same command succeeds
 
-Anything else (a bug, a full disk, a killed worker) keeps its traceback, exits 1 from the CLI
-and is retried by the orchestrators' retry policy.
+Anything else (a bug, a killed worker) keeps its traceback, exits 1 from the CLI and is
+retried by the orchestrators' retry policy.
 """
 
 from __future__ import annotations
 
+import errno
 from typing import ClassVar
 
 
@@ -68,11 +73,24 @@ class TrackingStoreUnwritable(TrackingError):
     retryable = False
 
 
+class StorageFull(RecdError):
+    """A device (or quota) ran out of space while recd wrote to it."""
+
+
 def classify(e: BaseException) -> RecdError | None:
-    """`e` as a `RecdError`: itself, or a `ValueError` (a malformed value: `--ds 2026-13-01`,
-    an argument pydantic refuses) as `BadInput`; None for anything unexpected."""
+    """`e` as a `RecdError`: itself, a `ValueError` (a malformed value: `--ds 2026-13-01`,
+    an argument pydantic refuses) as `BadInput`, a full device as `StorageFull`; None for
+    anything unexpected."""
     if isinstance(e, RecdError):
         return e
+    if isinstance(e, OSError) and (
+        e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e)
+    ):
+        where = f" writing {e.filename}" if e.filename else ""
+        err = StorageFull(f"no space left on the device{where}: free space and rerun "
+                          "(what was being written was removed; committed data is intact)")  # fmt: skip
+        err.__cause__ = e
+        return err
     if isinstance(e, ValueError):
         err = BadInput(str(e))
         err.__cause__ = e

@@ -12,7 +12,6 @@ import torch
 from recd_core.config import FeatureSpec, PreprocessConfig, TransformSpec
 from recd_core.dpp.batch_store import BatchStore, expand
 from recd_core.dpp.preprocess import PreprocessError, preprocess
-from recd_core.warehouse import PartitionDamaged
 from recd_core.dpp.transforms import (
     hash_ids,
     model_spec,
@@ -20,6 +19,7 @@ from recd_core.dpp.transforms import (
     transform_ids,
     truncate,
 )
+from recd_core.warehouse import PartitionDamaged
 
 DAY, NEXT = "2026-11-01", "2026-11-02"
 

@@ -314,3 +314,107 @@ def test_a_tracking_store_that_cannot_be_written_fails_before_any_work(store, da
     assert "tracking store" in r.stderr and "cannot be written" in r.stderr  # one line (recd)
     assert json.loads(summary.read_text())["status"] == "failed", "the summary is written"
     assert not list((tmp_path / "wh").rglob("ds=*")), "no work was done"
+
+
+def _ingest_day(src: Path, tmp_path: Path, *options: str, code: int = 0) -> dict:
+    summary = tmp_path / "s.json"
+    recd("ingest", "--source", src, "--warehouse", tmp_path / "wh", "--ds", DAY,
+         "--summary", summary, *options, code=code)  # fmt: skip
+    return json.loads(summary.read_text())
+
+
+def test_every_member_of_a_concatenated_gzip_and_every_zstd_frame_is_read(day_logs, tmp_path):
+    """`cat a.gz b.gz` (log rotation) is one valid gzip file: gzip -t and zcat read all of
+    it, and so must ingest; zstd logs (common in production) likewise, frames and all."""
+    lines = clean_lines(day_logs, 3000)
+    a, b = b"\n".join(lines[:2000]) + b"\n", b"\n".join(lines[2000:]) + b"\n"
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "rotated.jsonl.gz").write_bytes(gzip.compress(a) + gzip.compress(b))
+    s = _ingest_day(src, tmp_path)
+    assert s["ingest.rows_in"] == s["ingest.rows_ok"] == 3000
+    (src / "rotated.jsonl.gz").unlink()
+    frames = []
+    for part in (a, b):
+        sink = pa.BufferOutputStream()
+        with pa.CompressedOutputStream(sink, "zstd") as z:
+            z.write(part)
+        frames.append(sink.getvalue().to_pybytes())
+    (src / "events.jsonl.zst").write_bytes(b"".join(frames))
+    s = _ingest_day(src, tmp_path)
+    assert s["ingest.rows_in"] == s["ingest.rows_ok"] == 3000
+    events = Warehouse(tmp_path / "wh").read("events", DAY)
+    assert sorted(events["event_id"].to_pylist()) == sorted(
+        json.loads(x)["event_id"] for x in lines
+    )
+
+
+def _bomb(path: Path, gib: int) -> None:
+    """`gib` GiB of zeros in about `gib` MB: 1 MiB members, each ~1 KB, concatenated."""
+    member = gzip.compress(bytes(1 << 20))
+    with path.open("wb") as f:
+        for _ in range(gib):
+            f.write(member * 1024)
+
+
+def test_a_decompression_bomb_is_refused_whole_and_the_day_goes_on(day_logs, tmp_path):
+    """A gzip file that expands 1000x is refused once it passes the ratio, long before
+    memory fills; it is named in the summary and the quarantine (no bytes kept), the day's
+    other files are published, and the counts add up (the file is one quarantine record)."""
+    src = tmp_path / "src"
+    shutil.copytree(day_logs, src)
+    _bomb(src / "zeros.jsonl.gz", 1)
+    lines = sum(len(gzip.decompress(p.read_bytes()).splitlines()) for p in day_logs.glob("*.gz"))
+    s = _ingest_day(src, tmp_path)
+    assert s["ingest.rows_ok"] == lines and s["ingest.files_refused"] == 1
+    ((name, reason),) = s["ingest.refused_files"].items()
+    assert name.endswith("zeros.jsonl.gz") and "decompression bomb" in reason
+    assert s["ingest.rows_in"] == s["ingest.rows_ok"] + s["ingest.rows_quarantined"]
+    q = Warehouse(tmp_path / "wh").read("quarantine", DAY).to_pylist()
+    assert [(r["line"], r["raw"]) for r in q] == [(0, b"")] and "file refused" in q[0]["reason"]
+    # the size limit alone: a plain file past max_file_mb (set low here) is refused too
+    lines = clean_lines(day_logs)
+    assert sum(map(len, lines)) > 1 << 20
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    _write_json(plain / "small.jsonl", lines[:10])
+    _write_json(plain / "big.jsonl", lines[10:])
+    cfg = tmp_path / "limits.yaml"
+    cfg.write_text("features: synthetic\ningest:\n  max_file_mb: 1\n")
+    s = _ingest_day(plain, tmp_path, "--config", str(cfg), "--max-quarantine-fraction", "1")
+    ((name, reason),) = s["ingest.refused_files"].items()
+    assert name.endswith("big.jsonl") and "max_file_mb" in reason and s["ingest.rows_ok"] == 10
+
+
+@pytest.mark.parametrize("target", ["/etc/passwd", "/proc/self/environ", "outside"])
+def test_a_symlink_out_of_the_logs_is_named_and_never_read(target, day_logs, tmp_path):
+    """A link in the logs directory to a file outside it: not followed, its contents never
+    reach the quarantine; named in the summary with the reason."""
+    if target == "outside":
+        target = tmp_path / "elsewhere.jsonl"
+        target.write_bytes(b"\n".join(clean_lines(day_logs, 10)) + b"\n")
+    (day_logs / "leak.jsonl").symlink_to(target)
+    s = _ingest_day(day_logs, tmp_path)
+    ((name, reason),) = s["ingest.refused_files"].items()
+    assert name.endswith("leak.jsonl") and "leads out of the source directory" in reason
+    q = Warehouse(tmp_path / "wh").read("quarantine", DAY).to_pylist()
+    assert [r["raw"] for r in q] == [b""], "nothing of the target was copied"
+    assert s["ingest.rows_in"] == s["ingest.rows_ok"] + 1
+
+
+def test_events_stamped_off_their_day_are_counted_and_quarantined_beyond_the_tolerance(
+    day_logs, tmp_path
+):
+    lines = clean_lines(day_logs, 400)
+    day_start = 1_793_491_200_000  # 2026-11-01T00:00Z
+    late = [mutate(x, ts=day_start - 3_600_000) for x in lines[:50]]  # an hour early: kept
+    future = [mutate(x, ts=day_start + 10 * 86_400_000) for x in lines[50:80]]  # 10 days on
+    src = tmp_path / "src"
+    src.mkdir()
+    _write_json(src / "e.jsonl", [*late, *future, *lines[80:]])
+    s = _ingest_day(src, tmp_path, "--max-quarantine-fraction", "1")
+    assert s["ingest.rows_out_of_day"] == 80
+    assert s["ingest.rows_ok"] == 370 and s["ingest.rows_quarantined"] == 30
+    q = Warehouse(tmp_path / "wh").read("quarantine", DAY).to_pylist()
+    assert {r["field"] for r in q} == {"ts"}
+    assert all("after ds=2026-11-01, beyond the tolerance" in r["reason"] for r in q)

@@ -218,7 +218,7 @@ def _gunzip(data: bytes, limits: ReadLimits) -> tuple[bytes, str | None]:
     """Every member of a gzip file (`cat a.gz b.gz`, log rotation), streamed: input fed a
     MiB at a time, output drained in bounded pieces, the limits checked as it grows."""
     out: list[bytes] = []
-    total = fed = 0
+    total = fed = before = 0  # before: compressed bytes of the members already read
     view = memoryview(data)
     d = zlib.decompressobj(wbits=31)
     pending = b""  # input fed but not yet consumed
@@ -231,7 +231,7 @@ def _gunzip(data: bytes, limits: ReadLimits) -> tuple[bytes, str | None]:
             return b"".join(out), f"gzip stream corrupt: {e}"
         out.append(chunk)
         total += len(chunk)
-        limits.check(total, fed - len(d.unconsumed_tail))
+        limits.check(total, before + fed - len(d.unconsumed_tail))
         pending = d.unconsumed_tail
         if d.eof:  # a member ends: another may follow (padding of zeros is ignored)
             rest = d.unused_data + bytes(view[fed:])
@@ -239,6 +239,7 @@ def _gunzip(data: bytes, limits: ReadLimits) -> tuple[bytes, str | None]:
                 return b"".join(out), None
             if rest[:2] != GZIP_MAGIC:
                 return b"".join(out), "gzip stream corrupt: bytes after the last member"
+            before += fed - len(d.unused_data)  # what this member consumed of `view`
             view, fed, pending = memoryview(rest), 0, b""
             d = zlib.decompressobj(wbits=31)
         elif not chunk and not pending and fed >= len(view):
