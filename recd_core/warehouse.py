@@ -109,10 +109,33 @@ def damage_named(path: str) -> Iterator[None]:
         ) from None
 
 
+class _Verified:
+    """A `ParquetFile` whose every call (read, read_row_group, metadata, ...) turns damage
+    into a `PartitionDamaged` naming the file (iterators: `read_batches`)."""
+
+    def __init__(self, pf: pq.ParquetFile, path: str):
+        self._pf, self._path = pf, path
+
+    def __getattr__(self, name: str):
+        with damage_named(self._path):
+            attr = getattr(self._pf, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            with damage_named(self._path):
+                return attr(*args, **kwargs)
+
+        return call
+
+
 def open_parquet(fs: pafs.FileSystem, path: str) -> pq.ParquetFile:
-    """A Parquet file of the warehouse, opened so that every page read verifies its CRC-32."""
+    """A Parquet file of the warehouse, opened so that every page read verifies its CRC-32
+    and damage is a `PartitionDamaged` naming it."""
     with damage_named(path):
-        return pq.ParquetFile(fs.open_input_file(path), page_checksum_verification=True)
+        return _Verified(
+            pq.ParquetFile(fs.open_input_file(path), page_checksum_verification=True), path
+        )
 
 
 def read_batches(fs: pafs.FileSystem, path: str, batch_size: int) -> Iterator[pa.RecordBatch]:
