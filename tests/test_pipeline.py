@@ -2,12 +2,15 @@
 registered model and the champion/challenger decision across days."""
 
 import json
+import shutil
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 
 import mlflow.pyfunc
 import numpy as np
+import pyarrow as pa
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -225,6 +228,7 @@ def test_mlflow_models_serve_answers_the_champions_own_serving_example(daily, tm
     import os
     import socket
     import time
+    import urllib.error
     import urllib.request
 
     import mlflow.artifacts
@@ -268,6 +272,25 @@ def test_mlflow_models_serve_answers_the_champions_own_serving_example(daily, tm
         with urllib.request.urlopen(request, timeout=60) as r:
             assert r.status == 200
             predictions = json.loads(r.read())["predictions"]
+        # bad requests are refused whole: a 400 naming the field, no stack trace
+        payload = json.loads(example)
+        cols = payload["dataframe_split"]["columns"]
+        dense = next(c for c in ("user_dense", "item_dense") if c in cols)
+        for bad, words in ((float("nan"), "not finite"), ("narrow", "expected")):
+            broken = json.loads(example)
+            row = broken["dataframe_split"]["data"][0]
+            value = row[cols.index(dense)]
+            row[cols.index(dense)] = value[:1] if bad == "narrow" else [bad] * len(value)
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/invocations", data=json.dumps(broken).encode(),
+                headers={"Content-Type": "application/json"},
+            )  # fmt: skip
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=60)
+            body = refused.value.read().decode()
+            assert refused.value.code == 400, body
+            assert dense in body and words in body and "row 0" in body, body
+            assert "stack_trace" not in body and "Traceback" not in body, body
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -297,3 +320,55 @@ def test_a_model_registered_by_the_flat_layout_still_loads_and_scores(daily, tmp
     rows = rows.drop_columns(["label", "event_id", "ts"])
     scores = np.asarray(loaded.predict(rows.to_pandas()))
     assert scores.shape == (50,) and ((scores > 0) & (scores < 1)).all()
+
+
+def test_a_day_without_clicks_decides_nothing_and_the_champion_stays(daily):
+    """An evaluation day whose labels are all 0: AUC is undefined and NE divides by a zero
+    entropy, so no decision is made, with the reason, and the champion keeps serving."""
+    from recd_core.config import RegistryConfig
+    from recd_core.mlops.registry import register_and_promote
+    from recd_core.mlops.tracking import Tracker
+    from recd_core.modeling.evaluate import evaluate
+
+    root, uri, _ = daily
+    wh = Warehouse(root / "wh")
+    rows = wh.read("samples", NEXT, layout="clustered")
+    rows = rows.set_column(rows.schema.get_field_index("label"), rows.schema.field("label"),
+                           pa.array(np.zeros(rows.num_rows, np.int8)))  # fmt: skip
+    quiet = "2026-11-09"
+    with wh.writing("samples", quiet, layout="clustered") as w:
+        w.write(rows)
+    client = MlflowClient(tracking_uri=uri)
+    before = client.get_model_version_by_alias("recd-dlrm", "champion").version
+    model = json.loads((root / "day2.json").read_text())["train.model_uri"]
+    scored = evaluate(wh, model, quiet)
+    tracker = Tracker(uri)
+    run_id = tracker.start("register", {"ds": quiet})
+    out = register_and_promote(tracker, wh, model, run_id, quiet, scored, RegistryConfig())
+    assert out["registry.decision"] == "no decision" and not out["registry.promoted"]
+    assert "no clicks" in out["registry.reason"]
+    assert client.get_model_version_by_alias("recd-dlrm", "champion").version == before
+    tags = client.get_model_version("recd-dlrm", str(out["registry.version"])).tags
+    assert tags["recd.decision"] == "no decision" and "no clicks" in tags["recd.decision_reason"]
+
+
+def test_a_champion_whose_artifacts_vanished_does_not_stick_the_daily_run(daily):
+    """The champion's artifacts deleted from the store: the next day warm-starts from the
+    newest readable ancestor (or scratch), says why, tags the champion unreadable, and the
+    new model is promoted (an unreadable champion cannot serve). Runs last: it breaks the
+    module's champion."""
+
+    root, uri, _ = daily
+    client = MlflowClient(tracking_uri=uri)
+    gone = client.get_model_version_by_alias("recd-dlrm", "champion")
+    stored = Path(urllib.parse.urlparse(gone.source).path)
+    assert gone.source.startswith("file://") and stored.is_dir(), gone.source
+    shutil.rmtree(stored)
+    common = ("--warehouse", root / "wh", "--logs", root / "logs", "--out", root / "out",
+              "--config", Path(__file__).parent / "configs/small.yaml")  # fmt: skip
+    recd("--tracking-uri", uri, "run", *common, "--ds", THIRD, "--summary", root / "day3.json")
+    day3 = json.loads((root / "day3.json").read_text())
+    assert f"models:/recd-dlrm/{gone.version} cannot be read" in day3["train.init_from"]
+    assert client.get_model_version("recd-dlrm", gone.version).tags["recd.unreadable"]
+    assert day3["registry.decision"] == "promoted" and "cannot be read" in day3["registry.reason"]
+    assert client.get_model_version_by_alias("recd-dlrm", "champion").version != gone.version
