@@ -215,34 +215,39 @@ def read_bytes(path: Path, limits: ReadLimits = ReadLimits()) -> tuple[bytes, st
 
 
 def _gunzip(data: bytes, limits: ReadLimits) -> tuple[bytes, str | None]:
-    """Every member of a gzip file (`cat a.gz b.gz`, log rotation), streamed: input fed a
-    MiB at a time, output drained in bounded pieces, the limits checked as it grows."""
+    """Every member of a gzip file (`cat a.gz b.gz`, log rotation), streamed: input handed
+    over a MiB at a time, output drained in bounded pieces, the limits checked as it grows."""
     out: list[bytes] = []
-    total = fed = before = 0  # before: compressed bytes of the members already read
-    view = memoryview(data)
+    total = pos = 0  # pos: bytes of `data` handed to a decompressor so far
     d = zlib.decompressobj(wbits=31)
-    pending = b""  # input fed but not yet consumed
+    pending = b""  # handed over, not yet consumed
+
+    def more(buf: bytes) -> bytes:
+        nonlocal pos
+        piece = data[pos : pos + _FEED]
+        pos += len(piece)
+        return buf + piece
+
     while True:
-        if not pending and fed < len(view):
-            pending, fed = bytes(view[fed : fed + _FEED]), min(fed + _FEED, len(view))
+        if not pending:
+            pending = more(pending)
         try:
             chunk = d.decompress(pending, _DRAIN)
         except zlib.error as e:
             return b"".join(out), f"gzip stream corrupt: {e}"
         out.append(chunk)
         total += len(chunk)
-        limits.check(total, before + fed - len(d.unconsumed_tail))
-        pending = d.unconsumed_tail
+        pending = d.unused_data if d.eof else d.unconsumed_tail
+        limits.check(total, pos - len(pending))
         if d.eof:  # a member ends: another may follow (padding of zeros is ignored)
-            rest = d.unused_data + bytes(view[fed:])
-            if not rest.strip(b"\x00"):
+            while len(pending) < 2 and pos < len(data):
+                pending = more(pending)
+            if not pending.strip(b"\x00") and not data[pos:].strip(b"\x00"):
                 return b"".join(out), None
-            if rest[:2] != GZIP_MAGIC:
+            if pending[:2] != GZIP_MAGIC:
                 return b"".join(out), "gzip stream corrupt: bytes after the last member"
-            before += fed - len(d.unused_data)  # what this member consumed of `view`
-            view, fed, pending = memoryview(rest), 0, b""
             d = zlib.decompressobj(wbits=31)
-        elif not chunk and not pending and fed >= len(view):
+        elif not chunk and not pending and pos >= len(data):
             return b"".join(out), "gzip stream truncated (file cut short)"
 
 
