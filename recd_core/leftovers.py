@@ -21,6 +21,7 @@ import fcntl
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,12 +55,17 @@ def held(path: str | Path) -> bool:
 
 
 def sweep_dirs(parent: str | Path, prefix: str) -> list[str]:
-    """Remove `parent`'s directories named `prefix*` whose owner is gone; their names."""
+    """Remove `parent`'s directories named `prefix*` whose owner is gone; their names. A
+    directory without its lock file yet is being set up (or its owner died in that instant):
+    left alone for an hour."""
     gone = []
     with contextlib.suppress(OSError):
         for d in Path(parent).iterdir():
-            mine = d.name.startswith(prefix) and d.is_dir() and not d.is_symlink()
-            if mine and not held(d / OWNER_LOCK):
+            if not (d.name.startswith(prefix) and d.is_dir() and not d.is_symlink()):
+                continue
+            lock = d / OWNER_LOCK
+            dead = not held(lock) if lock.exists() else time.time() - d.stat().st_mtime > 3600
+            if dead:
                 shutil.rmtree(d, ignore_errors=True)
                 gone.append(d.name)
     return gone

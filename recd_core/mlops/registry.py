@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +48,7 @@ import pyarrow as pa
 
 import recd_core
 from recd_core.errors import BadInput
+from recd_core.leftovers import owned_tempdir
 from recd_core.schema import events_schema
 
 MODEL_ARTIFACT = "model"
@@ -164,7 +164,7 @@ def log_and_register(
     scorer.load_context(SimpleNamespace(artifacts={"dlrm": str(model_dir)}))
     signature = infer_signature(example, scorer.predict(None, example))
     client = tracker.client()
-    with tempfile.TemporaryDirectory() as tmp:
+    with owned_tempdir("recd-model-") as tmp:  # a killed run's: swept
         target = Path(tmp) / MODEL_ARTIFACT
         mlflow.pyfunc.save_model(
             path=str(target),
@@ -274,7 +274,7 @@ def init_model(
     if tracker is None:
         raise ValueError(f"--init-from {init_from}: a registry URI needs a tracking URI")
     version = registry_version(tracker, init_from)
-    with tempfile.TemporaryDirectory() as tmp:
+    with owned_tempdir("recd-model-") as tmp:  # a killed run's: swept
         if not pinned_champion:
             yield (
                 str(fetch_version(tracker, version, tmp)),
@@ -426,7 +426,7 @@ def score_version(tracker, version, warehouse, ds: str, batch_size: int) -> dict
     from recd_core.modeling.evaluate import score_day
     from recd_core.modeling.saved import load_model
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with owned_tempdir("recd-model-") as tmp:  # a killed run's: swept
         model, meta = load_model(str(fetch_version(tracker, version, tmp)))
         return score_day(warehouse, model, meta, ds, batch_size)
 

@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import io
 import json
-import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +33,7 @@ from recd_core.config import FeatureSet, ModelConfig, TrainConfig
 from recd_core.dpp.batch_store import Batch, decode_batch
 from recd_core.dpp.preprocess import Prepared, batch_ranges, encode_batch
 from recd_core.errors import BadInput
-from recd_core.leftovers import write_atomically
+from recd_core.leftovers import owned_tempdir, write_atomically
 from recd_core.modeling.model import Model, build_model
 from recd_core.warehouse import Warehouse
 
@@ -170,7 +169,7 @@ def model_dir(uri: str):
     if wh.fs.type_name == "local":
         yield Path(base)
         return
-    with tempfile.TemporaryDirectory() as tmp:
+    with owned_tempdir("recd-model-") as tmp:  # a killed run's: swept
         for name in ("model.pt", "model.json"):
             (Path(tmp) / name).write_bytes(_read_bytes(wh, f"{base}/{name}"))
         if wh.exists_file(f"{base}/{OPTIMIZER_FILE}"):  # optional: models saved before it
