@@ -145,23 +145,41 @@ def _wait_for(predicate, timeout: float = 60.0, every: float = 0.01):
     pytest.fail("timed out waiting")
 
 
-def test_a_killed_generate_leaves_no_spill_behind_after_the_next_run(fresh_warehouse, tmp_path):
-    """SIGKILL mid-generate leaves its spill directory (nobody can clean up after a
-    SIGKILL); the next generate removes it, and the samples partition was never touched."""
+@pytest.mark.parametrize("stage", ["ingest", "generate", "preprocess"])
+def test_a_stage_killed_mid_write_leaves_the_day_intact_and_the_next_run_clean(
+    stage, fresh_warehouse, small_logs, tmp_path
+):
+    """SIGKILL while a stage writes (its staging directory has files): the committed
+    partition is untouched; what the killed run left (staging, generate's spill directory:
+    nobody can clean up after a SIGKILL) is removed by the next run, which succeeds."""
+    wh = fresh_warehouse
+    if stage == "preprocess":
+        preprocess(wh, DAY, PreprocessConfig())
+    table, keys = {"ingest": ("events", {}), "generate": ("samples", {"layout": "clustered"}),
+                   "preprocess": ("batches", {"mode": "dedup"})}[stage]  # fmt: skip
+    before = wh.manifest(table, DAY, **keys)["write_id"]
     spill = tmp_path / "spill"
     spill.mkdir()
-    before = fresh_warehouse.manifest("samples", DAY, layout="clustered")["write_id"]
     env = {**os.environ, "TMPDIR": str(spill)}
-    cmd = [RECD, "generate", "--warehouse", str(fresh_warehouse.root), "--ds", DAY]
+    args = ["--source", str(small_logs / f"ds={DAY}")] if stage == "ingest" else []
+    cmd = [RECD, stage, "--warehouse", str(wh.root), "--ds", DAY, *args]
+    staging = Path(wh.root) / table / "_staging"
+
+    def writing():
+        return any(f.is_file() and f.name != "_writer.lock" for f in staging.rglob("*"))
+
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_for(lambda: any(d.iterdir() for d in spill.glob("recd-generate-*")))
+    _wait_for(writing, every=0.002)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert list(spill.glob("recd-generate-*")), "the killed run's spill is there"
-    assert fresh_warehouse.manifest("samples", DAY, layout="clustered")["write_id"] == before
-    recd("generate", "--warehouse", fresh_warehouse.root, "--ds", DAY, code=0, env=env)
-    assert not list(spill.glob("recd-generate-*")), "swept by the next run"
-    assert not list(Path(fresh_warehouse.root).rglob("_staging/*"))
+    assert writing(), "killed mid-write: its staging is there"
+    assert wh.manifest(table, DAY, **keys)["write_id"] == before, "the committed day untouched"
+    # and whole (sizes, checksums, CRCs)
+    BatchStore(wh, DAY, "dedup") if table == "batches" else wh.read(table, DAY, **keys)
+    recd(stage, "--warehouse", wh.root, "--ds", DAY, *args, code=0, env=env)
+    assert wh.manifest(table, DAY, **keys)["write_id"] != before
+    assert not list(spill.glob("recd-*")), "the spill directories are swept"
+    assert not [p for p in Path(wh.root).rglob("*") if p.parent.name == "_staging"]
 
 
 def test_a_checkpoint_write_killed_midway_is_swept_and_a_live_one_kept(tmp_path):
