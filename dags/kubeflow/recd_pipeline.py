@@ -41,19 +41,23 @@ def _with_inputs(fn, variadic):
     return fn
 
 
+def stage_command(name: str, args, sources: list, upstream: list, metadata) -> list:
+    """A stage container's command line (`components/_entry.py`): its arguments, one summary
+    per stage it pulls arguments from (in `PULLED_FROM` order), the summaries it gathers,
+    where its own summary goes. Values or KFP placeholders alike."""
+    return ["python", "-m", f"components.{name}", "--args-json", args,
+            *[x for s, v in zip(PULLED_FROM, sources, strict=True) for x in (f"--{s}-json", v)],
+            *[x for u in upstream for x in ("--upstream-item", u)],
+            "--output-metadata", metadata]  # fmt: skip
+
+
 def container_stage(name: str, image: str = IMAGE):
     """The container component of one stage."""
 
     def stage(args: dict, metadata: dsl.OutputPath(str), *inputs: str):
         sources, upstream = inputs[: len(PULLED_FROM)], inputs[len(PULLED_FROM) :]
-        return dsl.ContainerSpec(
-            image=image,
-            command=["python", "-m", f"components.{name}"],
-            args=["--args-json", args,
-                  *[x for s, v in zip(PULLED_FROM, sources, strict=True) for x in (f"--{s}-json", v)],
-                  *[x for u in upstream for x in ("--upstream-item", u)],
-                  "--output-metadata", metadata],
-        )  # fmt: skip
+        cmd = stage_command(name, args, list(sources), list(upstream), metadata)
+        return dsl.ContainerSpec(image=image, command=cmd[:3], args=cmd[3:])
 
     stage.__name__ = f"recd_{name}"
     stage.__doc__ = f"recd stage `{name}` (recd_core.orchestration.stages)."

@@ -1,0 +1,112 @@
+"""The components image, built and run here as its users run it: `make image` (docker where
+a daemon answers, else podman, installed where missing), then, as the chart runs pods (uid
+10001, read-only root, every capability dropped): `recd --help`, `import torchrec`, a stop
+under a second, and one day of the daily graph with every stage as its own container
+(`dags/kubeflow/run_in_containers.py`). Skipped, saying why, only where no engine can run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+IMAGE = "localhost/recd-components:test"
+sys.path.insert(0, str(REPO / "dags" / "kubeflow"))
+
+
+def _engine_env() -> dict:
+    env = dict(os.environ)
+    conf = REPO / "build" / "image" / "containers.conf"
+    if "CONTAINERS_CONF" not in env and conf.exists():
+        env["CONTAINERS_CONF"] = str(conf)  # what `make image` wrote for podman here
+    return env
+
+
+@pytest.fixture(scope="module")
+def engine() -> str:
+    """The built image's engine, after `make image` (what the Makefile runs)."""
+    can_install = os.geteuid() == 0 and shutil.which("apt-get")
+    if not (shutil.which("docker") or shutil.which("podman") or can_install):
+        pytest.skip("no docker, no podman, and no way to install podman here (not root/apt)")
+    pip = str(Path(sys.executable).with_name("pip"))
+    r = subprocess.run([str(REPO / "components" / "build_image.sh")], cwd=REPO,
+                       env={**_engine_env(), "IMAGE": IMAGE, "PIP": pip},
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    docker = shutil.which("docker")
+    ok = docker and subprocess.run([docker, "info"], capture_output=True).returncode == 0
+    return "docker" if ok else "podman"
+
+
+POD = ["--rm", "--read-only", "--cap-drop=ALL", "--security-opt=no-new-privileges",
+       "--user", "10001:10001", "--tmpfs", "/tmp:mode=1777"]  # fmt: skip
+
+
+def _run(engine: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([engine, "run", *POD, IMAGE, *args], capture_output=True, text=True,
+                          env=_engine_env())  # fmt: skip
+
+
+def test_the_image_runs_recd_and_torchrec_as_an_unprivileged_user(engine):
+    r = _run(engine, "recd", "--help")
+    assert r.returncode == 0 and "ingest" in r.stdout, r.stderr
+    r = _run(engine, "python", "-c", "import os, torchrec, recd_core.cli; print(os.getuid())")
+    assert r.returncode == 0 and r.stdout.strip() == "10001", r.stderr
+    labels = json.loads(subprocess.run(
+        [engine, "image", "inspect", IMAGE, "--format", "{{json .Config.Labels}}"],
+        capture_output=True, text=True, env=_engine_env(), check=True).stdout)  # fmt: skip
+    assert labels["org.opencontainers.image.version"] == "0.1.0"
+    assert labels["org.opencontainers.image.revision"] not in ("", "unknown")
+    assert labels["org.opencontainers.image.source"].startswith("https://")
+
+
+def test_a_running_stage_stops_within_a_second(engine):
+    """SIGTERM ends a stage at once: under the image's tini, and with Python as PID 1 (a
+    pod's `command` replaces the entrypoint; the component handles SIGTERM itself)."""
+    stage = ["-m", "components.synth", "--warehouse", "/tmp/wh", "--logs", "/tmp/logs",
+             "--ds", "2026-11-01", "--preset", "standard", "--samples-per-day", "2000000"]  # fmt: skip
+    for name, entry in (("tini", []), ("pid1", ["--entrypoint", "python"])):
+        cmd = [*([] if entry else ["python"]), *stage]
+        run = [engine, "run", "-d", "--name", f"recd-stop-{name}", *POD[1:], *entry, IMAGE, *cmd]
+        subprocess.run(run, check=True, capture_output=True, env=_engine_env())
+        try:
+            time.sleep(5)  # well into its work
+            t0 = time.monotonic()
+            subprocess.run([engine, "stop", f"recd-stop-{name}"], check=True,
+                           capture_output=True, env=_engine_env())  # fmt: skip
+            assert time.monotonic() - t0 < 1.0, name
+        finally:
+            subprocess.run([engine, "rm", "-f", f"recd-stop-{name}"], capture_output=True,
+                           env=_engine_env())  # fmt: skip
+
+
+def test_a_day_of_the_daily_graph_runs_with_every_stage_its_own_container(
+    engine, tmp_path, monkeypatch
+):
+    from run_in_containers import run_in_containers
+
+    from recd_core.orchestration.graph import DAILY
+
+    data = tmp_path / "data"
+    data.mkdir()
+    data.chmod(0o777)
+    shutil.copy(REPO / "tests" / "configs" / "small.yaml", data / "small.yaml")
+    args = {"warehouse": "/data/wh", "logs": "/data/logs", "ds": "2026-11-01",
+            "synthesize": True, "tracking_uri": "sqlite:////data/mlflow.db",
+            "config": "/data/small.yaml", "pipeline": "recd kubeflow (containers)"}  # fmt: skip
+    if "CONTAINERS_CONF" in _engine_env():
+        monkeypatch.setenv("CONTAINERS_CONF", _engine_env()["CONTAINERS_CONF"])
+    done = run_in_containers(engine, IMAGE, data, args)
+    assert list(done) == [t.id for t in DAILY.order()]
+    last = done[DAILY.order()[-1].id]
+    assert last["status"] == "ok" and last["registry.decision"] == "promoted"
+    assert 0.5 < last["eval.ne"] < 1.0
+    assert (data / "wh" / "samples" / "layout=clustered" / "ds=2026-11-01").is_dir()
