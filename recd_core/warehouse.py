@@ -35,7 +35,8 @@ never a mix. They trust nothing else in it: every name must be a plain file name
 partition, every file must be there at the size the manifest records, Parquet pages are read
 with their CRC-32 verified, and files of formats without checksums (the Arrow IPC batches)
 carry a CRC-32 in the manifest (`verify`). A file that fails any of these is a
-`PartitionDamaged` error naming the partition and the file, never a traceback or garbage. A failure or crash before the commit leaves the live partition as it was; its
+`PartitionDamaged` error naming the partition and the file, never a traceback or garbage.
+A failure or crash before the commit leaves the live partition as it was; its
 leftovers are removed by the next write. Re-writing a partition replaces it: no duplicates,
 whatever the number of runs.
 
@@ -585,10 +586,6 @@ class _StoredFile:
             self._side = open_parquet(self.fs, self.side_path)
         return self._side
 
-    def _named(self):
-        """Errors of this file's bytes (or its side file's) as `PartitionDamaged`."""
-        return damage_named(self.path if not self.norm else f"{self.path} (or {self.side_path})")
-
     def schema(self) -> pa.Schema:
         main = self.pf().schema_arrow
         if not self.norm:
@@ -603,8 +600,7 @@ class _StoredFile:
 
     def read(self, columns: list[str] | None) -> pa.Table:
         if not self.norm:
-            with self._named():
-                return self.pf().read(columns=columns)
+            return self.pf().read(columns=columns)
         parts = [self.read_row_group(rg, columns) for rg in range(self.pf().num_row_groups)]
         return pa.concat_tables(parts) if parts else self.schema().empty_table()
 
@@ -613,8 +609,7 @@ class _StoredFile:
     ) -> pa.Table:
         """Rows [lo, hi) of row group `rg`, whole (normalized: only those rows expanded)."""
         if not self.norm:
-            with self._named():
-                t = self.pf().read_row_group(rg, columns=columns)
+            t = self.pf().read_row_group(rg, columns=columns)
             return t.slice(lo, (t.num_rows if hi is None else hi) - lo)
         rows, index, side = self.read_row_group_normalized(rg, columns)
         hi = rows.num_rows if hi is None else hi
@@ -625,17 +620,16 @@ class _StoredFile:
     def read_row_group_normalized(
         self, rg: int, columns: list[str] | None
     ) -> tuple[pa.Table, np.ndarray, pa.Table]:
-        with self._named():
-            if not self.norm:
-                rows = self.pf().read_row_group(rg, columns=columns)
-                return rows, np.arange(rows.num_rows), pa.table({})  # every row its own run
-            wanted = self.norm["order"] if columns is None else columns
-            side_cols = [c for c in wanted if c in self.norm["columns"]]
-            row_cols = [c for c in wanted if c not in self.norm["columns"]]
-            key = self.norm["index"]
-            rows = self.pf().read_row_group(rg, columns=[*row_cols, key])
-            index = np.asarray(rows[key], np.int64)
-            side = self.side().read_row_group(rg, columns=side_cols) if side_cols else pa.table({})
+        if not self.norm:
+            rows = self.pf().read_row_group(rg, columns=columns)
+            return rows, np.arange(rows.num_rows), pa.table({})  # every row its own run
+        wanted = self.norm["order"] if columns is None else columns
+        side_cols = [c for c in wanted if c in self.norm["columns"]]
+        row_cols = [c for c in wanted if c not in self.norm["columns"]]
+        key = self.norm["index"]
+        rows = self.pf().read_row_group(rg, columns=[*row_cols, key])
+        index = np.asarray(rows[key], np.int64)
+        side = self.side().read_row_group(rg, columns=side_cols) if side_cols else pa.table({})
         if index.size and (index.min() < 0 or index.max() >= side.num_rows > 0):
             raise PartitionDamaged(f"{self.path}: row group {rg} points past its side file's "
                                    f"{side.num_rows} rows: rerun the stage that writes it")  # fmt: skip

@@ -277,7 +277,7 @@ def init_model(
     with owned_tempdir("recd-model-") as tmp:  # a killed run's: swept
         if not pinned_champion:
             yield (
-                str(fetch_version(tracker, version, tmp)),
+                str(fetch_version(tracker, version, tmp)[0]),
                 f"models:/{version.name}/{version.version}",
             )
             return
@@ -290,21 +290,23 @@ class Unreadable(BadInput):
     model): named with why; a retry cannot bring them back."""
 
 
-def fetch_version(tracker, version, tmp: str) -> Path:
-    """A registered version's recd model, downloaded into `tmp` and loaded once to prove it
-    readable: its directory. `Unreadable`, with a one-line reason, otherwise."""
+def fetch_version(tracker, version, tmp: str) -> tuple[Path, tuple]:
+    """A registered version's recd model, downloaded into a folder of its own under `tmp`
+    and loaded, which proves it readable: its directory and `load_model`'s (model, meta).
+    `Unreadable`, with a one-line reason, otherwise."""
     from recd_core.modeling.saved import load_model
 
     where = f"models:/{version.name}/{version.version}"
     try:
+        dst = Path(tmp) / f"v{version.version}"
+        dst.mkdir(parents=True, exist_ok=True)
         local = mlflow.artifacts.download_artifacts(
-            artifact_uri=version.source, dst_path=tmp, tracking_uri=tracker.uri
+            artifact_uri=version.source, dst_path=str(dst), tracking_uri=tracker.uri
         )
         found = next(Path(local).rglob("model.json"), None)
         if found is None:
             raise Unreadable(f"{where} holds no recd model (model.json)")
-        load_model(str(found.parent))
-        return found.parent
+        return found.parent, load_model(str(found.parent))
     except Unreadable:
         raise
     except Exception as e:  # noqa: BLE001 - MLflow, the OS and torch raise many kinds
@@ -328,7 +330,7 @@ def readable_ancestor(tracker, version, tmp: str) -> tuple[Path | None, str]:
     while version is not None and version.version not in seen:
         seen.add(version.version)
         try:
-            found = fetch_version(tracker, version, tmp)
+            found, _ = fetch_version(tracker, version, tmp)
         except Unreadable as e:
             mark_unreadable(tracker, version, str(e))
             skipped.append(str(e))
@@ -424,10 +426,9 @@ def score_version(tracker, version, warehouse, ds: str, batch_size: int) -> dict
     champion registered by an older recd is judged the same way (as warm start loads it).
     `Unreadable` when its artifacts cannot be read."""
     from recd_core.modeling.evaluate import score_day
-    from recd_core.modeling.saved import load_model
 
     with owned_tempdir("recd-model-") as tmp:  # a killed run's: swept
-        model, meta = load_model(str(fetch_version(tracker, version, tmp)))
+        _, (model, meta) = fetch_version(tracker, version, tmp)
         return score_day(warehouse, model, meta, ds, batch_size)
 
 
