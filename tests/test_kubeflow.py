@@ -34,8 +34,16 @@ def test_the_compiled_pipeline_has_a_container_component_per_stage(tmp_path):
         assert (REPO / "components" / f"{module.split('.')[1]}.py").exists()
         assert "--output-metadata" in c["args"]
     assert containers["components.train"]["resources"]["memoryLimit"] > 0
+    for module, c in containers.items():  # every step asks for CPU and memory
+        assert c["resources"]["cpuRequest"] > 0 and c["resources"]["memoryRequest"] > 0, module
+    gpu = containers["components.train"]["resources"]["accelerator"]
+    assert set(gpu) >= {"resourceCount", "resourceType"}  # pipeline parameters (0: CPUs)
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert params["train_accelerators"]["defaultValue"] == 0
     tasks = spec["root"]["dag"]["tasks"]
     assert len(tasks) == len(DAILY.tasks)  # a task per graph task (ingest_eval: ingest again)
+    # never served from cache: the warehouse and MLflow are state the inputs do not name
+    assert all(not t.get("cachingOptions", {}).get("enableCache") for t in tasks.values())
     deps = {t["taskInfo"]["name"]: set(t.get("dependentTasks", [])) for t in tasks.values()}
     assert deps["start"] == set()
     # the chain: each stage after the one before it (by name or through its inputs)

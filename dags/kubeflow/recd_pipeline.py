@@ -16,6 +16,7 @@ string; all derived from the graph, none written here.
 """
 
 import argparse
+import functools
 import inspect
 from pathlib import Path
 
@@ -102,14 +103,23 @@ def graph(op, args: dict) -> None:
         tasks[task.id] = op(task.stage, task.id, **inputs).after(*(tasks[a] for a in task.after))
 
 
+# what a step asks of the cluster: the accelerated stage (train) the most
+RESOURCES = {False: ("1", "2G", "8G"), True: ("2", "8G", "16G")}  # cpu, memory request, limit
+
+
 def build_pipeline(image: str = IMAGE):
     components = {t.stage: container_stage(t.stage, image) for t in DAILY.tasks}
 
-    def op(name, task_id, **inputs):
+    def op(name, task_id, accelerator: tuple | None = None, **inputs):
+        """One task. Never served from KFP's cache: every stage reads or writes state its
+        inputs do not name (the warehouse, the MLflow store), so equal inputs do not mean
+        an equal result (a rerun of a day must rerun it)."""
         task = components[name](**inputs)
-        task.set_display_name(task_id)
-        if STAGES[name].accelerated:
-            task.set_cpu_request("2").set_memory_request("8G").set_memory_limit("16G")
+        task.set_display_name(task_id).set_caching_options(False)
+        cpu, memory, limit = RESOURCES[STAGES[name].accelerated]
+        task.set_cpu_request(cpu).set_memory_request(memory).set_memory_limit(limit)
+        if STAGES[name].accelerated and accelerator is not None:
+            task.set_accelerator_type(accelerator[0]).set_accelerator_limit(accelerator[1])
         return task
 
     @dsl.pipeline(
@@ -122,9 +132,13 @@ def build_pipeline(image: str = IMAGE):
         tracking_uri: str = "http://recd-mlflow:5000",
         config: str = "",
         synthesize: bool = False,
+        train_accelerator: str = "nvidia.com/gpu",  # the train step's accelerator resource
+        train_accelerators: int = 0,  # how many (0: train on CPUs)
     ):
-        graph(op, {"warehouse": warehouse, "ds": ds, "logs": logs, "tracking_uri": tracking_uri,
-                   "config": config, "synthesize": synthesize, "pipeline": "recd kubeflow"})  # fmt: skip
+        accelerated = functools.partial(op, accelerator=(train_accelerator, train_accelerators))
+        graph(accelerated, {"warehouse": warehouse, "ds": ds, "logs": logs,
+                            "tracking_uri": tracking_uri, "config": config,
+                            "synthesize": synthesize, "pipeline": "recd kubeflow"})  # fmt: skip
 
     return recd_pipeline
 
