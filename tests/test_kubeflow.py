@@ -34,6 +34,14 @@ def test_the_compiled_pipeline_has_a_container_component_per_stage(tmp_path):
         assert (REPO / "components" / f"{module.split('.')[1]}.py").exists()
         assert "--output-metadata" in c["args"]
     assert containers["components.train"]["resources"]["memoryLimit"] > 0
+    # a component has only the inputs its stage is given (no unused `u_*` on every step)
+    comps = spec["components"]
+    inputs = {n: set(c.get("inputDefinitions", {}).get("parameters", {})) for n, c in comps.items()}
+    assert inputs["comp-recd-finish"] >= {"u_train", "start"}
+    assert inputs["comp-recd-ingest"] == {"args", "start"}
+    assert not any(
+        i.startswith("u_") for n, c in inputs.items() if n != "comp-recd-finish" for i in c
+    )
     for module, c in containers.items():  # every step asks for CPU and memory
         assert c["resources"]["cpuRequest"] > 0 and c["resources"]["memoryRequest"] > 0, module
     gpu = containers["components.train"]["resources"]["accelerator"]

@@ -11,8 +11,9 @@ tests run it end to end with `kfp.local.SubprocessRunner(use_venv=False)`.
 
 Every container component has one shape: `args` (a StageArgs JSON object), one input per
 upstream stage it takes arguments from (`graph.PULLED_FROM`: its MLflow parent run, the
-trained model), `u_<task>` per summary `finish` merges, and its own summary as the output
-string; all derived from the graph, none written here.
+trained model), `u_<task>` per summary it merges (`finish`), and its own summary as the
+output string; only the inputs its stage is given, all derived from the graph, none written
+here.
 """
 
 import argparse
@@ -29,13 +30,22 @@ IMAGE = "ghcr.io/recd-project/recd-components:0.1.0"
 UPSTREAM = DAILY.gathered()
 
 
-def _with_inputs(fn, variadic):
-    """`fn` with its upstream inputs in place of its variadic parameter (KFP reads a
-    component's inputs from its signature): one JSON summary per stage arguments are pulled
-    from (`start`, `train`: `graph.PULLED_FROM`), one `u_<task>` per summary finish merges."""
+def _upstream_inputs(stage: str | None = None) -> list[str]:
+    """The upstream inputs of `stage`'s component (every stage's: None): one JSON summary per
+    stage it pulls arguments from (`graph.PULLED_FROM`), one `u_<task>` per summary it merges;
+    a component has only the inputs some task of its stage is given."""
+    tasks = [t for t in DAILY.tasks if stage in (None, t.stage)]
+    pulled = {p.stage for t in tasks for p in STAGES[t.stage].pulls}
+    gathered = {g for t in tasks for g in t.gathers}
+    return [*(s for s in PULLED_FROM if stage is None or s in pulled),
+            *(f"u_{t}" for t in UPSTREAM if stage is None or t in gathered)]  # fmt: skip
+
+
+def _with_inputs(fn, variadic, names: list[str]):
+    """`fn` with the upstream inputs `names` in place of its variadic parameter (KFP reads a
+    component's inputs from its signature)."""
     params = [p for p in inspect.signature(fn).parameters.values() if p.kind != variadic]
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    names = [*PULLED_FROM, *(f"u_{t}" for t in UPSTREAM)]
     params += [inspect.Parameter(n, kind, default="{}", annotation=str) for n in names]
     ret = inspect.signature(fn).return_annotation
     fn.__signature__ = inspect.Signature(params, return_annotation=ret)
@@ -55,14 +65,18 @@ def stage_command(name: str, args, sources: list, upstream: list, metadata) -> l
 def container_stage(name: str, image: str = IMAGE):
     """The container component of one stage."""
 
-    def stage(args: dict, metadata: dsl.OutputPath(str), *inputs: str):
-        sources, upstream = inputs[: len(PULLED_FROM)], inputs[len(PULLED_FROM) :]
-        cmd = stage_command(name, args, list(sources), list(upstream), metadata)
+    names = _upstream_inputs(name)
+
+    def stage(args: dict, metadata: dsl.OutputPath(str), *values: str):
+        given = dict(zip(names, values, strict=True))  # KFP passes them in signature order
+        sources = [given.get(s, "{}") for s in PULLED_FROM]
+        upstream = [given[n] for n in names if n.startswith("u_")]
+        cmd = stage_command(name, args, sources, upstream, metadata)
         return dsl.ContainerSpec(image=image, command=cmd[:3], args=cmd[3:])
 
     stage.__name__ = f"recd_{name}"
     stage.__doc__ = f"recd stage `{name}` (recd_core.orchestration.stages)."
-    return dsl.container_component(_with_inputs(stage, inspect.Parameter.VAR_POSITIONAL))
+    return dsl.container_component(_with_inputs(stage, inspect.Parameter.VAR_POSITIONAL, names))
 
 
 def recd_stage(
@@ -87,7 +101,7 @@ def recd_stage(
 
 
 recd_stage = dsl.component(base_image=IMAGE)(
-    _with_inputs(recd_stage, inspect.Parameter.VAR_KEYWORD)
+    _with_inputs(recd_stage, inspect.Parameter.VAR_KEYWORD, _upstream_inputs())
 )
 
 
