@@ -24,7 +24,7 @@ def test_the_compiled_pipeline_has_a_container_component_per_stage(tmp_path):
     out = recd_pipeline.compile_pipeline(
         tmp_path / "recd_pipeline.yaml", image="reg.example/recd:9"
     )
-    spec = yaml.safe_load(out.read_text())
+    spec, platform = yaml.safe_load_all(out.read_text())  # the pipeline, its Kubernetes spec
     executors = spec["deploymentSpec"]["executors"]
     containers = {e["container"]["command"][-1]: e["container"] for e in executors.values()}
     assert sorted(containers) == sorted(f"components.{s}" for s in STAGES)
@@ -48,6 +48,12 @@ def test_the_compiled_pipeline_has_a_container_component_per_stage(tmp_path):
     assert set(gpu) >= {"resourceCount", "resourceType"}  # pipeline parameters (0: CPUs)
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert params["train_accelerators"]["defaultValue"] == 0
+    # every pod mounts the logs volume and may read the object store's keys (kfp-kubernetes)
+    executors_k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert len(executors_k8s) == len(executors)
+    for e in executors_k8s.values():
+        assert e["pvcMount"][0]["mountPath"] == recd_pipeline.LOGS_MOUNT
+        assert {v["envVar"] for v in e["secretAsEnv"][0]["keyToEnv"]} == set(recd_pipeline.S3_KEYS)
     tasks = spec["root"]["dag"]["tasks"]
     assert len(tasks) == len(DAILY.tasks)  # a task per graph task (ingest_eval: ingest again)
     # never served from cache: the warehouse and MLflow are state the inputs do not name

@@ -17,11 +17,10 @@ here.
 """
 
 import argparse
-import functools
 import inspect
 from pathlib import Path
 
-from kfp import compiler, dsl
+from kfp import compiler, dsl, kubernetes
 
 from recd_core.orchestration.graph import DAILY, PULLED_FROM, STAGES
 
@@ -117,6 +116,8 @@ def graph(op, args: dict) -> None:
         tasks[task.id] = op(task.stage, task.id, **inputs).after(*(tasks[a] for a in task.after))
 
 
+LOGS_MOUNT = "/mnt/recd-logs"  # where every pod sees the logs volume (`logs_pvc`)
+S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 # what a step asks of the cluster: the accelerated stage (train) the most
 RESOURCES = {False: ("1", "2G", "8G"), True: ("2", "8G", "16G")}  # cpu, memory request, limit
 
@@ -141,18 +142,27 @@ def build_pipeline(image: str = IMAGE):
     )
     def recd_pipeline(
         ds: str,
-        logs: str,  # raw logs are files: a path on a volume mounted into the stage pods
+        logs: str = LOGS_MOUNT,  # raw logs are files: the logs volume, mounted in every pod
         warehouse: str = "s3://recd/warehouse",
         tracking_uri: str = "http://recd-mlflow:5000",
         config: str = "",
         synthesize: bool = False,
         train_accelerator: str = "nvidia.com/gpu",  # the train step's accelerator resource
         train_accelerators: int = 0,  # how many (0: train on CPUs)
+        logs_pvc: str = "recd-logs",  # the PersistentVolumeClaim holding the raw logs
+        s3_secret: str = "recd-s3",  # AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (the chart's)
     ):
-        accelerated = functools.partial(op, accelerator=(train_accelerator, train_accelerators))
-        graph(accelerated, {"warehouse": warehouse, "ds": ds, "logs": logs,
-                            "tracking_uri": tracking_uri, "config": config,
-                            "synthesize": synthesize, "pipeline": "recd kubeflow"})  # fmt: skip
+        def wired(name, task_id, **inputs):
+            task = op(name, task_id, (train_accelerator, train_accelerators), **inputs)
+            kubernetes.mount_pvc(task, pvc_name=logs_pvc, mount_path=LOGS_MOUNT)
+            # optional: a warehouse that is not on S3 needs no keys
+            kubernetes.use_secret_as_env(task, secret_name=s3_secret, optional=True,
+                                         secret_key_to_env={k: k for k in S3_KEYS})  # fmt: skip
+            return task
+
+        graph(wired, {"warehouse": warehouse, "ds": ds, "logs": logs,
+                      "tracking_uri": tracking_uri, "config": config,
+                      "synthesize": synthesize, "pipeline": "recd kubeflow"})  # fmt: skip
 
     return recd_pipeline
 
