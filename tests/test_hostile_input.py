@@ -418,3 +418,21 @@ def test_events_stamped_off_their_day_are_counted_and_quarantined_beyond_the_tol
     q = Warehouse(tmp_path / "wh").read("quarantine", DAY).to_pylist()
     assert {r["field"] for r in q} == {"ts"}
     assert all("after ds=2026-11-01, beyond the tolerance" in r["reason"] for r in q)
+
+
+def test_a_parquet_export_too_large_once_decompressed_is_refused_before_reading(day_logs, tmp_path):
+    """The footer says how large the row groups are decompressed: a file past the limits is
+    refused whole before a page is read (a column of zeros compresses ~1000x)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rows = [json.loads(x) for x in clean_lines(day_logs, 20)]
+    pq.write_table(pa.Table.from_pylist(rows), src / "fine.parquet")
+    zeros = pa.table({"event_id": pa.array(range(4_000_000), pa.int64()),
+                      "blob": pa.array([0] * 4_000_000, pa.int64())})  # fmt: skip
+    pq.write_table(zeros, src / "zeros.parquet", compression="zstd", use_dictionary=False)
+    cfg = tmp_path / "limits.yaml"
+    cfg.write_text("features: synthetic\ningest:\n  max_file_mb: 16\n")
+    s = _ingest_day(src, tmp_path, "--config", str(cfg), "--max-quarantine-fraction", "1")
+    ((name, reason),) = s["ingest.refused_files"].items()
+    assert name.endswith("zeros.parquet") and "max_file_mb" in reason
+    assert s["ingest.rows_ok"] == 20 and s["ingest.rows_in"] == 21

@@ -438,7 +438,7 @@ def _parse(
     refused as a whole comes back as no rows and one quarantine record saying why."""
     try:
         if path.name.endswith(".parquet"):
-            parsed, rejects = read_parquet_events(path, schema)
+            parsed, rejects = read_parquet_events(path, schema, limits)
         else:
             shared = [f.name for f in features.by_side("user")]  # a session's: parsed once
             parsed, rejects = read_json_lines(path, schema, shared, limits)

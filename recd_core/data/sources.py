@@ -467,7 +467,9 @@ def _type_problem(value, typ: pa.DataType) -> str | None:
 
 
 # -- Parquet ----------------------------------------------------------------------------------
-def read_parquet_events(path: Path, schema: pa.Schema) -> tuple[Parsed, Rejects]:
+def read_parquet_events(
+    path: Path, schema: pa.Schema, limits: ReadLimits = ReadLimits()
+) -> tuple[Parsed, Rejects]:
     """Read a Parquet file into `schema`'s columns under JSON's type rule: an integer field
     takes integers, a number field integers or floats, a list field lists of those; never
     strings, booleans or dates (JSON rejects `"12"` and `true` for an id: so does this).
@@ -475,9 +477,13 @@ def read_parquet_events(path: Path, schema: pa.Schema) -> tuple[Parsed, Rejects]
     A column of another kind rejects every row of the file (the type is per file); a value
     out of range for the field's type (a label of 300 in an int64 column) rejects its row,
     as it would its line in JSON. A missing column is a null column (the required-field
-    check names it)."""
+    check names it). A file whose footer declares more than `limits` allow once
+    decompressed is refused before any page is read (`FileRefused`)."""
     source = path_text(path)
     try:
+        meta = pq.ParquetFile(path).metadata
+        expanded = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        limits.check(expanded, path.stat().st_size)
         table = pq.read_table(path)
     except OSError as e:
         raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
