@@ -58,6 +58,7 @@ def test_the_compiled_pipeline_has_a_container_component_per_stage(tmp_path):
     assert len(tasks) == len(DAILY.tasks)  # a task per graph task (ingest_eval: ingest again)
     # never served from cache: the warehouse and MLflow are state the inputs do not name
     assert all(not t.get("cachingOptions", {}).get("enableCache") for t in tasks.values())
+    assert all(t["retryPolicy"]["maxRetryCount"] == recd_pipeline.RETRIES for t in tasks.values())
     deps = {t["taskInfo"]["name"]: set(t.get("dependentTasks", [])) for t in tasks.values()}
     assert deps["start"] == set()
     # the chain: each stage after the one before it (by name or through its inputs)

@@ -118,6 +118,7 @@ def graph(op, args: dict) -> None:
 
 LOGS_MOUNT = "/mnt/recd-logs"  # where every pod sees the logs volume (`logs_pvc`)
 S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+RETRIES = 2
 # what a step asks of the cluster: the accelerated stage (train) the most
 RESOURCES = {False: ("1", "2G", "8G"), True: ("2", "8G", "16G")}  # cpu, memory request, limit
 
@@ -131,6 +132,10 @@ def build_pipeline(image: str = IMAGE):
         an equal result (a rerun of a day must rerun it)."""
         task = components[name](**inputs)
         task.set_display_name(task_id).set_caching_options(False)
+        # KFP retries by count, not by exit code: a lost tracking server or a killed pod
+        # (exits 4, 1) clears on a retry; bad input and gates (2, 3) fail again, fast
+        task.set_retry(num_retries=RETRIES, backoff_duration="60s", backoff_factor=2.0,
+                       backoff_max_duration="600s")  # fmt: skip
         cpu, memory, limit = RESOURCES[STAGES[name].accelerated]
         task.set_cpu_request(cpu).set_memory_request(memory).set_memory_limit(limit)
         if STAGES[name].accelerated and accelerator is not None:
