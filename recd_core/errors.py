@@ -77,6 +77,12 @@ class StorageFull(RecdError):
     """A device (or quota) ran out of space while recd wrote to it."""
 
 
+def first_line(e: BaseException, limit: int, empty: str = "") -> str:
+    """The first line of an exception's message, at most `limit` characters (`empty` when it
+    has none): causes from Arrow, torch or MLflow span many lines, a reason is one."""
+    return (str(e).strip().splitlines() or [empty])[0][:limit]
+
+
 def classify(e: BaseException) -> RecdError | None:
     """`e` as a `RecdError`: itself, a `ValueError` (a malformed value: `--ds 2026-13-01`,
     an argument pydantic refuses) as `BadInput`, a full device as `StorageFull`; None for

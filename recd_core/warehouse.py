@@ -69,7 +69,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from zlib_ng import zlib_ng as zlib
 
-from recd_core.errors import BadInput, RecdError
+from recd_core.errors import BadInput, RecdError, first_line
 from recd_core.leftovers import held, hold
 
 MANIFEST = "_manifest.json"
@@ -104,7 +104,7 @@ def damage_named(path: str) -> Iterator[None]:
     except (PermissionError, RecdError):
         raise
     except (pa.ArrowException, OSError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        first = first_line(e, 200, type(e).__name__)
         raise PartitionDamaged(
             f"{path} is damaged ({first}): rerun the stage that writes it"
         ) from None

@@ -20,6 +20,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 IMAGE = "localhost/recd-components:test"
 sys.path.insert(0, str(REPO / "dags" / "kubeflow"))
+from run_in_containers import POD, run_in_containers  # noqa: E402  (how the chart runs pods)
 
 
 def _engine_env() -> dict:
@@ -46,12 +47,8 @@ def engine() -> str:
     return "docker" if ok else "podman"
 
 
-POD = ["--rm", "--read-only", "--cap-drop=ALL", "--security-opt=no-new-privileges",
-       "--user", "10001:10001", "--tmpfs", "/tmp:mode=1777"]  # fmt: skip
-
-
 def _run(engine: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([engine, "run", *POD, IMAGE, *args], capture_output=True, text=True,
+    return subprocess.run([engine, "run", "--rm", *POD, IMAGE, *args], capture_output=True, text=True,
                           env=_engine_env())  # fmt: skip
 
 
@@ -75,7 +72,7 @@ def test_a_running_stage_stops_within_a_second(engine):
              "--ds", "2026-11-01", "--preset", "standard", "--samples-per-day", "2000000"]  # fmt: skip
     for name, entry in (("tini", []), ("pid1", ["--entrypoint", "python"])):
         cmd = [*([] if entry else ["python"]), *stage]
-        run = [engine, "run", "-d", "--name", f"recd-stop-{name}", *POD[1:], *entry, IMAGE, *cmd]
+        run = [engine, "run", "-d", "--name", f"recd-stop-{name}", *POD, *entry, IMAGE, *cmd]
         subprocess.run(run, check=True, capture_output=True, env=_engine_env())
         try:
             time.sleep(5)  # well into its work
@@ -91,8 +88,6 @@ def test_a_running_stage_stops_within_a_second(engine):
 def test_a_day_of_the_daily_graph_runs_with_every_stage_its_own_container(
     engine, tmp_path, monkeypatch
 ):
-    from run_in_containers import run_in_containers
-
     from recd_core.orchestration.graph import DAILY
 
     data = tmp_path / "data"

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from zlib_ng import zlib_ng as zlib  # zlib's API, ~2x its gunzip speed (zlib-ng)
 
 from recd_core.data.shared_parse import byte_positions, parse_shared
-from recd_core.errors import BadInput
+from recd_core.errors import BadInput, first_line
 
 QUARANTINE_SCHEMA = pa.schema(
     [
@@ -264,7 +264,7 @@ def _unzstd(data: bytes, limits: ReadLimits) -> tuple[bytes, str | None]:
                 total += len(chunk)
                 limits.check(total, len(data))
     except (OSError, pa.ArrowException) as e:
-        return b"".join(out), f"zstd stream corrupt or truncated: {str(e).splitlines()[0][:120]}"
+        return b"".join(out), f"zstd stream corrupt or truncated: {first_line(e, 120)}"
     return b"".join(out), None
 
 

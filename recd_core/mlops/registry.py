@@ -47,7 +47,7 @@ import pandas as pd
 import pyarrow as pa
 
 import recd_core
-from recd_core.errors import BadInput
+from recd_core.errors import BadInput, first_line
 from recd_core.leftovers import owned_tempdir
 from recd_core.schema import events_schema
 
@@ -310,7 +310,7 @@ def fetch_version(tracker, version, tmp: str) -> tuple[Path, tuple]:
     except Unreadable:
         raise
     except Exception as e:  # noqa: BLE001 - MLflow, the OS and torch raise many kinds
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        first = first_line(e, 200, type(e).__name__)
         raise Unreadable(f"{where} cannot be read ({type(e).__name__}: {first})") from None
 
 
@@ -363,7 +363,7 @@ def registry_version(tracker, uri: str):
         model_name, number = ref.rsplit("/", 1)
         return client.get_model_version(model_name, number)
     except (mlflow.exceptions.MlflowException, ValueError) as e:
-        first = (str(e).strip().splitlines() or [""])[0][:160]
+        first = first_line(e, 160)
         raise ValueError(f"--init-from {uri}: no such registered model version ({first})") from None
 
 

@@ -32,7 +32,7 @@ import torch
 from recd_core.config import FeatureSet, ModelConfig, TrainConfig
 from recd_core.dpp.batch_store import Batch, decode_batch
 from recd_core.dpp.preprocess import Prepared, batch_ranges, encode_batch
-from recd_core.errors import BadInput
+from recd_core.errors import BadInput, first_line
 from recd_core.leftovers import owned_tempdir, write_atomically
 from recd_core.modeling.model import Model, build_model
 from recd_core.warehouse import Warehouse
@@ -68,14 +68,14 @@ def _torch_load(data: bytes, where: str, what: str = "checkpoint"):
             warnings.simplefilter("ignore")
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many kinds on a damaged file
-        first_line = (str(e).strip().splitlines() or [""])[0][:160]
-        if first_line.startswith("Weights only load failed"):
-            first_line = "it holds Python objects, not only tensors: refused, nothing was run"
+        first = first_line(e, 160)
+        if first.startswith("Weights only load failed"):
+            first = "it holds Python objects, not only tensors: refused, nothing was run"
         if what != "checkpoint":
             raise ModelError(f"{where} is corrupt or not a recd {what} "
-                             f"({type(e).__name__}: {first_line})") from None  # fmt: skip
+                             f"({type(e).__name__}: {first})") from None  # fmt: skip
         raise CheckpointError(
-            f"{where} is corrupt or not a recd checkpoint ({type(e).__name__}: {first_line}); "
+            f"{where} is corrupt or not a recd checkpoint ({type(e).__name__}: {first}); "
             "delete it to resume from the previous checkpoint"
         ) from None
 

@@ -80,7 +80,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from recd_core.config import FeatureSet, TrainConfig
 from recd_core.dpp.batch_store import BatchStore
-from recd_core.errors import BadInput
+from recd_core.errors import BadInput, first_line
 from recd_core.leftovers import sweep_files
 from recd_core.modeling.batching import epoch_order
 from recd_core.modeling.calibration import calibrate
@@ -302,7 +302,7 @@ def _train_worker(
         try:
             model.load_state_dict(init.state)
         except RuntimeError as e:  # saved by an older version of the model code
-            first = (str(e).strip().splitlines() or [""])[0][:120]
+            first = first_line(e, 120)
             init = Init(
                 None, None, f"from scratch: the saved weights do not fit this model ({first})"
             )
