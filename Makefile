@@ -44,7 +44,7 @@ run: $(STAMP)
 
 # The Kubeflow pipeline, compiled (a build output: upload it in the Kubeflow UI).
 pipeline: $(STAMP)
-	$(BIN)/python dags/kubeflow/recd_pipeline.py --out build/kfp/recd_pipeline.yaml $(if $(IMAGE),--image $(IMAGE))
+	$(BIN)/python dags/kubeflow/recd_pipeline.py --out-dir build/kfp $(if $(IMAGE),--image $(IMAGE))
 
 # The components image (components/Dockerfile): docker where a daemon answers, else podman
 # (installed where missing; the base built from Debian's archive where no registry answers).

@@ -13,9 +13,17 @@ import sys
 import threading
 from pathlib import Path
 
-from recd_core.errors import RecdError
+from components._kfp import write_outputs
+from recd_core.errors import BadInput, RecdError
 from recd_core.orchestration.graph import PULLED_FROM, STAGES
-from recd_core.orchestration.stages import OPTIONS, StageArgs, run_stage, with_upstream
+from recd_core.orchestration.schedule import training_day
+from recd_core.orchestration.stages import (
+    OPTIONS,
+    StageArgs,
+    run_stage,
+    stage_args,
+    with_upstream,
+)
 from recd_core.report import print_summary
 
 
@@ -42,7 +50,22 @@ def parser(stage: str) -> argparse.ArgumentParser:
                    help="finish, compare: one upstream stage's summary (repeatable)")  # fmt: skip
     p.add_argument("--upstream-json", help="finish, compare: upstream summaries, a JSON list")
     p.add_argument("--output-metadata", type=Path, help="write the stage's summary JSON here")
+    p.add_argument(
+        "--executor-input",
+        help="Kubeflow: the executor input (`{{$}}`); the "
+        "stage's typed outputs are written as it asks (components/_kfp.py)",
+    )
+    p.add_argument(
+        "--scheduled-time",
+        help="a recurring run's scheduled time (ISO 8601): "
+        "without --ds, the days are the last complete ones before it",
+    )
     return p
+
+
+def _unresolved(value: str | None) -> bool:
+    """An orchestrator placeholder left as it was (a one-off run has no schedule time)."""
+    return not value or value.startswith("{{")
 
 
 def _stop_on_sigterm() -> None:
@@ -61,6 +84,7 @@ def main(stage: str, argv: list[str] | None = None) -> int:
     _stop_on_sigterm()
     ns = vars(parser(stage).parse_args(argv))
     out, upstream = ns.pop("output_metadata"), ns.pop("upstream_json")
+    executor_input, scheduled = ns.pop("executor_input"), ns.pop("scheduled_time")
     extra = ns.pop("args_json")
     sources = {source: ns.pop(f"{source}_json") for source in PULLED_FROM}
     items = [json.loads(i) for i in ns.pop("upstream_item") if i and i != "{}"]
@@ -70,8 +94,15 @@ def main(stage: str, argv: list[str] | None = None) -> int:
     }
     args = with_upstream(stage, args, sources)
     try:
+        if not args.get("ds") and not _unresolved(scheduled):
+            try:
+                args["ds"] = training_day(scheduled, int(args.get("days") or 1))
+            except ValueError:
+                raise BadInput(f"--scheduled-time {scheduled!r} is not an ISO 8601 time") from None
         ups = (json.loads(upstream) if upstream else []) + items
         summary = run_stage(stage, args, ups or None)
+        if executor_input:
+            write_outputs(stage, executor_input, stage_args(stage, args), summary, ups)
     except RecdError as e:
         print(f"recd {stage}: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -552,6 +552,26 @@ class Warehouse:
             )
         return out
 
+    def partition_uri(self, table: str, ds: str, **keys: str) -> str:
+        """A partition as a URI (`s3://…/samples/layout=clustered/ds=D`, a local path)."""
+        return f"{self.uri.rstrip('/')}/{self._rel(table, ds, keys)}"
+
+    def keys_on(self, table: str, ds: str) -> list[dict[str, str]]:
+        """The key values of every partition of `table` on day `ds` (`[{}]` for an unkeyed
+        table, `[{"layout": "clustered"}, …]` for samples), in name order."""
+        base = f"{self.root}/{table}"
+        found = []
+        for child in self._children(base):
+            name = child.base_name
+            if name == f"ds={ds}":
+                found.append({})
+            elif (
+                "=" in name and not name.startswith("ds=") and self._is_dir(f"{child.path}/ds={ds}")
+            ):
+                key, value = name.split("=", 1)
+                found.append({key: value})
+        return sorted(found, key=lambda k: sorted(k.items()))
+
     def partitions(self, table: str, **keys: str) -> list[str]:
         """The `ds` values present for a table (and key values), sorted."""
         base = "/".join([f"{self.root}/{table}", *(f"{k}={v}" for k, v in keys.items())])

@@ -43,6 +43,30 @@ def test_a_component_writes_its_summary_for_the_orchestrator(tmp_path, small_log
     assert (tmp_path / "wh/events/ds=2026-11-02/_manifest.json").exists()
 
 
+def test_a_scheduled_run_reads_days_that_are_over(tmp_path):
+    """Without `--ds`, a component takes its days from the run's scheduled time (a recurring
+    Kubeflow run's): the evaluation day is the last day over when the run starts, the
+    training day the one before; `--ds` wins; an unfilled placeholder is no time at all."""
+    meta = tmp_path / "finish.json"
+    for scheduled, ds in (("2026-11-25T00:00:00Z", "2026-11-23"),
+                          ("2026-11-25T23:59:00+00:00", "2026-11-23"),
+                          ("2026-11-25T01:00:00+02:00", "2026-11-22")):  # fmt: skip
+        r = component("finish", "--scheduled-time", scheduled, "--output-metadata", meta)
+        assert r.returncode == 0, r.stderr
+        summary = json.loads(meta.read_text())
+        assert (summary["run.ds"], summary["run.eval_ds"]) == (
+            ds,
+            ds[:-2] + f"{int(ds[-2:]) + 1:02d}",
+        )
+    r = component("finish", "--scheduled-time", "2026-11-25T00:00:00Z", "--ds", DAY,
+                  "--output-metadata", meta)  # fmt: skip
+    assert json.loads(meta.read_text())["run.ds"] == DAY
+    r = component("finish", "--scheduled-time", "{{$.pipeline_job_schedule_time_utc}}")
+    assert r.returncode == 2 and "--ds" in r.stderr  # no day to work on, said in one line
+    r = component("finish", "--scheduled-time", "soon")
+    assert r.returncode == 2 and "ISO 8601" in r.stderr
+
+
 RECD = Path(sys.executable).parent / "recd"
 
 

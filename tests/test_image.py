@@ -22,6 +22,8 @@ IMAGE = "localhost/recd-components:test"
 sys.path.insert(0, str(REPO / "dags" / "kubeflow"))
 from run_in_containers import POD, run_in_containers  # noqa: E402  (how the chart runs pods)
 
+from recd_core.orchestration.graph import COMPARISON, DAILY  # noqa: E402
+
 
 def _engine_env() -> dict:
     env = dict(os.environ)
@@ -85,11 +87,55 @@ def test_a_running_stage_stops_within_a_second(engine):
                            env=_engine_env())  # fmt: skip
 
 
-def test_a_day_of_the_daily_graph_runs_with_every_stage_its_own_container(
+def test_the_kubeflow_pipeline_runs_a_day_with_every_stage_its_own_container(
     engine, tmp_path, monkeypatch
 ):
-    from recd_core.orchestration.graph import DAILY
+    """The compiled pipeline's own components, run by kfp.local's DockerRunner (against
+    podman's Docker API here), as the chart runs pods; its typed outputs as Kubeflow shows
+    them."""
+    from run_local import run_pipeline
 
+    for k, v in _engine_env().items():
+        monkeypatch.setenv(k, v)
+    root = tmp_path / "root"
+    root.mkdir()
+    config = shutil.copy(REPO / "tests" / "configs" / "small.yaml", root / "small.yaml")
+    args = {"ds": "2026-11-01", "warehouse": f"{root}/wh", "logs": f"{root}/logs",
+            "config": str(config), "tracking_uri": f"sqlite:///{root}/mlflow.db",
+            "synthesize": True}  # fmt: skip
+    done = run_pipeline(IMAGE, root, args)
+    assert len(done) == len(DAILY.tasks)  # every task ran in its container and returned
+    last = done["recd-finish"]["summary"]
+    assert last["status"] == "ok" and last["registry.decision"] == "promoted"
+    assert 0.5 < last["eval.ne"] < 1.0
+    # the typed outputs a Kubeflow run shows: partitions by URI, the model, the figures
+    samples = done["recd-generate"]["outputs"]["samples"]["artifacts"][0]["metadata"]
+    assert samples["uris"] == [f"{root}/wh/samples/layout={lay}/ds=2026-11-01"
+                               for lay in ("clustered", "shuffled")]  # fmt: skip
+    assert samples["rows"] > 0 and samples["bytes"] > 0
+    model = done["recd-train"]["outputs"]["model"]["artifacts"][0]["metadata"]
+    assert model["model_uri"].startswith(f"{root}/wh/models/")
+    figures = done["recd-evaluate"]["outputs"]["metrics"]["artifacts"][0]["metadata"]
+    assert figures["eval.ne"] == pytest.approx(last["eval.ne"])
+    report = done["recd-finish"]["outputs"]["report"]["artifacts"][0]["uri"]
+    assert "| eval.ne |" in Path(report).read_text()
+
+
+def test_a_failing_stage_fails_the_local_kubeflow_run(engine, tmp_path, monkeypatch):
+    """A stage's exit 2 is the run's failure, naming the stage (not kfp.local's SUCCESS)."""
+    from run_local import run_pipeline
+
+    for k, v in _engine_env().items():
+        monkeypatch.setenv(k, v)
+    args = {"ds": "2026-13-01", "warehouse": f"{tmp_path}/wh", "logs": f"{tmp_path}/logs",
+            "config": "", "tracking_uri": "", "synthesize": True}  # fmt: skip
+    with pytest.raises(RuntimeError, match="recd-start"):
+        run_pipeline(IMAGE, tmp_path / "root", args, retries=0)  # no backoff (60 s, 120 s)
+
+
+def test_the_comparison_runs_with_every_stage_its_own_container(engine, tmp_path, monkeypatch):
+    """Without kfp.local: the comparison graph's containers in the graph's order with the
+    components' own command lines; both arms, the quality gate, the Markdown comparison."""
     data = tmp_path / "data"
     data.mkdir()
     data.chmod(0o777)
@@ -99,9 +145,9 @@ def test_a_day_of_the_daily_graph_runs_with_every_stage_its_own_container(
             "config": "/data/small.yaml", "pipeline": "recd kubeflow (containers)"}  # fmt: skip
     if "CONTAINERS_CONF" in _engine_env():
         monkeypatch.setenv("CONTAINERS_CONF", _engine_env()["CONTAINERS_CONF"])
-    done = run_in_containers(engine, IMAGE, data, args)
-    assert list(done) == [t.id for t in DAILY.order()]
-    last = done[DAILY.order()[-1].id]
-    assert last["status"] == "ok" and last["registry.decision"] == "promoted"
-    assert 0.5 < last["eval.ne"] < 1.0
-    assert (data / "wh" / "samples" / "layout=clustered" / "ds=2026-11-01").is_dir()
+    done = run_in_containers(engine, IMAGE, data, args, COMPARISON)
+    assert list(done) == [t.id for t in COMPARISON.order()]
+    last = done["finish"]["summary"]
+    assert last["status"] == "ok" and last["storage.ratio"] > 1
+    report = (data / "_task_outputs" / "compare" / "report").read_text()
+    assert "| next-day NE |" in report and "dedup gain" in report

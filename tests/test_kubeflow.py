@@ -18,13 +18,18 @@ sys.path.insert(0, str(REPO / "dags" / "kubeflow"))
 STAGES = [s for s in ALL_STAGES if s != "compare"]
 
 
+def _compiled(tmp_path, name):
+    import recd_pipeline
+
+    paths = recd_pipeline.compile_pipelines(tmp_path, image="reg.example/recd:9")
+    path = next(p for p in paths if p.name == name)
+    return yaml.safe_load_all(path.read_text())  # the pipeline, its Kubernetes spec
+
+
 def test_the_compiled_pipeline_has_a_container_component_per_stage(tmp_path):
     import recd_pipeline
 
-    out = recd_pipeline.compile_pipeline(
-        tmp_path / "recd_pipeline.yaml", image="reg.example/recd:9"
-    )
-    spec, platform = yaml.safe_load_all(out.read_text())  # the pipeline, its Kubernetes spec
+    spec, platform = _compiled(tmp_path, "recd_pipeline.yaml")
     executors = spec["deploymentSpec"]["executors"]
     containers = {e["container"]["command"][-1]: e["container"] for e in executors.values()}
     assert sorted(containers) == sorted(f"components.{s}" for s in STAGES)
@@ -32,13 +37,15 @@ def test_the_compiled_pipeline_has_a_container_component_per_stage(tmp_path):
         assert c["image"] == "reg.example/recd:9"
         assert c["command"][:2] == ["python", "-m"]
         assert (REPO / "components" / f"{module.split('.')[1]}.py").exists()
-        assert "--output-metadata" in c["args"]
+        assert "--output-metadata" in c["args"] and "{{$}}" in c["args"]  # typed outputs
     assert containers["components.train"]["resources"]["memoryLimit"] > 0
-    # a component has only the inputs its stage is given (no unused `u_*` on every step)
+    # flat typed inputs, and only those its stage is given (no unused `u_*` on every step)
     comps = spec["components"]
-    inputs = {n: set(c.get("inputDefinitions", {}).get("parameters", {})) for n, c in comps.items()}
-    assert inputs["comp-recd-finish"] >= {"u_train", "start"}
-    assert inputs["comp-recd-ingest"] == {"args", "start"}
+    inputs = {n: c.get("inputDefinitions", {}).get("parameters", {}) for n, c in comps.items()}
+    assert set(inputs["comp-recd-finish"]) >= {"u_train", "start"}
+    shared = set(recd_pipeline.SHARED)
+    assert set(inputs["comp-recd-ingest"]) == shared | {"days_of", "start"}
+    assert inputs["comp-recd-ingest"]["synthesize"]["parameterType"] == "BOOLEAN"
     assert not any(
         i.startswith("u_") for n, c in inputs.items() if n != "comp-recd-finish" for i in c
     )
@@ -59,6 +66,11 @@ def test_the_compiled_pipeline_has_a_container_component_per_stage(tmp_path):
     # never served from cache: the warehouse and MLflow are state the inputs do not name
     assert all(not t.get("cachingOptions", {}).get("enableCache") for t in tasks.values())
     assert all(t["retryPolicy"]["maxRetryCount"] == recd_pipeline.RETRIES for t in tasks.values())
+    # a recurring run leaves `ds` empty: every step gets the job's scheduled time
+    assert params["ds"]["defaultValue"] == ""
+    for t in tasks.values():
+        given = t["inputs"]["parameters"]["scheduled_time"]["runtimeValue"]["constant"]
+        assert given == "{{$.pipeline_job_schedule_time_utc}}"
     deps = {t["taskInfo"]["name"]: set(t.get("dependentTasks", [])) for t in tasks.values()}
     assert deps["start"] == set()
     # the chain: each stage after the one before it (by name or through its inputs)
@@ -67,6 +79,29 @@ def test_the_compiled_pipeline_has_a_container_component_per_stage(tmp_path):
     for a, b in zip(STAGES, STAGES[1:], strict=False):
         assert a in named[b], (a, b)
     assert "ingest_eval" in named["generate_eval"] and "generate_eval" in named["evaluate"]
+
+
+def test_the_pipelines_leave_typed_artifacts_a_kubeflow_run_shows(tmp_path):
+    """Lineage and the Visualizations tab: partitions as Datasets, the model as a Model, the
+    figures as Metrics, the comparison (and the run) as Markdown."""
+    kinds = {}
+    for name in ("recd_pipeline.yaml", "recd_comparison.yaml"):
+        spec, _ = _compiled(tmp_path, name)
+        for comp, c in spec["components"].items():
+            arts = c.get("outputDefinitions", {}).get("artifacts", {})
+            kinds[comp] = {a: v["artifactType"]["schemaTitle"] for a, v in arts.items()}
+    assert kinds["comp-recd-ingest"] == {"events": "system.Dataset",
+                                         "quarantine": "system.Dataset",
+                                         "metrics": "system.Metrics"}  # fmt: skip
+    assert kinds["comp-recd-generate"]["samples"] == "system.Dataset"
+    assert kinds["comp-recd-preprocess"]["batches"] == "system.Dataset"
+    assert kinds["comp-recd-train"] == {"model": "system.Model", "metrics": "system.Metrics"}
+    assert kinds["comp-recd-evaluate"] == {"metrics": "system.Metrics"}
+    assert kinds["comp-recd-compare"]["report"] == "system.Markdown"
+    assert kinds["comp-recd-finish"]["report"] == "system.Markdown"
+    spec, _ = _compiled(tmp_path, "recd_comparison.yaml")
+    names = {t["taskInfo"]["name"] for t in spec["root"]["dag"]["tasks"].values()}
+    assert {"train_dedup", "train_baseline", "compare"} <= names
 
 
 @pytest.mark.slow

@@ -1,19 +1,21 @@
-"""The recd daily pipeline for Kubeflow Pipelines (kfp 2.x): `recd_core.orchestration.graph.DAILY`, the
-graph the Airflow DAG runs too, each stage a container component of the components image
-(`python -m components.<stage>`).
+"""The recd pipelines for Kubeflow Pipelines (kfp 2.x): `recd_core.orchestration.graph.DAILY`
+(the graph the Airflow DAG runs too) and `COMPARISON` (both arms, side by side), each stage a
+container component of the components image (`python -m components.<stage>`).
 
-    python dags/kubeflow/recd_pipeline.py [--image IMG] [--out build/kfp/recd_pipeline.yaml]
+    python dags/kubeflow/recd_pipeline.py [--image IMG] [--out-dir build/kfp]
 
-compiles it (`make pipeline`); upload the YAML in the Kubeflow UI (docs/operations.md).
-`lightweight_pipeline` is the same graph, with the same inputs, of lightweight Python
-components calling `recd_core.orchestration.stages.run_stage` in the current environment: the
-tests run it end to end with `kfp.local.SubprocessRunner(use_venv=False)`.
+compiles both (`make pipeline`: `recd_pipeline.yaml`, `recd_comparison.yaml`); upload them in
+the Kubeflow UI (docs/operations.md). `lightweight_pipeline` is the daily graph of lightweight
+Python components calling `recd_core.orchestration.stages.run_stage` in the current
+environment: the tests run it end to end with `kfp.local.SubprocessRunner(use_venv=False)`.
 
-Every container component has one shape: `args` (a StageArgs JSON object), one input per
-upstream stage it takes arguments from (`graph.PULLED_FROM`: its MLflow parent run, the
-trained model), `u_<task>` per summary it merges (`finish`), and its own summary as the
-output string; only the inputs its stage is given, all derived from the graph, none written
-here.
+Every container component has one shape, all derived from the graph, none written here:
+flat typed inputs (the run's own: `ds`, `warehouse`, …; the task's: `mode`, `days_of`), one
+input per upstream stage it takes arguments from (`graph.PULLED_FROM`: its MLflow parent
+run, the trained model), `u_<task>` per summary it merges (`finish`, `compare`); its
+summary as the output string and its typed outputs (`graph.outputs`: Datasets, a Model,
+Metrics, a Markdown report) as artifacts, written by `components/_kfp.py`. Without `ds`, a
+recurring run's days come from its scheduled time (`orchestration.schedule`).
 """
 
 import argparse
@@ -22,60 +24,87 @@ from pathlib import Path
 
 from kfp import compiler, dsl, kubernetes
 
-from recd_core.orchestration.graph import DAILY, PULLED_FROM, STAGES
+from recd_core.orchestration.graph import COMPARISON, DAILY, PULLED_FROM, STAGES, Graph, outputs
 
 IMAGE = "ghcr.io/recd-project/recd-components:0.1.0"
-# the summaries finish merges, one input each (`u_<task>`): KFP components have fixed inputs
-UPSTREAM = DAILY.gathered()
+# the run's arguments every stage takes, as pipeline inputs (their types: the parameters')
+SHARED = {"ds": str, "warehouse": str, "logs": str, "tracking_uri": str, "config": str,
+          "synthesize": bool, "pipeline": str, "scheduled_time": str}  # fmt: skip
+ARTIFACTS = {"dataset": dsl.Dataset, "model": dsl.Model, "metrics": dsl.Metrics,
+             "markdown": dsl.Markdown}  # fmt: skip
+GRAPHS = (DAILY, COMPARISON)
 
 
-def _upstream_inputs(stage: str | None = None) -> list[str]:
+def _task_args(stage: str) -> list[str]:
+    """The arguments some task of `stage` fixes (`graph.Task.args`: `mode`, `days_of`)."""
+    tasks = [t for g in GRAPHS for t in g.tasks if t.stage == stage]
+    return sorted({k for t in tasks for k in t.args()})
+
+
+def _upstream_inputs(stage: str | None = None, graph: Graph = DAILY) -> list[str]:
     """The upstream inputs of `stage`'s component (every stage's: None): one JSON summary per
-    stage it pulls arguments from (`graph.PULLED_FROM`), one `u_<task>` per summary it merges;
-    a component has only the inputs some task of its stage is given."""
-    tasks = [t for t in DAILY.tasks if stage in (None, t.stage)]
+    stage it pulls arguments from (`graph.PULLED_FROM`), one `u_<task>` per summary it merges
+    (over every graph built here); a component has only the inputs some task gives it."""
+    graphs = GRAPHS if stage is not None else (graph,)
+    tasks = [t for g in graphs for t in g.tasks if stage in (None, t.stage)]
     pulled = {p.stage for t in tasks for p in STAGES[t.stage].pulls}
-    gathered = {g for t in tasks for g in t.gathers}
+    gathered = list(dict.fromkeys(g for t in tasks for g in t.gathers))
     return [*(s for s in PULLED_FROM if stage is None or s in pulled),
-            *(f"u_{t}" for t in UPSTREAM if stage is None or t in gathered)]  # fmt: skip
+            *(f"u_{t}" for t in gathered)]  # fmt: skip
 
 
-def _with_inputs(fn, variadic, names: list[str]):
-    """`fn` with the upstream inputs `names` in place of its variadic parameter (KFP reads a
-    component's inputs from its signature)."""
-    params = [p for p in inspect.signature(fn).parameters.values() if p.kind != variadic]
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    params += [inspect.Parameter(n, kind, default="{}", annotation=str) for n in names]
+def _with_inputs(fn, variadic, params: list[inspect.Parameter]):
+    """`fn` with `params` in place of its variadic parameter (KFP reads a component's inputs
+    and outputs from its signature)."""
+    own = [p for p in inspect.signature(fn).parameters.values() if p.kind != variadic]
     ret = inspect.signature(fn).return_annotation
-    fn.__signature__ = inspect.Signature(params, return_annotation=ret)
+    fn.__signature__ = inspect.Signature([*own, *params], return_annotation=ret)
     return fn
 
 
-def stage_command(name: str, args, sources: list, upstream: list, metadata) -> list:
-    """A stage container's command line (`components/_entry.py`): its arguments, one summary
-    per stage it pulls arguments from (in `PULLED_FROM` order), the summaries it gathers,
-    where its own summary goes. Values or KFP placeholders alike."""
-    return ["python", "-m", f"components.{name}", "--args-json", args,
+def _param(name: str, annotation, default=inspect.Parameter.empty) -> inspect.Parameter:
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Parameter(name, kind, default=default, annotation=annotation)
+
+
+def stage_command(name: str, flags: dict, sources: list, upstream: list, metadata,
+                  executor_input=None) -> list:  # fmt: skip
+    """A stage container's command line (`components/_entry.py`): its arguments as flags, one
+    summary per stage it pulls arguments from (in `PULLED_FROM` order), the summaries it
+    gathers, where its summary goes, and (Kubeflow) the executor input its typed outputs
+    are written for. Values or KFP placeholders alike."""
+    return ["python", "-m", f"components.{name}",
+            *[x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", v)],
             *[x for s, v in zip(PULLED_FROM, sources, strict=True) for x in (f"--{s}-json", v)],
             *[x for u in upstream for x in ("--upstream-item", u)],
-            "--output-metadata", metadata]  # fmt: skip
+            "--output-metadata", metadata,
+            *(["--executor-input", executor_input] if executor_input else [])]  # fmt: skip
 
 
 def container_stage(name: str, image: str = IMAGE):
     """The container component of one stage."""
+    task_args, upstream = _task_args(name), _upstream_inputs(name)
+    # in signature order (KFP passes them so): the run's inputs, the outputs, then the
+    # inputs with defaults (the task's own arguments, the upstream summaries)
+    params = [_param(k, SHARED[k]) for k in SHARED]
+    params += [_param("summary", dsl.OutputPath(str))]
+    params += [_param(n, dsl.Output[ARTIFACTS[kind]]) for n, kind in outputs(name).items()]
+    params += [_param(k, str, "") for k in task_args]
+    params += [_param(n, str, "{}") for n in upstream]
+    names = [p.name for p in params]
 
-    names = _upstream_inputs(name)
-
-    def stage(args: dict, metadata: dsl.OutputPath(str), *values: str):
-        given = dict(zip(names, values, strict=True))  # KFP passes them in signature order
+    def stage(*values):
+        given = dict(zip(names, values, strict=True))
+        flags = {k: given[k] for k in (*SHARED, *task_args)}
         sources = [given.get(s, "{}") for s in PULLED_FROM]
-        upstream = [given[n] for n in names if n.startswith("u_")]
-        cmd = stage_command(name, args, sources, upstream, metadata)
+        gathered = [given[n] for n in upstream if n.startswith("u_")]
+        cmd = stage_command(name, flags, sources, gathered, given["summary"],
+                            dsl.PIPELINE_TASK_EXECUTOR_INPUT_PLACEHOLDER)  # fmt: skip
         return dsl.ContainerSpec(image=image, command=cmd[:3], args=cmd[3:])
 
     stage.__name__ = f"recd_{name}"
-    stage.__doc__ = f"recd stage `{name}` (recd_core.orchestration.stages)."
-    return dsl.container_component(_with_inputs(stage, inspect.Parameter.VAR_POSITIONAL, names))
+    stage.__doc__ = f"recd stage `{name}`: {STAGES[name].doc}."
+    return dsl.container_component(_with_inputs(stage, inspect.Parameter.VAR_POSITIONAL, params))
 
 
 def recd_stage(
@@ -100,20 +129,28 @@ def recd_stage(
 
 
 recd_stage = dsl.component(base_image=IMAGE)(
-    _with_inputs(recd_stage, inspect.Parameter.VAR_KEYWORD, _upstream_inputs())
+    _with_inputs(
+        recd_stage,
+        inspect.Parameter.VAR_KEYWORD,
+        [_param(n, str, "{}") for n in _upstream_inputs(None, DAILY)],
+    )  # fmt: skip
 )
 
 
-def graph(op, args: dict) -> None:
-    """`DAILY` as KFP tasks; `op(stage, task id, **inputs)` makes one. A stage's upstream summaries
+def graph(op, g: Graph) -> None:
+    """Graph `g` as KFP tasks; `op(task, **upstream)` makes one. A stage's upstream summaries
     arrive as inputs named after the stage they come from (`start`, `train`) or, for the
-    summaries finish merges, `u_<task>`; the declared order becomes `.after()`."""
+    summaries it merges, `u_<task>`; the declared order becomes `.after()`."""
     tasks: dict = {}
-    for task in DAILY.order():
-        inputs = {"args": {**args, **task.args()}}
-        inputs |= {p.stage: tasks[src].output for p, src in DAILY.pulls(task)}
-        inputs |= {f"u_{t}": tasks[t].output for t in task.gathers}
-        tasks[task.id] = op(task.stage, task.id, **inputs).after(*(tasks[a] for a in task.after))
+
+    def summary(task_id: str):  # a container component's `summary`, a lightweight one's Output
+        outs = tasks[task_id].outputs
+        return outs["summary"] if "summary" in outs else outs["Output"]
+
+    for task in g.order():
+        inputs = {p.stage: summary(src) for p, src in g.pulls(task)}
+        inputs |= {f"u_{t}": summary(t) for t in task.gathers}
+        tasks[task.id] = op(task, **inputs).after(*(tasks[a] for a in task.after))
 
 
 LOGS_MOUNT = "/mnt/recd-logs"  # where every pod sees the logs volume (`logs_pvc`)
@@ -121,32 +158,39 @@ S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 RETRIES = 2
 # what a step asks of the cluster: the accelerated stage (train) the most
 RESOURCES = {False: ("1", "2G", "8G"), True: ("2", "8G", "16G")}  # cpu, memory request, limit
+NAMES = {DAILY.name: ("recd-daily-retrain", "recd: one day of dedup-aware DLRM retraining",
+                      "recd_pipeline.yaml"),
+         COMPARISON.name: ("recd-dedup-vs-baseline", "recd: dedup and baseline arms trained "
+                           "on the same day, side by side", "recd_comparison.yaml")}  # fmt: skip
 
 
-def build_pipeline(image: str = IMAGE):
-    components = {t.stage: container_stage(t.stage, image) for t in DAILY.tasks}
+def build_pipeline(
+    image: str = IMAGE, g: Graph = DAILY, scheduled: bool = True, retries: int = RETRIES
+):
+    """The pipeline of graph `g`. `scheduled=False` leaves out the scheduled-time
+    placeholder, which `kfp.local` (2.17) cannot resolve: the local container run's build."""
+    components = {t.stage: container_stage(t.stage, image) for t in g.tasks}
+    name, description, _ = NAMES[g.name]
 
-    def op(name, task_id, accelerator: tuple | None = None, **inputs):
+    def op(task, shared: dict, accelerator: tuple, **upstream):
         """One task. Never served from KFP's cache: every stage reads or writes state its
         inputs do not name (the warehouse, the MLflow store), so equal inputs do not mean
         an equal result (a rerun of a day must rerun it)."""
-        task = components[name](**inputs)
-        task.set_display_name(task_id).set_caching_options(False)
+        step = components[task.stage](**shared, **task.args(), **upstream)
+        step.set_display_name(task.id).set_caching_options(False)
         # KFP retries by count, not by exit code: a lost tracking server or a killed pod
         # (exits 4, 1) clears on a retry; bad input and gates (2, 3) fail again, fast
-        task.set_retry(num_retries=RETRIES, backoff_duration="60s", backoff_factor=2.0,
+        step.set_retry(num_retries=retries, backoff_duration="60s", backoff_factor=2.0,
                        backoff_max_duration="600s")  # fmt: skip
-        cpu, memory, limit = RESOURCES[STAGES[name].accelerated]
-        task.set_cpu_request(cpu).set_memory_request(memory).set_memory_limit(limit)
-        if STAGES[name].accelerated and accelerator is not None:
-            task.set_accelerator_type(accelerator[0]).set_accelerator_limit(accelerator[1])
-        return task
+        cpu, memory, limit = RESOURCES[STAGES[task.stage].accelerated]
+        step.set_cpu_request(cpu).set_memory_request(memory).set_memory_limit(limit)
+        if STAGES[task.stage].accelerated:
+            step.set_accelerator_type(accelerator[0]).set_accelerator_limit(accelerator[1])
+        return step
 
-    @dsl.pipeline(
-        name="recd-daily-retrain", description="recd: one day of dedup-aware DLRM retraining"
-    )
+    @dsl.pipeline(name=name, description=description)
     def recd_pipeline(
-        ds: str,
+        ds: str = "",  # the training day; empty: the last complete days before the scheduled time
         logs: str = LOGS_MOUNT,  # raw logs are files: the logs volume, mounted in every pod
         warehouse: str = "s3://recd/warehouse",
         tracking_uri: str = "http://recd-mlflow:5000",
@@ -157,17 +201,21 @@ def build_pipeline(image: str = IMAGE):
         logs_pvc: str = "recd-logs",  # the PersistentVolumeClaim holding the raw logs
         s3_secret: str = "recd-s3",  # AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (the chart's)
     ):
-        def wired(name, task_id, **inputs):
-            task = op(name, task_id, (train_accelerator, train_accelerators), **inputs)
-            kubernetes.mount_pvc(task, pvc_name=logs_pvc, mount_path=LOGS_MOUNT)
-            # optional: a warehouse that is not on S3 needs no keys
-            kubernetes.use_secret_as_env(task, secret_name=s3_secret, optional=True,
-                                         secret_key_to_env={k: k for k in S3_KEYS})  # fmt: skip
-            return task
+        shared = {"ds": ds, "warehouse": warehouse, "logs": logs, "tracking_uri": tracking_uri,
+                  "config": config, "synthesize": synthesize, "pipeline": "recd kubeflow",
+                  # the backend fills it for a recurring run's jobs; `ds` wins when given
+                  "scheduled_time": dsl.PIPELINE_JOB_SCHEDULE_TIME_UTC_PLACEHOLDER
+                  if scheduled else ""}  # fmt: skip
 
-        graph(wired, {"warehouse": warehouse, "ds": ds, "logs": logs,
-                      "tracking_uri": tracking_uri, "config": config,
-                      "synthesize": synthesize, "pipeline": "recd kubeflow"})  # fmt: skip
+        def wired(task, **upstream):
+            step = op(task, shared, (train_accelerator, train_accelerators), **upstream)
+            kubernetes.mount_pvc(step, pvc_name=logs_pvc, mount_path=LOGS_MOUNT)
+            # optional: a warehouse that is not on S3 needs no keys
+            kubernetes.use_secret_as_env(step, secret_name=s3_secret, optional=True,
+                                         secret_key_to_env={k: k for k in S3_KEYS})  # fmt: skip
+            return step
+
+        graph(wired, g)
 
     return recd_pipeline
 
@@ -176,22 +224,30 @@ def build_pipeline(image: str = IMAGE):
 def lightweight_pipeline(
     warehouse: str, ds: str, logs: str, tracking_uri: str = "", config: str = ""
 ):
-    def op(name, task_id, **inputs):
-        return recd_stage(name=name, **inputs).set_display_name(task_id)
+    shared = {"warehouse": warehouse, "ds": ds, "logs": logs, "tracking_uri": tracking_uri,
+              "config": config, "pipeline": "recd kubeflow (local)"}  # fmt: skip
 
-    graph(op, {"warehouse": warehouse, "ds": ds, "logs": logs, "tracking_uri": tracking_uri,
-               "config": config, "pipeline": "recd kubeflow (local)"})  # fmt: skip
+    def op(task, **upstream):
+        args = {**shared, **task.args()}
+        return recd_stage(name=task.stage, args=args, **upstream).set_display_name(task.id)
+
+    graph(op, DAILY)
 
 
-def compile_pipeline(out: Path, image: str = IMAGE) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    compiler.Compiler().compile(build_pipeline(image), str(out))
-    return out
+def compile_pipelines(out_dir: Path, image: str = IMAGE) -> list[Path]:
+    """Both pipelines, compiled into `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for g in GRAPHS:
+        paths.append(out_dir / NAMES[g.name][2])
+        compiler.Compiler().compile(build_pipeline(image, g), str(paths[-1]))
+    return paths
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="compile the recd Kubeflow pipeline")
+    p = argparse.ArgumentParser(description="compile the recd Kubeflow pipelines")
     p.add_argument("--image", default=IMAGE)
-    p.add_argument("--out", type=Path, default=Path("build/kfp/recd_pipeline.yaml"))
+    p.add_argument("--out-dir", type=Path, default=Path("build/kfp"))
     a = p.parse_args()
-    print(f"compiled {compile_pipeline(a.out, a.image)} (image {a.image})")
+    for path in compile_pipelines(a.out_dir, a.image):
+        print(f"compiled {path} (image {a.image})")

@@ -98,6 +98,25 @@ STAGES: dict[str, Stage] = {
               gathers=True, run_edge=True),
     )
 }  # fmt: skip
+
+
+def outputs(stage: str) -> dict[str, str]:
+    """The typed outputs a stage leaves beside its summary, by name: `dataset` per table it
+    writes (a partition per day, by URI), `model` for the trained model, `metrics` (the
+    summary's figures), `markdown` (what a gathering stage found, as a table). Orchestrators
+    that track artifacts (Kubeflow) declare these; the components write them."""
+    s = STAGES[stage]
+    out = {OUTPUT_NAMES.get(t, t): "model" if t == "models" else "dataset" for t in s.writes}
+    if not s.run_edge or s.gathers:
+        out["metrics"] = "metrics"
+    if s.gathers:
+        out["report"] = "markdown"
+    return out
+
+
+OUTPUT_NAMES = {"models": "model", "logs": "raw_logs"}  # where a table's name will not do
+
+
 # the stages whose summaries others pull arguments from (start, train): orchestrators that
 # pass whole summaries (Kubeflow, the components) take one input per such stage
 PULLED_FROM = tuple(dict.fromkeys(p.stage for s in STAGES.values() for p in s.pulls))
