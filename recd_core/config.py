@@ -313,6 +313,9 @@ class TrainConfig(_Strict):
     # its best pass and two more
     epochs: int = Field(default=7, gt=0)
     max_steps: int | None = Field(default=None, gt=0)
+    # the longest a day's training may run before its orchestrator stops it and retries
+    # (Airflow's execution_timeout on the train task): a hung step, not a slow day
+    timeout_minutes: int = Field(default=180, gt=0)
     # each pass after the first starts the embedding tables (and their Adagrad state) again
     # from where the run started (scratch or the warm start) and keeps the dense layers:
     # the tables see the day once, the layers above them several times, with new tables

@@ -22,7 +22,8 @@ from recd_core.orchestration.stages import STAGES as ALL_STAGES
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-LOGICAL = "2026-11-02"  # trains 2026-11-01, evaluates 2026-11-02
+RUN_DATE = "2026-11-03"  # the run of this date scores 2026-11-02, trains 2026-11-01
+EVAL_DAY = "2026-11-02"
 TRAIN_DAY = "2026-11-01"
 
 
@@ -62,10 +63,14 @@ out = {"errors": {k: str(v)[-500:] for k, v in bag.import_errors.items()}, "dags
 for dag_id, dag in bag.dags.items():
     out["dags"][dag_id] = {
         "schedule": str(dag.schedule), "catchup": dag.catchup,
-        "params": sorted(dag.params.keys()),
+        "timetable": type(dag.timetable).__name__, "summary": getattr(dag.timetable, "summary", None),
+        "params": sorted(dag.params.keys()), "description": dag.description,
+        "dagrun_timeout": str(dag.dagrun_timeout), "deadline": bool(dag.deadline),
+        "on_failure": getattr(dag.on_failure_callback, "__name__", str(dag.on_failure_callback)),
         "tasks": {t.task_id: {
             "type": type(t).__name__, "bases": [c.__name__ for c in type(t).__mro__], "downstream": sorted(t.downstream_task_ids),
             "retries": t.retries, "backoff": t.retry_exponential_backoff,
+            "timeout": t.execution_timeout.total_seconds() if t.execution_timeout else None,
             "outlets": [o.uri for o in t.outlets],
             "image": getattr(t, "image", None), "cmds": getattr(t, "cmds", None),
             "arguments": getattr(t, "arguments", None),
@@ -89,6 +94,12 @@ def _run_dag(env: dict, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)  # fmt: skip
 
 
+def _after(tasks: dict, task_id: str) -> list[str]:
+    """The tasks right after `task_id`, seen through the wait for complete logs."""
+    out = tasks[task_id]["downstream"]
+    return [x for t in out for x in (tasks[t]["downstream"] if t == "wait_for_logs" else [t])]
+
+
 # the daily pipeline: every stage but the two-arm comparison, in order
 STAGES = [s for s in ALL_STAGES if s != "compare"]
 
@@ -98,13 +109,24 @@ def test_the_dags_parse_with_their_schedule_and_structure(airflow_home, tmp_path
     assert bag["errors"] == {}
     assert set(bag["dags"]) == {"recd_daily_retrain", "recd_dedup_vs_baseline"}
     daily = bag["dags"]["recd_daily_retrain"]
-    assert daily["schedule"] == "@daily" and daily["catchup"] is False
+    # the timetable declared, not left to `create_cron_data_intervals`
+    assert daily["timetable"] == "CronTriggerTimetable" and daily["summary"] == "0 0 * * *"
+    assert daily["catchup"] is False and daily["description"]
+    assert daily["params"] == ["config", "ds", "mode"]
+    assert daily["dagrun_timeout"] == "12:00:00" and daily["deadline"]
+    assert daily["on_failure"] == "on_run_failure"
     tasks = daily["tasks"]
-    assert set(tasks) == {t.id for t in DAILY.tasks}
-    for t in DAILY.tasks:  # the graph's edges, no other
-        assert tasks[t.id]["downstream"] == sorted(d.id for d in DAILY.tasks if t.id in d.after)
-    for a, b in zip(STAGES, STAGES[1:], strict=False):
-        assert b in tasks[a]["downstream"], a  # the chain of stages, in order
+    assert set(tasks) == {t.id for t in DAILY.tasks} | {"wait_for_logs"}
+    # the tasks that read raw logs wait for them to be complete; the graph's edges otherwise
+    assert tasks["synth"]["downstream"] == ["wait_for_logs"]
+    assert tasks["wait_for_logs"]["downstream"] == ["ingest", "ingest_eval"]
+    for t in DAILY.tasks:
+        if t.id != "synth":
+            assert tasks[t.id]["downstream"] == sorted(d.id for d in DAILY.tasks if t.id in d.after)
+    assert tasks["train"]["timeout"] == 180 * 60  # the config's train.timeout_minutes
+    assert all(t["timeout"] == 3600 for k, t in tasks.items() if k != "train")
+    for a, b in zip(STAGES, STAGES[1:], strict=False):  # the chain of stages, in order
+        assert b in _after(tasks, a), a
     assert tasks["ingest_eval"]["downstream"] == ["generate_eval"]
     assert sorted(tasks["generate_eval"]["downstream"]) == ["evaluate"]
     assert all(t["retries"] == 2 and t["backoff"] for t in tasks.values())
@@ -113,7 +135,8 @@ def test_the_dags_parse_with_their_schedule_and_structure(airflow_home, tmp_path
     assert tasks["generate"]["outlets"] == [f"{wh}/samples"]
     assert tasks["train"]["outlets"] == [f"{wh}/models"]
     cmp = bag["dags"]["recd_dedup_vs_baseline"]
-    assert cmp["schedule"] == "None" or cmp["schedule"].lower().startswith("none")
+    assert cmp["description"] and cmp["deadline"] and cmp["on_failure"] == "on_run_failure"
+    assert cmp["timetable"] == "NullTimetable"  # triggered only
     assert cmp["params"] == ["batch_size", "days", "ds", "preset"]
     ct = cmp["tasks"]
     for mode in ("dedup", "baseline"):
@@ -121,6 +144,52 @@ def test_the_dags_parse_with_their_schedule_and_structure(airflow_home, tmp_path
         assert ct[f"evaluate_{mode}"]["downstream"] == ["compare"]
     assert sorted(ct["generate"]["downstream"]) == ["preprocess_baseline", "preprocess_dedup"]
     assert ct["compare"]["downstream"] == ["finish"]
+
+
+NEXT_RUNS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from airflow.dag_processing.dagbag import DagBag
+from airflow.timetables.base import TimeRestriction
+import recd_daily_retrain
+
+dag = DagBag(dag_folder=sys.argv[1], safe_mode=False).dags["recd_daily_retrain"]
+template = dag.get_template_env().from_string(recd_daily_retrain.TRAIN_DAY)
+restriction = TimeRestriction(earliest=dag.start_date, latest=None, catchup=True)
+runs, last = [], None
+for _ in range(5):  # the timetable's own next runs, as the scheduler asks for them
+    info = dag.timetable.next_dagrun_info(last_automated_data_interval=last, restriction=restriction)
+    last = info.data_interval
+    ds = template.render(params={"ds": ""}, data_interval_end=info.data_interval.end,
+                         dag_run=None, **dag.user_defined_macros)
+    runs.append({"run_after": info.run_after.isoformat(), "ds": ds})
+print("RUNS" + json.dumps(runs))
+"""
+
+
+@pytest.mark.parametrize("cron_intervals", ["False", "True"])
+def test_every_day_a_scheduled_run_reads_is_over_when_it_starts(
+    airflow_home, tmp_path, cron_intervals
+):
+    """Under Airflow 3's default (`create_cron_data_intervals = False`: a cron trigger whose
+    logical date is the trigger time) and the Airflow 2 behaviour alike."""
+    import datetime as dt
+
+    from recd_core.orchestration.schedule import day_end
+
+    env = {**airflow_env(airflow_home, tmp_path),
+           "AIRFLOW__SCHEDULER__CREATE_CRON_DATA_INTERVALS": cron_intervals}  # fmt: skip
+    r = subprocess.run([PY, "-c", NEXT_RUNS, str(DAGS)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = json.loads(r.stdout.split("RUNS", 1)[1])
+    days = [run["ds"] for run in runs]
+    assert days == sorted(set(days)) and len(days) == 5  # a new day each run, in order
+    for run in runs:
+        start = dt.datetime.fromisoformat(run["run_after"])
+        train = dt.date.fromisoformat(run["ds"])
+        evaluation = (train + dt.timedelta(days=1)).isoformat()
+        assert day_end(run["ds"]) <= start and day_end(evaluation) <= start, run
+        assert day_end(evaluation) + dt.timedelta(days=1) > start  # the newest complete day
 
 
 def test_the_kubernetes_switch_runs_each_stage_as_a_pod_of_the_components_image(
@@ -133,7 +202,10 @@ def test_the_kubernetes_switch_runs_each_stage_as_a_pod_of_the_components_image(
     kubeconfig.write_text(KUBECONFIG)
     bag = _probe({**env, "KUBECONFIG": str(kubeconfig)})
     assert bag["errors"] == {}
-    tasks = bag["dags"]["recd_daily_retrain"]["tasks"]
+    every = bag["dags"]["recd_daily_retrain"]["tasks"]
+    # the wait for complete logs is a sensor on an Airflow worker (it mounts the logs volume)
+    assert "BaseSensorOperator" in every["wait_for_logs"]["bases"]
+    tasks = {k: t for k, t in every.items() if k != "wait_for_logs"}
     for name, t in tasks.items():  # the pods Airflow would create, as the API server sees them
         pod = t["pod"]
         kubernetes_validate.validate(pod, "1.33.0", strict=True)
@@ -152,14 +224,14 @@ def test_the_kubernetes_switch_runs_each_stage_as_a_pod_of_the_components_image(
         "nvidia.com/gpu" in tasks["train"]["gpu"] and "nvidia.com/gpu" not in tasks["ingest"]["gpu"]
     )
     for a, b in zip(STAGES, STAGES[1:], strict=False):
-        assert b in tasks[a]["downstream"]
+        assert b in _after(every, a)
 
 
 @pytest.fixture(scope="module")
 def daily_run(airflow_home, tmp_path_factory):
     root = tmp_path_factory.mktemp("daily")
     env = airflow_env(airflow_home, root)
-    first = _run_dag(env, "--date", LOGICAL)
+    first = _run_dag(env, "--date", RUN_DATE)
     return root, env, first
 
 
@@ -182,7 +254,7 @@ def test_a_daily_dag_run_writes_the_partitions_records_mlflow_and_names_a_champi
         "batches/mode=dedup",
     ):
         assert (wh / part / f"ds={TRAIN_DAY}" / "_manifest.json").exists(), part
-    assert (wh / "samples/layout=clustered" / f"ds={LOGICAL}" / "_manifest.json").exists()
+    assert (wh / "samples/layout=clustered" / f"ds={EVAL_DAY}" / "_manifest.json").exists()
     client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
     exp = client.get_experiment_by_name("recd")
     pipeline = client.search_runs([exp.experiment_id], "tags.`recd.stage` = 'pipeline'")
@@ -205,7 +277,7 @@ def test_a_daily_dag_run_writes_the_partitions_records_mlflow_and_names_a_champi
 def test_a_second_run_of_the_same_day_is_idempotent_with_a_new_mlflow_run(daily_run):
     root, env, _ = daily_run
     before = _partition_files(root)
-    second = _run_dag(env, "--date", LOGICAL)
+    second = _run_dag(env, "--date", RUN_DATE)
     assert second.returncode == 0, second.stdout[-3000:]
     after = _partition_files(root)
     # the same partitions with the same rows; files replaced, never duplicated
@@ -226,7 +298,7 @@ def test_a_failing_stage_fails_its_task_with_its_reason_and_nothing_downstream_r
     logs.mkdir(parents=True)
     (logs / "events-00000.jsonl").write_text('{"event_id": 1, "ts": "not a time"}\n')
     env = airflow_env(airflow_home, tmp_path, config=strict, retries=0)
-    r = _run_dag(env, "--date", LOGICAL)
+    r = _run_dag(env, "--date", RUN_DATE)
     out = r.stdout + r.stderr
     assert r.returncode == 1
     assert "recd ingest: " in out and "quarantine" in out

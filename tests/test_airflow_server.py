@@ -23,6 +23,7 @@ from mlflow.tracking import MlflowClient
 from recd_core.orchestration.graph import COMPARISON, DAILY
 
 AIRFLOW = Path(sys.executable).parent / "airflow"
+REPO = Path(__file__).resolve().parents[1]
 USER, PASSWORD = "recd", "recd-test-password"
 
 
@@ -75,7 +76,8 @@ def airflow(tmp_path_factory):
     (home / "passwords.json").write_text(json.dumps({USER: PASSWORD}))
     port = _free_port()
     env = {
-        **airflow_env(home, root, schedule="", retries=0),  # trigger only: no scheduled run
+        # trigger only (no scheduled run); real logs: the daily run waits for their markers
+        **airflow_env(home, root, schedule="", retries=0, synthesize="false", logs_poke_s=3),
         "PATH": f"{AIRFLOW.parent}:{os.environ['PATH']}",  # standalone execs `airflow`
         "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
         "AIRFLOW__CORE__PARALLELISM": "2",
@@ -123,15 +125,40 @@ def _trigger_and_wait(airflow, dag_id: str, body: dict) -> tuple[dict, list[dict
     return final, tis
 
 
-def test_the_daily_dag_succeeds_when_triggered_over_the_rest_api(airflow):
-    final, tis = _trigger_and_wait(
-        airflow, DAILY.name, {"logical_date": "2026-11-02T00:00:00Z", "conf": {}}
-    )
+def test_a_scheduled_style_daily_run_waits_for_complete_logs_then_succeeds(airflow):
+    """A run for 2026-11-03 00:00 (as the scheduler would create it) reads 2026-11-01 and
+    2026-11-02; their logs arrive only after it has started waiting for them."""
+    from recd_core.config import load_pipeline_config
+    from recd_core.data.synth import synthesize_missing
+
+    api, root, server, log = airflow
+    api.call("PATCH", f"/api/v2/dags/{DAILY.name}", {"is_paused": False})
+    body = {"logical_date": "2026-11-03T00:00:00Z", "conf": {}}
+    run = api.call("POST", f"/api/v2/dags/{DAILY.name}/dagRuns", body)
+    path = f"/api/v2/dags/{DAILY.name}/dagRuns/{run['dag_run_id']}"
+
+    def waiting():
+        api.login()
+        ti = api.call("GET", f"{path}/taskInstances/wait_for_logs")
+        return ti["state"] == "up_for_reschedule"
+
+    _wait("wait_for_logs looking for the logs", waiting, 300, server, log)
+    assert api.call("GET", path)["state"] == "running"
+    assert not (root / "wh" / "events").exists()  # nothing read before the logs are complete
+    cfg = load_pipeline_config(REPO / "tests" / "configs" / "small.yaml")
+    synthesize_missing(root / "logs", ["2026-11-01", "2026-11-02"], cfg.features, cfg.synth)
+
+    def ended():
+        api.login()
+        state = api.call("GET", path)
+        return state if state["state"] in ("success", "failed") else None
+
+    final = _wait(f"{DAILY.name} run", ended, 900, server, log)
+    tis = api.call("GET", f"{path}/taskInstances")["task_instances"]
     states = {t["task_id"]: t["state"] for t in tis}
     assert final["state"] == "success", states
-    assert set(states) == {t.id for t in DAILY.tasks}
+    assert set(states) == {t.id for t in DAILY.tasks} | {"wait_for_logs"}
     assert set(states.values()) == {"success"}
-    _, root, _, _ = airflow
     assert (root / "wh" / "events" / "ds=2026-11-01" / "_manifest.json").exists()
     client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
     champion = client.get_model_version_by_alias("recd-dlrm", "champion")

@@ -2,6 +2,7 @@
 registered model and the champion/challenger decision across days."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -85,6 +86,48 @@ def test_a_run_with_both_arms_records_each_arm_and_registers_a_champion(daily):
     v1 = client.get_model_version("recd-dlrm", "1")
     assert v1.run_id == runs[("train", "dedup")].info.run_id  # the model lives with its run
     assert v1.tags["recd.decision"] == "promoted" and v1.tags["recd.champion_ne"] == ""
+
+
+def test_the_mlflow_experiment_reads_at_a_glance(daily):
+    """As a reader of the MLflow UI meets it: a model-training experiment; the two-arm run
+    named for its arms and days with the answer first; stage runs named with stage, arm and
+    day; stable metric keys; the model a LoggedModel with its metrics, linked to the
+    registered version; the partitions read as datasets; system metrics on training."""
+    root, uri, _ = daily
+    summary = json.loads((root / "day1.json").read_text())
+    client = MlflowClient(tracking_uri=uri)
+    parent = client.get_run(summary["mlflow.run_id"])
+    exp = client.get_experiment(parent.info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # not the GenAI view
+    assert parent.info.run_name == f"dedup vs baseline {DAY} → {NEXT}"
+    assert parent.data.tags["mode"] == "dedup+baseline"  # no single arm
+    history = client.get_metric_history(parent.info.run_id, "storage.ratio")
+    assert history and history[0].value > 1
+    assert not [k for k in parent.data.metrics if re.search(r"\d{4}-\d{2}-\d{2}", k)]  # stable keys
+    assert parent.data.tags["recd.days"] == f"{DAY},{NEXT}"  # the dates: a tag
+    children = client.search_runs(
+        [exp.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    names = {r.info.run_name for r in children}
+    assert {f"ingest {DAY}", f"ingest {NEXT}", f"train dedup {DAY}", f"train baseline {DAY}",
+            f"evaluate dedup {DAY} → {NEXT}"} <= names  # fmt: skip
+    train = next(r for r in children if r.info.run_name == f"train dedup {DAY}")
+    inputs = {d.dataset.name: d for d in train.inputs.dataset_inputs}
+    assert set(inputs) == {f"batches/mode=dedup/ds={DAY}"}
+    assert json.loads(inputs[f"batches/mode=dedup/ds={DAY}"].dataset.profile)["num_rows"] > 0
+    evaluate = next(r for r in children if r.info.run_name == f"evaluate dedup {DAY} → {NEXT}")
+    scored = evaluate.inputs.dataset_inputs
+    assert [d.dataset.name for d in scored] == [f"samples/layout=clustered/ds={NEXT}"]
+    assert [t.value for t in scored[0].tags if t.key == "mlflow.data.context"] == ["evaluation"]
+    # the registered version is a LoggedModel of the train run, with its next-day figures
+    v1 = client.get_model_version("recd-dlrm", "1")
+    model = client.get_logged_model(v1.tags["recd.model_id"])
+    assert model.source_run_id == v1.run_id and v1.source == model.artifact_location
+    linked = json.loads(model.tags["mlflow.modelVersions"])  # as MLflow's register_model links
+    assert [(v["name"], str(v["version"])) for v in linked] == [("recd-dlrm", "1")]
+    assert {m.key for m in model.metrics} >= {"eval.ne", "eval.auc"}
+    found = client.search_logged_models([exp.experiment_id])
+    assert model.model_id in {m.model_id for m in found}  # the Models tab lists it
 
 
 def test_the_next_day_promotes_or_keeps_the_champion_by_ne_and_logs_why(daily):
@@ -361,8 +404,9 @@ def test_a_champion_whose_artifacts_vanished_does_not_stick_the_daily_run(daily)
     root, uri, _ = daily
     client = MlflowClient(tracking_uri=uri)
     gone = client.get_model_version_by_alias("recd-dlrm", "champion")
-    stored = Path(urllib.parse.urlparse(gone.source).path)
-    assert gone.source.startswith("file://") and stored.is_dir(), gone.source
+    location = client.get_logged_model(gone.tags["recd.model_id"]).artifact_location
+    stored = Path(urllib.parse.urlparse(location).path)
+    assert location.startswith("file://") and stored.is_dir(), location
     shutil.rmtree(stored)
     common = ("--warehouse", root / "wh", "--logs", root / "logs", "--out", root / "out",
               "--config", Path(__file__).parent / "configs/small.yaml")  # fmt: skip

@@ -1,31 +1,63 @@
 """
 ### recd_daily_retrain
 
-Every day, once the day's logs are complete, retrain the DLRM on the previous day and judge
-it on this one (the graph `recd_core.orchestration.graph.DAILY`; `recd run` runs the same one
-locally; its tasks are tabled below, from the graph).
+Every day, retrain the DLRM on the last complete days and judge it (the graph
+`recd_core.orchestration.graph.DAILY`; `recd run` runs the same one locally; its tasks are
+tabled below, from the graph).
 
-Keyed by the data interval: the run for interval [D, D+1) trains on D-1 and evaluates on D,
-so re-running a day replaces that day's partitions (idempotent) and records a new MLflow run.
+**Which days.** The timetable is declared here (a cron trigger, UTC), so Airflow's
+`create_cron_data_intervals` setting cannot change it. A run that starts at T (the end of
+its data interval) reads only days that are over by T: it scores on the last complete day
+and trains on the day before (`recd_core/orchestration/schedule.py`): the run of
+2026-11-25 00:00 trains on 2026-11-23 and scores on 2026-11-24. `wait_for_logs` then waits
+until the log producer has marked both days complete (`_SUCCESS` in `<logs>/ds=<day>/`),
+failing with the missing days after `RECD_LOGS_WAIT_HOURS`. Catch-up and backfill run one
+day at a time, in order, each warm-started from the champion the day before left.
+
+**Parameters** (a manual run): `ds` (the training day; empty: from the run's time), `config`
+(a pipeline config YAML), `mode` (the arm: dedup or baseline).
+
+**Operations.** Every task has an execution timeout (training's from the config's
+`train.timeout_minutes`), the run a `dagrun_timeout`; a failed run and a run past its
+deadline (`RECD_DEADLINE_HOURS` after it was queued: a Deadline Alert) go to the notifier
+(`RECD_NOTIFIER`, default: an ERROR line in the log). Re-running a day replaces its
+partitions (idempotent) and records a new MLflow run.
 """
 
-from airflow.sdk import dag
-from recd_tasks import SETTINGS, build, default_args
+from airflow.sdk import Param, dag
+from airflow.timetables.trigger import CronTriggerTimetable
+from recd_tasks import SETTINGS, build, dag_options
 
 from recd_core.orchestration.graph import DAILY
+from recd_core.orchestration.schedule import training_day
 
-TRAIN_DAY = "{{ macros.ds_add(ds, -1) }}"
+# an explicit `ds` wins; else the days are over when the run starts (a manual run without
+# a logical date: its run_after)
+TRAIN_DAY = "{{ params.ds or recd_training_day(data_interval_end or dag_run.run_after) }}"
 
 
 @dag(
     dag_id=DAILY.name,
-    schedule=SETTINGS.schedule or None,
+    description="Daily DLRM retraining on the last complete day, deduplicated (RecD)",
+    schedule=CronTriggerTimetable(SETTINGS.schedule, timezone="UTC") if SETTINGS.schedule else None,
     start_date=SETTINGS.start,
-    catchup=False,
-    max_active_runs=1,
-    default_args=default_args(),
+    catchup=SETTINGS.catchup,
+    max_active_runs=1,  # days in order: each warm-starts from the day before's champion
     tags=["recd"],
     doc_md=__doc__ + "\n" + DAILY.table(),
+    user_defined_macros={"recd_training_day": training_day},
+    params={
+        "ds": Param(
+            "", type="string", description="training day YYYY-MM-DD (empty: from the run's time)"
+        ),
+        "config": Param(
+            SETTINGS.config or "",
+            type="string",
+            description="pipeline config YAML (empty: built-in)",
+        ),
+        "mode": Param("dedup", enum=["dedup", "baseline"], description="the training arm"),
+    },
+    **dag_options(DAILY.name),
 )
 def recd_daily_retrain():
     build(
@@ -34,10 +66,11 @@ def recd_daily_retrain():
             "warehouse": SETTINGS.warehouse,
             "logs": SETTINGS.logs,
             "ds": TRAIN_DAY,
-            "config": SETTINGS.config,
+            "config": "{{ params.config }}",
+            "mode": "{{ params.mode }}",
             "synthesize": SETTINGS.synthesize,
             "tracking_uri": SETTINGS.tracking_uri,
-            "pipeline": "recd_daily_retrain {{ ds }}",
+            "pipeline": "recd_daily_retrain " + TRAIN_DAY,
         },
     )
 

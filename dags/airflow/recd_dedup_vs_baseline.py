@@ -14,7 +14,7 @@ logs under `<logs>/_compare/`, so runs never mix workloads or touch the daily pa
 """
 
 from airflow.sdk import Param, dag
-from recd_tasks import SETTINGS, build, default_args
+from recd_tasks import SETTINGS, build, dag_options
 
 from recd_core.orchestration.graph import COMPARISON
 
@@ -25,10 +25,10 @@ LOGS = f"{SETTINGS.logs}/_compare/{PRESET}"  # raw logs stay files (the logs vol
 
 @dag(
     dag_id=COMPARISON.name,
+    description="Dedup (IKJT) and baseline (KJT) arms on the same days, side by side, gated",
     schedule=None,
     start_date=SETTINGS.start,
     catchup=False,
-    default_args=default_args(),
     tags=["recd", "benchmark"],
     doc_md=__doc__ + "\n" + COMPARISON.table(),
     params={
@@ -39,6 +39,7 @@ LOGS = f"{SETTINGS.logs}/_compare/{PRESET}"  # raw logs stay files (the logs vol
         ),
         "batch_size": Param(512, type="integer", minimum=1, description="DPP and training"),
     },
+    **dag_options(COMPARISON.name),
 )
 def recd_dedup_vs_baseline():
     base = {

@@ -24,6 +24,8 @@ from typing import Literal
 from airflow.sdk import Asset, task
 from pydantic import BaseModel, ConfigDict
 
+from recd_core.data.completeness import MARKER
+from recd_core.orchestration.alerts import DEFAULT as ALERTS_DEFAULT
 from recd_core.orchestration.graph import STAGES, Graph
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,9 +45,21 @@ class Settings(BaseModel):
     config: str | None = None
     # fabricate logs for days without any: the embedded default only, never in production
     synthesize: bool = True
-    schedule: str = "@daily"  # empty: no schedule (runs are triggered)
+    schedule: str = "@daily"  # a cron expression; empty: no schedule (runs are triggered)
     start_date: dt.date = dt.date(2026, 11, 1)
+    catchup: bool = False  # on: every missed day since start_date runs, in order
     retries: int = 2
+    # a run waits for the marker its log producer writes when a day is complete (empty: no
+    # wait), looking every logs_poke_s, failing with the missing days after logs_wait_hours
+    logs_marker: str = MARKER
+    logs_wait_hours: float = 6.0
+    logs_poke_s: int = 300
+    task_timeout_minutes: int = (
+        60  # every task but train (train's: the config's train.timeout_minutes)
+    )
+    dagrun_timeout_hours: float = 12.0
+    deadline_hours: float = 8.0  # a run not done this long after it was queued is reported
+    notifier: str = ALERTS_DEFAULT  # module:function called with (message, **details)
     # kubernetes executor
     image: str = "ghcr.io/recd-project/recd-components:0.1.0"
     namespace: str = "recd"
@@ -94,18 +108,68 @@ def asset(table: str, warehouse: str = SETTINGS.warehouse) -> Asset:
 
 def build(graph: Graph, args: dict, assets: bool = True) -> dict:
     """`graph` as this DAG's tasks, in its declared order: each task's arguments are `args`
-    plus its own (`Task.args`: its arm, fixed arguments) and the values it pulls from
-    upstream summaries (XCom templates), its upstream tasks its edges. With `assets`, the tables a stage writes in `args`'s warehouse
-    are its outlets (a warehouse path with templates cannot name an Asset)."""
+    plus its own (`Task.args`: its arm, fixed arguments; a `mode` in `args` chooses the arm
+    of a one-arm graph) and the values it pulls from upstream summaries (XCom templates),
+    its upstream tasks its edges. The tasks that read raw logs first wait for them to be
+    complete (`wait_for_logs`, with `logs_marker` set). With `assets`, the tables a stage
+    writes in `args`'s warehouse are its outlets (a warehouse path with templates cannot
+    name an Asset)."""
     tasks: dict = {}
+    arms = {t.mode for t in graph.tasks} - {None}
     for t in graph.order():
         targs = {**args, **t.args()}
+        if t.mode and len(arms) == 1 and args.get("mode"):
+            targs["mode"] = args["mode"]
         targs |= {pull.arg: xcom(src, pull.key) for pull, src in graph.pulls(t)}
         tables = [w for w in STAGES[t.stage].writes if w != "logs"] if assets else []
         tasks[t.id] = stage(t.stage, targs, t.id, list(t.gathers), tables)
-        for upstream in t.after:
-            tasks[upstream] >> tasks[t.id]
+        after = [tasks[u] for u in t.after]
+        if "logs" in STAGES[t.stage].reads and SETTINGS.logs_marker:
+            if "wait_for_logs" not in tasks:
+                tasks["wait_for_logs"] = wait_for_logs(args)
+                for upstream in after:
+                    upstream >> tasks["wait_for_logs"]
+            after = [tasks["wait_for_logs"]]
+        for upstream in after:
+            upstream >> tasks[t.id]
     return tasks
+
+
+def wait_for_logs(args: dict):
+    """A sensor: every day the run reads (its training and evaluation days) has its logs
+    marked complete (`recd_core.data.completeness`). It looks every `logs_poke_s` without
+    holding a worker slot (reschedule mode) and fails after `logs_wait_hours` naming the
+    days still missing."""
+    from airflow.sdk import PokeReturnValue
+
+    wait_s = SETTINGS.logs_wait_hours * 3600
+
+    # the sensor's own timeout is a backstop a poke past the wait never reaches
+    @task.sensor(task_id="wait_for_logs", poke_interval=SETTINGS.logs_poke_s, mode="reschedule",
+                 timeout=wait_s + 2 * SETTINGS.logs_poke_s)  # fmt: skip
+    def waiting(run_args: dict, **context) -> PokeReturnValue:
+        from airflow.sdk.exceptions import AirflowFailException
+
+        from recd_core.data.completeness import incomplete_days, marker_path
+        from recd_core.orchestration.stages import stage_args
+
+        a = stage_args("ingest", {k: run_args.get(k) for k in ("ds", "days", "eval_ds", "logs")})
+        days = a.all_days()
+        missing = incomplete_days(a.logs, days, SETTINGS.logs_marker)
+        if not missing:
+            return PokeReturnValue(is_done=True, xcom_value={"days": days})
+        first = context["ti"].get_first_reschedule_date(context)
+        waited = (dt.datetime.now(dt.UTC) - first).total_seconds() if first else 0.0
+        where = ", ".join(str(marker_path(a.logs, d, SETTINGS.logs_marker)) for d in missing)
+        if waited >= wait_s:
+            raise AirflowFailException(
+                f"the logs of {', '.join(missing)} are not complete after "
+                f"{SETTINGS.logs_wait_hours:g} h of waiting: no {where}"
+            )
+        print(f"waiting for the logs of {', '.join(missing)}: no {where} yet", flush=True)
+        return PokeReturnValue(is_done=False)
+
+    return waiting(args)
 
 
 def stage(name: str, args: dict, task_id: str, upstream: list[str], tables: list[str]):
@@ -116,7 +180,7 @@ def stage(name: str, args: dict, task_id: str, upstream: list[str], tables: list
     if SETTINGS.executor == "kubernetes":
         return _pod(name, task_id, args, outlets, upstream_json)
 
-    @task(task_id=task_id, outlets=outlets)
+    @task(task_id=task_id, outlets=outlets, execution_timeout=timeout(name))
     def run(stage_args: dict, upstream_json: str | None = None, **context) -> dict:
         from airflow.sdk.exceptions import AirflowFailException
 
@@ -190,6 +254,7 @@ def _pod(name: str, task_id: str, args: dict, outlets: list, upstream_json: str 
         get_logs=True,
         on_finish_action="delete_succeeded_pod",
         outlets=outlets,
+        execution_timeout=timeout(name),
         container_resources=k8s.V1ResourceRequirements(
             requests={"cpu": "1", "memory": "4Gi"}, limits={"memory": "16Gi", **limits}
         ),
@@ -246,4 +311,67 @@ def default_args() -> dict:
         "retry_delay": dt.timedelta(seconds=30),
         "retry_exponential_backoff": True,
         "max_retry_delay": dt.timedelta(minutes=10),
+        "execution_timeout": dt.timedelta(minutes=SETTINGS.task_timeout_minutes),
     }
+
+
+@functools.cache
+def _train_timeout_minutes() -> int:
+    """The config's `train.timeout_minutes` (the built-in config's where the configured file
+    is not readable here: a path inside the pods of the kubernetes executor)."""
+    from recd_core.config import load_pipeline_config
+
+    path = SETTINGS.config if SETTINGS.config and Path(SETTINGS.config).is_file() else None
+    return load_pipeline_config(path).train.timeout_minutes
+
+
+def timeout(stage_name: str) -> dt.timedelta:
+    """A stage's execution_timeout: training's from its config, every other stage's
+    `task_timeout_minutes`. Past it the task fails and its retries apply."""
+    if STAGES[stage_name].accelerated:
+        return dt.timedelta(minutes=_train_timeout_minutes())
+    return dt.timedelta(minutes=SETTINGS.task_timeout_minutes)
+
+
+def dag_options(name: str) -> dict:
+    """What every recd DAG declares beside its schedule: a run timeout, a failure callback
+    and a Deadline Alert, both through the pluggable notifier."""
+    from airflow.sdk.definitions.callback import AsyncCallback
+    from airflow.sdk.definitions.deadline import DeadlineAlert, DeadlineReference
+
+    message = f"{name}: a run is not done {SETTINGS.deadline_hours:g} h after it was queued"
+    return {
+        "dagrun_timeout": dt.timedelta(hours=SETTINGS.dagrun_timeout_hours),
+        "on_failure_callback": on_run_failure,
+        "deadline": DeadlineAlert(
+            reference=DeadlineReference.DAGRUN_QUEUED_AT,
+            interval=dt.timedelta(hours=SETTINGS.deadline_hours),
+            callback=AsyncCallback(
+                "recd_core.orchestration.alerts.deadline_missed",
+                kwargs={"notifier_path": SETTINGS.notifier, "message": message},
+            ),
+        ),
+        "default_args": default_args(),
+    }
+
+
+def on_run_failure(context) -> None:
+    """A failed DAG run: which run, which tasks failed, why (the scheduler's reason), to the
+    notifier."""
+    from recd_core.orchestration.alerts import notifier
+
+    run = context.get("dag_run")
+    failed = []
+    if run is not None:
+        try:
+            failed = [
+                ti.task_id for ti in run.get_task_instances(state=["failed", "upstream_failed"])
+            ]
+        except Exception:  # the callback must never fail the callback runner
+            failed = []
+    dag_id = getattr(run, "dag_id", None) or getattr(context.get("dag"), "dag_id", "recd")
+    reason = context.get("reason") or "a task failed"
+    notifier(SETTINGS.notifier)(
+        f"{dag_id} run {getattr(run, 'run_id', '?')} failed: {reason}",
+        failed_tasks=",".join(failed) or None,
+    )

@@ -45,6 +45,7 @@ import numpy as np
 
 from recd_core import metrics
 from recd_core.config import ConfigError, FeatureSet, FeatureSpec, SynthConfig
+from recd_core.data.completeness import mark_complete
 
 ROWS_PER_FILE = 50_000
 ORACLE_FILE = "_oracle.json"
@@ -571,6 +572,8 @@ def synthesize_missing(
                 out.setdefault(k, v)
     if out.get("synth.sessions"):
         out["synth.mean_session_length"] = out["synth.rows"] / out["synth.sessions"]
+    for d in days:  # the producer of these days: they are complete (a waiting run goes on)
+        mark_complete(logs, d)
     return out
 
 

@@ -97,7 +97,7 @@ def chart(summary: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     r = ratios(summary)
     bars_of = {
         "storage\n(shuffled / clustered)": r["storage.ratio"],
@@ -106,6 +106,8 @@ def chart(summary: dict, path: Path) -> Path:
     }
     bars = left.bar(list(bars_of), list(bars_of.values()), color="#3b7dd8")
     left.bar_label(bars, fmt="%.2fx")
+    left.set_ylim(0, max(bars_of.values()) * 1.18)  # room for the labels above the bars
+    left.tick_params(axis="x", labelsize=9)
     left.axhline(1.0, color="grey", lw=1, ls="--")
     left.set_title("dedup / baseline (higher is better)")
     width = 0.35
@@ -118,7 +120,9 @@ def chart(summary: dict, path: Path) -> Path:
         right.bar_label(b, fmt="%.3f")
     right.set_xticks(range(2), names)
     right.set_title(f"next-day quality ({summary['run.eval_ds']})")
-    right.legend()
+    top = max(summary[f"eval.{m}.{a}"] for m in ("ne", "auc") for a in ("dedup", "baseline"))
+    right.set_ylim(0, top * 1.3)  # the legend sits above the bars, never on them
+    right.legend(loc="upper center", ncol=2, frameon=False)
     fig.suptitle(f"recd: dedup vs baseline, {summary['run.ds']}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

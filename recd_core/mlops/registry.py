@@ -34,7 +34,9 @@ so a vanished artifact store never leaves the daily pipeline stuck.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,6 +151,7 @@ class Registered:
     name: str
     version: str
     artifact_uri: str
+    model_id: str  # the LoggedModel
 
 
 def log_and_register(
@@ -182,15 +185,47 @@ def log_and_register(
                 "pyyaml",
             ],
         )
-        client.log_artifacts(run_id, str(target), MODEL_ARTIFACT)
-    source = f"{client.get_run(run_id).info.artifact_uri}/{MODEL_ARTIFACT}"
+        # an MLflow 3 LoggedModel of the train run: the experiment's Models tab lists it
+        # with its metrics, and the registered version points at it
+        experiment = client.get_run(run_id).info.experiment_id
+        logged = client.create_logged_model(experiment, name=MODEL_ARTIFACT, source_run_id=run_id,
+                                            model_type="recd-dlrm")  # fmt: skip
+        try:
+            client.log_model_artifacts(logged.model_id, str(target))
+        except Exception:
+            client.finalize_logged_model(logged.model_id, "FAILED")
+            raise
+        client.finalize_logged_model(logged.model_id, "READY")
+    # the store's own location of the model's files (a `models:/<id>` source would make
+    # the registry look the model up through the process's default tracking URI)
+    source = client.get_logged_model(logged.model_id).artifact_location
     try:
         client.get_registered_model(name)
     except mlflow.exceptions.MlflowException:
         client.create_registered_model(name, description="recd DLRM: scores sample rows")
-    version = client.create_model_version(name, source, run_id=run_id).version
+    version = client.create_model_version(
+        name, source, run_id=run_id, tags={"recd.model_id": logged.model_id},
+        model_id=logged.model_id,
+    ).version  # fmt: skip
+    # the link MLflow's UI follows from the model to its versions (as `register_model` sets it)
+    client.set_logged_model_tags(
+        logged.model_id, {"mlflow.modelVersions": json.dumps([{"name": name, "version": version}])}
+    )
     client.set_registered_model_alias(name, "challenger", version)
-    return Registered(name, str(version), source)
+    return Registered(name, str(version), source, logged.model_id)
+
+
+def log_model_metrics(tracker, run_id: str, model_id: str, scored: dict) -> None:
+    """The model's next-day figures, linked to its LoggedModel (the Models tab's columns)."""
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    metrics = [Metric(k, float(v), now, 0, model_id=model_id) for k, v in scored.items()
+               if k.startswith("eval.") and isinstance(v, int | float) and not isinstance(v, bool)
+               and math.isfinite(v)]  # fmt: skip
+    tracker.client().log_batch(run_id, metrics=metrics)
 
 
 def samples_features(meta: dict):
@@ -469,6 +504,7 @@ def register_and_promote(
         decision = "promoted" if promoted else "kept champion"
     record_decision(tracker, new, promoted, eval_ds, challenger_ne, champion_ne, lineage,
                     decision, reason or "")  # fmt: skip
+    log_model_metrics(tracker, run_id, new.model_id, scored)
     return {
         "registry.model": cfg.model_name,
         "registry.version": int(new.version),

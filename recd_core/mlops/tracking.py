@@ -22,6 +22,7 @@ import contextlib
 import math
 import os
 import platform
+import re
 import socket
 import sqlite3
 import time
@@ -33,6 +34,7 @@ from pathlib import Path
 from recd_core.errors import TrackingError, TrackingStoreUnwritable
 
 MAX_PARAM = 500
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 @dataclass(frozen=True)
@@ -88,19 +90,31 @@ class Tracker:
         beside the database (`mlartifacts/`), not in the working directory."""
         exp = client.get_experiment_by_name(self.experiment)
         if exp:
+            if exp.tags.get(KIND_TAG) != KIND:  # an experiment from before the tag
+                client.set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
             return exp.experiment_id
         location = None
         if self.uri.startswith("sqlite:///"):
             db = Path(self.uri.removeprefix("sqlite:///"))
             location = (db.parent.resolve() / "mlartifacts").as_uri()
-        return client.create_experiment(self.experiment, artifact_location=location)
+        # a model-training experiment: the UI opens its runs, not the GenAI (traces) view
+        return client.create_experiment(
+            self.experiment, artifact_location=location, tags={KIND_TAG: KIND}
+        )
 
     def start(
-        self, stage: str, params: dict, parent_id: str | None = None, owned: bool = False, **tags
+        self,
+        stage: str,
+        params: dict,
+        parent_id: str | None = None,
+        owned: bool = False,
+        run_name: str | None = None,
+        **tags,
     ) -> str:
         """Open a run (status RUNNING) for a stage; returns its id. Children of a pipeline
         run carry `mlflow.parentRunId`, so the UI nests them under it. `owned`: this process
-        closes it (tagged `recd.owner`, see the module doc)."""
+        closes it (tagged `recd.owner`, see the module doc). `run_name`: what the runs
+        table shows (default: the stage, its day and arm)."""
         from mlflow.entities import Param, RunTag
 
         with self._errors():
@@ -116,7 +130,7 @@ class Tracker:
                 run_tags["mlflow.parentRunId"] = parent_id
             if owned:
                 run_tags[OWNER_TAG] = process_owner()
-            name = " ".join(x for x in (stage, run_tags["ds"], run_tags["mode"]) if x)
+            name = run_name or " ".join(x for x in (stage, run_tags["ds"], run_tags["mode"]) if x)
             run = client.create_run(self.experiment_id(client), run_name=name, tags=run_tags)
             facts = {
                 "sys.python": platform.python_version(),
@@ -143,15 +157,34 @@ class Tracker:
             status = str(summary.get("status", "ok"))
             tags = [RunTag("recd.status", status)]
             known = client.get_run(run_id).data.tags
+            # the arms in the order the pipeline ran them (dedup first)
+            arms = list(
+                dict.fromkeys(str(v) for k, v in summary.items() if k.startswith("train.mode."))
+            )
             late = {
                 "mode": summary.get("train.mode", summary.get("dpp.mode")),
                 "ds": summary.get("run.ds"),
             }
             tags += [RunTag(k, str(v)) for k, v in late.items() if v and not known.get(k)]
+            if len(arms) > 1:  # a comparison: named for what it holds, no single arm
+                span = " → ".join(
+                    str(summary[k]) for k in ("run.ds", "run.eval_ds") if summary.get(k)
+                )
+                tags += [RunTag("mode", "+".join(arms)),
+                         RunTag("mlflow.runName", f"{' vs '.join(arms)} {span}".strip())]  # fmt: skip
+            days = sorted({d for k, v in summary.items() for d in _days_of(k, v)})
+            if days:
+                tags.append(RunTag("recd.days", ",".join(days)))
             now = int(time.time() * 1000)
-            metrics = [Metric(k, v, now, 0) for k, v in numeric(summary).items()]
+            figures = numeric(summary)
+            # the answer first: the UI lists a run's metrics in the order they were logged
+            first = [k for k in figures if headline_rank(k) is not None]
+            order = sorted(first, key=headline_rank) + [k for k in figures if k not in first]
+            metrics = [Metric(k, figures[k], now, 0) for k in order]
             metrics += [
-                Metric(k, v, now, step) for k, step, v in histories(summary) if math.isfinite(v)
+                Metric(k, v, now, step)
+                for k, step, v in (*histories(summary), *by_day(summary))
+                if math.isfinite(v)
             ]
             for lo in range(0, max(len(metrics), 1), 900):  # MLflow caps a batch at 1000
                 client.log_batch(
@@ -162,6 +195,26 @@ class Tracker:
                 if Path(path).exists():
                     client.log_artifact(run_id, str(path))
             client.set_terminated(run_id, "FINISHED" if status == "ok" else "FAILED")
+
+    def log_inputs(self, run_id: str, inputs: list[dict]) -> None:
+        """The partitions a run read, as MLflow datasets (the run page's Datasets): each a
+        dict with `name`, `uri`, `digest`, `rows`, `schema` (JSON) and `context`
+        (training, evaluation)."""
+        import json
+
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        datasets = [
+            DatasetInput(
+                Dataset(name=i["name"], digest=i["digest"], source_type="recd-warehouse",
+                        source=json.dumps({"uri": i["uri"]}), schema=i.get("schema"),
+                        profile=json.dumps({"num_rows": i["rows"]})),
+                tags=[InputTag("mlflow.data.context", i["context"])],
+            )
+            for i in inputs
+        ]  # fmt: skip
+        with self._errors():
+            self.client().log_inputs(run_id, datasets=datasets)
 
     def close_abandoned(self) -> int:
         """Close FAILED the RUNNING runs whose owner process on this host is gone (module
@@ -220,11 +273,33 @@ class RunRecord:
     run_id: str
 
     @classmethod
-    def open(cls, tracker: Tracker, name: str, params: dict, parent_id: str | None = None):
+    def open(
+        cls,
+        tracker: Tracker,
+        name: str,
+        params: dict,
+        parent_id: str | None = None,
+        run_name: str | None = None,
+    ):
         if not parent_id:
             tracker.check()
             tracker.close_abandoned()
-        return cls(tracker, tracker.start(name, params, parent_id=parent_id, owned=True))
+        run_id = tracker.start(name, params, parent_id=parent_id, owned=True, run_name=run_name)
+        return cls(tracker, run_id)
+
+    @contextlib.contextmanager
+    def system_metrics(self, every_s: float = 5.0):
+        """Sample the machine (CPU, memory, disk, network, GPU) into this run while the
+        block runs: MLflow's system metrics, shown in the run's System metrics tab."""
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(self.run_id, sampling_interval=every_s,
+                                       tracking_uri=self.tracker.uri)  # fmt: skip
+        monitor.start()
+        try:
+            yield
+        finally:
+            monitor.finish()
 
     def fail(self, reason: str, summary: dict | None = None, also: tuple[str, ...] = ()) -> None:
         """Close this run (and the runs `also` names) FAILED. A tracking failure here is not
@@ -284,16 +359,71 @@ def histories(summary: dict) -> list[tuple[str, int, float]]:
     return out
 
 
+_DAY = re.compile(r"^(.*)\.(\d{4}-\d{2}-\d{2})$")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, bool) or isinstance(v, int | float) and math.isfinite(v)
+
+
+def _day_keyed(v) -> bool:
+    return isinstance(v, dict) and bool(v) and all(_DAY.match(f".{k}") for k in v)
+
+
 def numeric(summary: dict, prefix: str = "") -> dict[str, float]:
-    """The finite numbers of a (nested) summary, keys joined with '.'."""
+    """The finite numbers of a (nested) summary, keys joined with '.'. Figures per day
+    (`synth.oracle_ne.2026-11-24`, `days: {2026-11-24: {...}}`) are left to `by_day`: a
+    metric key never holds a date, so runs of different days share their keys."""
     out: dict[str, float] = {}
     for k, v in summary.items():
         key = f"{prefix}{k}"
-        if isinstance(v, bool) or isinstance(v, int | float) and math.isfinite(v):
+        if _DAY.match(key) or _day_keyed(v):
+            continue
+        if _is_number(v):
             out[key] = float(v)
         elif isinstance(v, dict):
             out.update(numeric(v, f"{key}."))
     return out
+
+
+def _days_of(key: str, value) -> list[str]:
+    m = _DAY.match(key)
+    if m:
+        return [m.group(2)]
+    return list(value) if _day_keyed(value) else []
+
+
+def by_day(summary: dict) -> list[tuple[str, int, float]]:
+    """(key, step, value) of the per-day figures: one metric per figure with a step per day
+    in date order (the dates: the `recd.days` tag); `x.<date>` becomes `x.by_day`, a
+    `days: {<date>: {...}}` summary `days.<figure>`."""
+    days: set[str] = set()
+    found: list[tuple[str, str, float]] = []
+    for k, v in summary.items():
+        m = _DAY.match(k)
+        if m and _is_number(v):
+            found.append((f"{m.group(1)}.by_day", m.group(2), float(v)))
+        elif _day_keyed(v):
+            for day, inner in v.items():
+                if _is_number(inner):
+                    found.append((k, day, float(inner)))
+                elif isinstance(inner, dict):
+                    found += [(f"{k}.{n}", day, x) for n, x in numeric(inner).items()]
+    days = sorted({d for _, d, _ in found})
+    return [(k, days.index(d), v) for k, d, v in found]
+
+
+# the figures that answer "what did this run find?", in the order a reader wants them
+HEADLINE = ("storage.ratio", "dpp.speedup", "train.speedup", "eval.ne", "eval.auc",
+            "eval.ne_gap", "eval.auc_gap", "eval.oracle_ne", "eval.calibration")  # fmt: skip
+
+
+def headline_rank(key: str) -> tuple[int, str] | None:
+    """Where `key` (or its per-arm `key.<arm>`) stands among the headline figures."""
+    for base in (key, key.rsplit(".", 1)[0]):
+        if base in HEADLINE:
+            return HEADLINE.index(base), key
+    return None
 
 
 def _torch_facts() -> dict:

@@ -551,10 +551,12 @@ def run_stage(
         params = args.model_dump(exclude_none=True)
         if not (stage.per_arm or stage.gathers):  # data stages serve both arms
             params["mode"] = ""
-        record = RunRecord.open(tracker, name, params, args.parent_run_id)
+        record = RunRecord.open(tracker, name, params, args.parent_run_id, run_label(name, args))
     bar = progress(name, None) if progress else contextlib.nullcontext(lambda label, n=1: None)
+    # the training run's CPU, memory (and GPU) over time: its System metrics tab
+    watch = record.system_metrics() if record and stage.accelerated else contextlib.nullcontext()
     try:
-        with bar as advance:
+        with bar as advance, watch:
             if name in UPSTREAM_IMPLS:
                 summary = UPSTREAM_IMPLS[name](args, upstream or [])
             else:
@@ -570,9 +572,48 @@ def run_stage(
             raise err from None
         raise
     summary = {"status": "ok", "stage": name, **_json_safe(summary)}
+    if record is not None and stage.per_arm:
+        record.tracker.log_inputs(record.run_id, stage_inputs(args, stage))
     if tracker is not None and name == "finish" and args.parent_run_id:
         return RunRecord(tracker, args.parent_run_id).close(summary)  # the pipeline's run
     return record.close(summary) if record else summary
+
+
+def stage_inputs(args: StageArgs, stage) -> list[dict]:
+    """The warehouse partitions a per-arm stage read, for its MLflow record: a model's
+    stages (evaluate, register) the evaluation days' samples, the others (DPP, train) their
+    arm's data of the training days (train: its batches; DPP: its samples layout)."""
+    import hashlib
+
+    wh = args.store()
+    scoring = "models" in stage.reads
+    days = [args.eval_day(d) for d in args.training_days()] if scoring else args.training_days()
+    table = "samples" if scoring or "samples" in stage.reads else "batches"
+    keys = ({"layout": "clustered"} if scoring else {"layout": ARM_LAYOUT[args.mode]}
+            if table == "samples" else {"mode": args.mode})  # fmt: skip
+    out = []
+    for day in days:
+        if not wh.exists(table, day, **keys):
+            continue
+        m = wh.manifest(table, day, **keys)
+        digest = hashlib.sha256(json.dumps(m, sort_keys=True, default=str).encode()).hexdigest()
+        rel = "/".join([table, *(f"{k}={v}" for k, v in keys.items()), f"ds={day}"])
+        out.append({"name": rel, "uri": wh.partition_uri(table, day, **keys),
+                    "digest": digest[:16], "rows": m["rows"],
+                    "context": "evaluation" if scoring else "training"})  # fmt: skip
+    return out
+
+
+def run_label(name: str, args: StageArgs) -> str:
+    """A stage run's name in MLflow's runs table: the stage, its arm, the day(s) it works
+    on (a model's: trained → scored), so `ingest` of the evaluation day and of the training
+    day, or the two arms' `train`, read apart."""
+    stage = GRAPH_STAGES[name]
+    days = args.data_days() if "days_of" in stage.options else args.training_days()
+    span = days[0] if len(days) == 1 else f"{days[0]}..{days[-1]}"
+    if "models" in stage.reads:
+        span = f"{span} → {args.eval_day(days[-1])}"
+    return " ".join(x for x in (name, args.mode if stage.per_arm else "", span) if x)
 
 
 def merge(upstream: list[dict], base: dict) -> dict:
