@@ -128,6 +128,11 @@ def test_the_mlflow_experiment_reads_at_a_glance(daily):
     assert {m.key for m in model.metrics} >= {"eval.ne", "eval.auc"}
     found = client.search_logged_models([exp.experiment_id])
     assert model.model_id in {m.model_id for m in found}  # the Models tab lists it
+    # each arm's model, named for its arm and day, with the figures its evaluate run found
+    arms = {m.name: m for m in found if m.source_run_id in {r.info.run_id for r in children}}
+    assert set(arms) == {f"dlrm-dedup-{DAY}", f"dlrm-baseline-{DAY}"}
+    ne = {m.key: m.value for m in arms[f"dlrm-baseline-{DAY}"].metrics}["eval.ne"]
+    assert ne == pytest.approx(summary["eval.ne.baseline"])
 
 
 def test_the_next_day_promotes_or_keeps_the_champion_by_ne_and_logs_why(daily):

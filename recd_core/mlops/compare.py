@@ -117,7 +117,7 @@ def chart(summary: dict, path: Path) -> Path:
         b = right.bar(
             [x + (i - 0.5) * width for x in range(2)], vals, width, label=arm, color=colour
         )
-        right.bar_label(b, fmt="%.3f")
+        right.bar_label(b, fmt="%.4f", fontsize=9)  # 4 decimals: the gap the gate judges shows
     right.set_xticks(range(2), names)
     right.set_title(f"next-day quality ({summary['run.eval_ds']})")
     top = max(summary[f"eval.{m}.{a}"] for m in ("ne", "auc") for a in ("dedup", "baseline"))

@@ -54,6 +54,7 @@ from recd_core.leftovers import owned_tempdir
 from recd_core.schema import events_schema
 
 MODEL_ARTIFACT = "model"
+MODEL_URI_TAG = "recd.model_uri"  # on a LoggedModel: the trained model it holds
 EXAMPLE_ROWS = 5
 NON_FEATURE_COLUMNS = ("event_id", "ts", "label")
 
@@ -154,11 +155,10 @@ class Registered:
     model_id: str  # the LoggedModel
 
 
-def log_and_register(
-    tracker, run_id: str, model_dir: Path, samples: pa.Table, name: str
-) -> Registered:
-    """Log the model (pyfunc with signature and input example) to the run's artifacts and
-    register it as a new version of `name`, aliased `challenger`."""
+def log_model(tracker, run_id: str, model_dir: Path, samples: pa.Table, model_uri: str) -> str:
+    """The trained model as an MLflow 3 LoggedModel of its train run (a pyfunc with signature
+    and input example, tagged `recd.model_uri`): the experiment's Models tab lists it, with
+    the figures `log_model_metrics` links to it. Returns its model id."""
     import torch
     from mlflow.models import infer_signature
 
@@ -167,6 +167,7 @@ def log_and_register(
     scorer.load_context(SimpleNamespace(artifacts={"dlrm": str(model_dir)}))
     signature = infer_signature(example, scorer.predict(None, example))
     client = tracker.client()
+    run = client.get_run(run_id)
     with owned_tempdir("recd-model-") as tmp:  # a killed run's: swept
         target = Path(tmp) / MODEL_ARTIFACT
         mlflow.pyfunc.save_model(
@@ -185,34 +186,58 @@ def log_and_register(
                 "pyyaml",
             ],
         )
-        # an MLflow 3 LoggedModel of the train run: the experiment's Models tab lists it
-        # with its metrics, and the registered version points at it
-        experiment = client.get_run(run_id).info.experiment_id
-        logged = client.create_logged_model(experiment, name=MODEL_ARTIFACT, source_run_id=run_id,
-                                            model_type="recd-dlrm")  # fmt: skip
+        # named for the arm and the day: the Models tab lists a comparison's two models apart
+        name = "-".join(["dlrm", *(v for k in ("mode", "ds") if (v := run.data.tags.get(k)))])
+        logged = client.create_logged_model(
+            run.info.experiment_id, name=name, source_run_id=run_id,
+            model_type="recd-dlrm", tags={MODEL_URI_TAG: model_uri},
+        )  # fmt: skip
         try:
             client.log_model_artifacts(logged.model_id, str(target))
         except Exception:
             client.finalize_logged_model(logged.model_id, "FAILED")
             raise
         client.finalize_logged_model(logged.model_id, "READY")
+    return logged.model_id
+
+
+def logged_model_of(tracker, model_uri: str) -> str | None:
+    """The LoggedModel of the trained model at `model_uri` (its train run logged it), if any."""
+    client = tracker.client()
+    exp = client.get_experiment_by_name(tracker.experiment)
+    if exp is None:
+        return None
+    found = client.search_logged_models(
+        [exp.experiment_id], filter_string=f"tags.`{MODEL_URI_TAG}` = '{model_uri}'", max_results=1
+    )
+    return found[0].model_id if found else None
+
+
+def log_and_register(
+    tracker, run_id: str, model_dir: Path, samples: pa.Table, name: str, model_uri: str
+) -> Registered:
+    """Register the train run's LoggedModel of `model_uri` (logged now if the train stage
+    did not) as a new version of `name`, aliased `challenger`."""
+    client = tracker.client()
+    model_id = logged_model_of(tracker, model_uri) or log_model(
+        tracker, run_id, model_dir, samples, model_uri
+    )
     # the store's own location of the model's files (a `models:/<id>` source would make
     # the registry look the model up through the process's default tracking URI)
-    source = client.get_logged_model(logged.model_id).artifact_location
+    source = client.get_logged_model(model_id).artifact_location
     try:
         client.get_registered_model(name)
     except mlflow.exceptions.MlflowException:
         client.create_registered_model(name, description="recd DLRM: scores sample rows")
     version = client.create_model_version(
-        name, source, run_id=run_id, tags={"recd.model_id": logged.model_id},
-        model_id=logged.model_id,
-    ).version  # fmt: skip
+        name, source, run_id=run_id, tags={"recd.model_id": model_id}, model_id=model_id
+    ).version
     # the link MLflow's UI follows from the model to its versions (as `register_model` sets it)
     client.set_logged_model_tags(
-        logged.model_id, {"mlflow.modelVersions": json.dumps([{"name": name, "version": version}])}
+        model_id, {"mlflow.modelVersions": json.dumps([{"name": name, "version": version}])}
     )
     client.set_registered_model_alias(name, "challenger", version)
-    return Registered(name, str(version), source, logged.model_id)
+    return Registered(name, str(version), source, model_id)
 
 
 def log_model_metrics(tracker, run_id: str, model_id: str, scored: dict) -> None:
@@ -487,7 +512,7 @@ def register_and_promote(
     challenger_ne = scored["eval.ne"]
     samples = warehouse.read("samples", eval_ds, layout="clustered").slice(0, EXAMPLE_ROWS)
     with model_dir(model_uri) as local:
-        new = log_and_register(tracker, run_id, local, samples, cfg.model_name)
+        new = log_and_register(tracker, run_id, local, samples, cfg.model_name, model_uri)
     current = champion(tracker, cfg.model_name)
     champion_ne, reason = None, undecidable(scored, eval_ds)
     if reason is not None:  # the champion stays

@@ -574,9 +574,32 @@ def run_stage(
     summary = {"status": "ok", "stage": name, **_json_safe(summary)}
     if record is not None and stage.per_arm:
         record.tracker.log_inputs(record.run_id, stage_inputs(args, stage))
+        summary |= _record_model(record, args, stage, summary)
     if tracker is not None and name == "finish" and args.parent_run_id:
         return RunRecord(tracker, args.parent_run_id).close(summary)  # the pipeline's run
     return record.close(summary) if record else summary
+
+
+def _record_model(record, args: StageArgs, stage, summary: dict) -> dict:
+    """The model in MLflow: the stage that trains it logs it as a LoggedModel of its run
+    (the Models tab, one per arm); a stage that scores it links its `eval.*` figures to it."""
+    from recd_core.mlops import registry
+    from recd_core.modeling.saved import model_dir
+
+    tracker = record.tracker
+    if "models" in stage.writes:
+        uri = summary["train.model_uris"].split(";")[-1]
+        day = args.training_days()[-1]
+        samples = args.store().read("samples", day, layout="clustered")
+        with model_dir(uri) as local:
+            model_id = registry.log_model(tracker, record.run_id, local,
+                                          samples.slice(0, registry.EXAMPLE_ROWS), uri)  # fmt: skip
+        return {"train.logged_model_id": model_id}
+    if "models" in stage.reads and "eval.ne" in summary and args.model_uri:
+        model_id = registry.logged_model_of(tracker, args.model_uri.split(";")[-1])
+        if model_id:
+            registry.log_model_metrics(tracker, record.run_id, model_id, summary)
+    return {}
 
 
 def stage_inputs(args: StageArgs, stage) -> list[dict]:
