@@ -400,6 +400,25 @@ def test_a_day_without_clicks_decides_nothing_and_the_champion_stays(daily):
     assert tags["recd.decision"] == "no decision" and "no clicks" in tags["recd.decision_reason"]
 
 
+def test_a_backfilled_day_cannot_judge_a_champion_that_learned_from_it(daily):
+    """A run for an earlier day (a backfill) scores on a day the champion trained on: no
+    comparison is fair, so nothing is decided and the champion stays, saying why."""
+    root, uri, _ = daily
+    client = MlflowClient(tracking_uri=uri)
+    before = client.get_model_version_by_alias("recd-dlrm", "champion")
+    assert before.tags["recd.trained_on"] >= DAY  # a day after the one backfilled
+    common = ("--warehouse", root / "wh", "--logs", root / "logs", "--out", root / "out",
+              "--config", Path(__file__).parent / "configs/small.yaml")  # fmt: skip
+    recd("--tracking-uri", uri, "run", *common, "--ds", "2026-10-31", "--summary",
+         root / "backfill.json")  # fmt: skip
+    out = json.loads((root / "backfill.json").read_text())  # trained 10-31, scored 11-01
+    assert (
+        out["registry.decision"] == "no decision"
+        and "cannot be judged on" in out["registry.reason"]
+    )
+    assert client.get_model_version_by_alias("recd-dlrm", "champion").version == before.version
+
+
 def test_a_champion_whose_artifacts_vanished_does_not_stick_the_daily_run(daily):
     """The champion's artifacts deleted from the store: the next day warm-starts from the
     newest readable ancestor (or scratch), says why, tags the champion unreadable, and the

@@ -515,6 +515,10 @@ def register_and_promote(
         new = log_and_register(tracker, run_id, local, samples, cfg.model_name, model_uri)
     current = champion(tracker, cfg.model_name)
     champion_ne, reason = None, undecidable(scored, eval_ds)
+    seen = _last_day_trained(current) if current is not None else ""
+    if reason is None and seen >= eval_ds:  # a backfilled day: the champion learned from it
+        reason = (f"the champion (version {current.version}) was trained on days up to {seen}: "
+                  f"it cannot be judged on {eval_ds}")  # fmt: skip
     if reason is not None:  # the champion stays
         decision, promoted = "no decision", False
     else:
