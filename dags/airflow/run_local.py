@@ -43,9 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     # a Deadline Alert needs the DAG serialized by a DAG processor, which `dag.test()`
     # skips (Airflow 3.3 then fails looking its alert up): one local run is watched anyway
     dag.deadline = None
-    run = dag.test(
-        logical_date=logical, run_conf=json.loads(a.conf) if a.conf else None
-    )
+    run = dag.test(logical_date=logical, run_conf=json.loads(a.conf) if a.conf else None)
     state = str(getattr(run.state, "value", run.state))
     print_summary(a.dag, day, state, SETTINGS.tracking_uri)
     return 0 if state == "success" else 1
