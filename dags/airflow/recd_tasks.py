@@ -151,9 +151,12 @@ def wait_for_logs(args: dict):
         from airflow.sdk.exceptions import AirflowFailException
 
         from recd_core.data.completeness import incomplete_days, marker_path
-        from recd_core.orchestration.stages import stage_args
+        from recd_core.orchestration.stages import StageArgs
 
-        a = stage_args("ingest", {k: run_args.get(k) for k in ("ds", "days", "eval_ds", "logs")})
+        keys = ("ds", "days", "eval_ds", "logs")  # the run's days and where their logs are
+        a = StageArgs.model_validate(
+            {k: run_args[k] for k in keys if run_args.get(k) not in (None, "", "None")}
+        )
         days = a.all_days()
         missing = incomplete_days(a.logs, days, SETTINGS.logs_marker)
         if not missing:

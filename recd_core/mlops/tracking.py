@@ -19,6 +19,7 @@ of an orchestrator (`start` ... `finish`, tasks in separate processes) has no ow
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import platform
@@ -291,15 +292,20 @@ class RunRecord:
     def system_metrics(self, every_s: float = 5.0):
         """Sample the machine (CPU, memory, disk, network, GPU) into this run while the
         block runs: MLflow's system metrics, shown in the run's System metrics tab."""
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        try:  # the record of the work, never a reason for the work to fail
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-        monitor = SystemMetricsMonitor(self.run_id, sampling_interval=every_s,
-                                       tracking_uri=self.tracker.uri)  # fmt: skip
-        monitor.start()
+            monitor = SystemMetricsMonitor(self.run_id, sampling_interval=every_s,
+                                           tracking_uri=self.tracker.uri)  # fmt: skip
+            monitor.start()
+        except Exception as e:  # noqa: BLE001 - e.g. psutil missing
+            logging.getLogger(__name__).warning("no system metrics for this run: %s", e)
+            monitor = None
         try:
             yield
         finally:
-            monitor.finish()
+            if monitor is not None:
+                monitor.finish()
 
     def fail(self, reason: str, summary: dict | None = None, also: tuple[str, ...] = ()) -> None:
         """Close this run (and the runs `also` names) FAILED. A tracking failure here is not
