@@ -20,15 +20,14 @@ import json
 from pathlib import Path
 
 from recd_core.mlops.compare import markdown as comparison_markdown
+from recd_core.mlops.tracking import HEADLINE, headline_rank
 from recd_core.orchestration.graph import ARMS, OUTPUT_NAMES, STAGES, outputs
-from recd_core.orchestration.stages import StageArgs, merge
+from recd_core.orchestration.stages import StageArgs, merge, stage_days
 
 # where the KFP launcher mounts a remote pipeline root in the pod (kfp.dsl.types.artifact_types)
 _MOUNTS = {"gs://": "/gcs/", "s3://": "/s3/", "minio://": "/minio/"}
-# what a gathering stage's Metrics and report show (the stages' own Metrics: the detail)
-HEADLINE = ("eval.ne", "eval.auc", "eval.calibration", "eval.oracle_ne", "storage.ratio",
-            "dpp.samples_per_s", "train.samples_per_s", "dpp.speedup", "train.speedup",
-            "eval.ne_gap", "eval.auc_gap", "registry.decision")  # fmt: skip
+# a gathering stage's Metrics and report show the headline figures (`tracking.HEADLINE`);
+# the stages' own Metrics hold the detail
 
 
 def local_path(uri: str) -> Path:
@@ -49,7 +48,7 @@ def _figures(summary: dict) -> dict[str, float]:
 
 def _datasets(stage: str, args: StageArgs, table: str) -> tuple[dict, dict]:
     """(pointer, metadata) of the partitions `stage` wrote to `table` on its days."""
-    days = args.data_days() if "days_of" in STAGES[stage].options else args.training_days()
+    days = stage_days(stage, args)
     if table == "logs":
         from recd_core.data.synth import logs_for_day
 
@@ -73,7 +72,7 @@ def _report(args: StageArgs, summary: dict, upstream: list[dict]) -> str:
     merged = merge(upstream, {**days, **summary})
     if all(f"eval.ne.{arm}" in merged for arm in ARMS):
         return comparison_markdown(merged)
-    rows = [(k, merged[k]) for k in HEADLINE if merged.get(k) is not None]
+    rows = [(k, merged[k]) for k in (*HEADLINE, "registry.decision") if merged.get(k) is not None]
     lines = [f"### recd: trained {days['run.ds']}, scored {days['run.eval_ds']}",
              "", "| | |", "|---|---:|"]  # fmt: skip
     lines += [f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in rows]
@@ -104,8 +103,7 @@ def write_outputs(
         elif kind == "metrics":
             meta, text = _figures(summary), ""
             if STAGES[stage].gathers:  # per arm too: `eval.ne.baseline`
-                meta = {k: v for k, v in meta.items()
-                        if k in HEADLINE or k.rsplit(".", 1)[0] in HEADLINE}  # fmt: skip
+                meta = {k: v for k, v in meta.items() if headline_rank(k) is not None}
         else:
             text = _report(args, summary, upstream)
             meta = {}

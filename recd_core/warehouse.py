@@ -233,6 +233,10 @@ class Warehouse:
     def partition_path(self, table: str, ds: str, **keys: str) -> str:
         return f"{self.root}/{self._rel(table, ds, keys)}"
 
+    def partition_name(self, table: str, ds: str, **keys: str) -> str:
+        """A partition's path within the warehouse (`samples/layout=clustered/ds=D`)."""
+        return self._rel(table, ds, keys)
+
     def _side_dir(self, table: str, kind: str, ds: str, keys: dict[str, str]) -> str:
         flat = "__".join([*(f"{k}={v}" for k, v in keys.items()), f"ds={ds}"])
         return f"{self.root}/{table}/{kind}/{flat}"

@@ -54,9 +54,8 @@ class Settings(BaseModel):
     logs_marker: str = MARKER
     logs_wait_hours: float = 6.0
     logs_poke_s: int = 300
-    task_timeout_minutes: int = (
-        60  # every task but train (train's: the config's train.timeout_minutes)
-    )
+    # every task but train (train's: the config's train.timeout_minutes)
+    task_timeout_minutes: int = 60
     dagrun_timeout_hours: float = 12.0
     deadline_hours: float = 8.0  # a run not done this long after it was queued is reported
     notifier: str = ALERTS_DEFAULT  # module:function called with (message, **details)
@@ -151,12 +150,10 @@ def wait_for_logs(args: dict):
         from airflow.sdk.exceptions import AirflowFailException
 
         from recd_core.data.completeness import incomplete_days, marker_path
-        from recd_core.orchestration.stages import StageArgs
+        from recd_core.orchestration.stages import parse_args
 
-        keys = ("ds", "days", "eval_ds", "logs")  # the run's days and where their logs are
-        a = StageArgs.model_validate(
-            {k: run_args[k] for k in keys if run_args.get(k) not in (None, "", "None")}
-        )
+        # the run's days and where their logs are
+        a = parse_args({k: run_args.get(k) for k in ("ds", "days", "eval_ds", "logs")})
         days = a.all_days()
         missing = incomplete_days(a.logs, days, SETTINGS.logs_marker)
         if not missing:
@@ -342,6 +339,8 @@ def dag_options(name: str) -> dict:
     from airflow.sdk.definitions.callback import AsyncCallback
     from airflow.sdk.definitions.deadline import DeadlineAlert, DeadlineReference
 
+    from recd_core.orchestration.alerts import deadline_missed
+
     message = f"{name}: a run is not done {SETTINGS.deadline_hours:g} h after it was queued"
     return {
         "dagrun_timeout": dt.timedelta(hours=SETTINGS.dagrun_timeout_hours),
@@ -350,7 +349,7 @@ def dag_options(name: str) -> dict:
             reference=DeadlineReference.DAGRUN_QUEUED_AT,
             interval=dt.timedelta(hours=SETTINGS.deadline_hours),
             callback=AsyncCallback(
-                "recd_core.orchestration.alerts.deadline_missed",
+                deadline_missed,  # awaited in the triggerer, imported there by its path
                 kwargs={"notifier_path": SETTINGS.notifier, "message": message},
             ),
         ),

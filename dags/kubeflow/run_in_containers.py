@@ -33,8 +33,14 @@ from recd_core.orchestration.graph import (  # noqa: E402
     outputs,
 )
 
-POD = ["--read-only", "--cap-drop=ALL", "--security-opt=no-new-privileges",
-       "--user", "10001:10001", "--tmpfs", "/tmp:mode=1777"]  # fmt: skip
+# how the chart runs pods, declared once: as docker-py arguments (kfp.local's DockerRunner,
+# run_local.py) and as the engine's command-line flags
+POD_RUN_ARGS = {"user": "10001:10001", "read_only": True, "cap_drop": ["ALL"],
+                "security_opt": ["no-new-privileges"], "tmpfs": {"/tmp": "mode=1777"}}  # fmt: skip
+POD = ["--user", POD_RUN_ARGS["user"], "--read-only",
+       *(f"--cap-drop={c}" for c in POD_RUN_ARGS["cap_drop"]),
+       *(f"--security-opt={o}" for o in POD_RUN_ARGS["security_opt"]),
+       *(x for d, o in POD_RUN_ARGS["tmpfs"].items() for x in ("--tmpfs", f"{d}:{o}"))]  # fmt: skip
 
 
 def executor_input(task_id: str, stage: str) -> dict:

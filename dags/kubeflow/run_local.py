@@ -31,12 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from recd_pipeline import RETRIES, build_pipeline  # noqa: E402
+from run_in_containers import POD_RUN_ARGS  # noqa: E402  (how the chart runs pods)
 
 from recd_core.orchestration.graph import COMPARISON, DAILY, Graph  # noqa: E402
-
-# how the chart runs pods, as docker-py arguments (run_in_containers.POD as CLI flags)
-POD = {"user": "10001:10001", "read_only": True, "cap_drop": ["ALL"],
-       "security_opt": ["no-new-privileges"], "tmpfs": {"/tmp": "mode=1777"}}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -109,7 +106,7 @@ def run_pipeline(image: str, root: Path, args: dict, graph: Graph = DAILY,
             os.environ["DOCKER_HOST"] = host
         docker_task_handler.run_docker_container = _run_keeping_exit_code
         try:
-            local.init(runner=local.DockerRunner(**POD), pipeline_root=str(root),
+            local.init(runner=local.DockerRunner(**POD_RUN_ARGS), pipeline_root=str(root),
                        raise_on_error=True)  # fmt: skip
             build_pipeline(image, graph, scheduled=False, retries=retries)(**args)
         finally:

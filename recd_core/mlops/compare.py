@@ -65,6 +65,15 @@ def table_rows(summary: dict) -> list[tuple[str, float, float, str]]:
     return out
 
 
+def _cells(summary: dict) -> list[tuple[str, str, str, str]]:
+    """`table_rows` as the table shows them: small figures to four decimals, the rest to one."""
+    out = []
+    for label, d, b, gain in table_rows(summary):
+        fmt = "{:,.4f}" if abs(d) < 10 else "{:,.1f}"
+        out.append((label, fmt.format(d), fmt.format(b), gain))
+    return out
+
+
 def print_table(summary: dict, console) -> None:
     from rich.table import Table
 
@@ -73,9 +82,8 @@ def print_table(summary: dict, console) -> None:
     )
     for col in ("", "dedup", "baseline", "dedup gain"):
         t.add_column(col, justify="left" if not col else "right")
-    for label, d, b, gain in table_rows(summary):
-        fmt = "{:,.4f}" if abs(d) < 10 else "{:,.1f}"
-        t.add_row(label, fmt.format(d), fmt.format(b), gain)
+    for cells in _cells(summary):
+        t.add_row(*cells)
     console.print(t)
 
 
@@ -84,9 +92,7 @@ def markdown(summary: dict) -> str:
     NE and AUC to four decimals, so a gap the quality gate cares about shows."""
     lines = [f"### dedup vs baseline, trained {summary['run.ds']}, scored {summary['run.eval_ds']}",
              "", "| | dedup | baseline | dedup gain |", "|---|---:|---:|---:|"]  # fmt: skip
-    for label, d, b, gain in table_rows(summary):
-        fmt = "{:,.4f}" if abs(d) < 10 else "{:,.1f}"
-        lines.append(f"| {label} | {fmt.format(d)} | {fmt.format(b)} | {gain} |")
+    lines += [f"| {' | '.join(cells)} |" for cells in _cells(summary)]
     return "\n".join(lines) + "\n"
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,15 +212,16 @@ def logged_model_of(tracker, model_uri: str) -> str | None:
     return found[0].model_id if found else None
 
 
-def log_and_register(
-    tracker, run_id: str, model_dir: Path, samples: pa.Table, name: str, model_uri: str
-) -> Registered:
-    """Register the train run's LoggedModel of `model_uri` (logged now if the train stage
-    did not) as a new version of `name`, aliased `challenger`."""
+def example_rows(warehouse, ds: str) -> pa.Table:
+    """The first sample rows of day `ds`, the logged model's input example (only the row
+    groups that hold them are read)."""
+    return warehouse.read_range("samples", ds, 0, EXAMPLE_ROWS, layout="clustered")
+
+
+def register(tracker, run_id: str, model_id: str, name: str) -> Registered:
+    """Register the LoggedModel `model_id` (of train run `run_id`) as a new version of
+    `name`, aliased `challenger`."""
     client = tracker.client()
-    model_id = logged_model_of(tracker, model_uri) or log_model(
-        tracker, run_id, model_dir, samples, model_uri
-    )
     # the store's own location of the model's files (a `models:/<id>` source would make
     # the registry look the model up through the process's default tracking URI)
     source = client.get_logged_model(model_id).artifact_location
@@ -246,10 +246,11 @@ def log_model_metrics(tracker, run_id: str, model_id: str, scored: dict) -> None
 
     from mlflow.entities import Metric
 
+    from recd_core.mlops.tracking import numeric
+
     now = int(time.time() * 1000)
-    metrics = [Metric(k, float(v), now, 0, model_id=model_id) for k, v in scored.items()
-               if k.startswith("eval.") and isinstance(v, int | float) and not isinstance(v, bool)
-               and math.isfinite(v)]  # fmt: skip
+    figures = numeric({k: v for k, v in scored.items() if k.startswith("eval.")})
+    metrics = [Metric(k, v, now, 0, model_id=model_id) for k, v in figures.items()]
     tracker.client().log_batch(run_id, metrics=metrics)
 
 
@@ -510,9 +511,12 @@ def register_and_promote(
         "recd.lineage_key": saved_lineage_key(model_uri),
     }
     challenger_ne = scored["eval.ne"]
-    samples = warehouse.read("samples", eval_ds, layout="clustered").slice(0, EXAMPLE_ROWS)
-    with model_dir(model_uri) as local:
-        new = log_and_register(tracker, run_id, local, samples, cfg.model_name, model_uri)
+    model_id = logged_model_of(tracker, model_uri)  # the train stage logged it, normally
+    if model_id is None:
+        with model_dir(model_uri) as local:
+            model_id = log_model(tracker, run_id, local, example_rows(warehouse, eval_ds),
+                                 model_uri)  # fmt: skip
+    new = register(tracker, run_id, model_id, cfg.model_name)
     current = champion(tracker, cfg.model_name)
     champion_ne, reason = None, undecidable(scored, eval_ds)
     seen = _last_day_trained(current) if current is not None else ""

@@ -421,7 +421,8 @@ def by_day(summary: dict) -> list[tuple[str, int, float]]:
 
 # the figures that answer "what did this run find?", in the order a reader wants them
 HEADLINE = ("storage.ratio", "dpp.speedup", "train.speedup", "eval.ne", "eval.auc",
-            "eval.ne_gap", "eval.auc_gap", "eval.oracle_ne", "eval.calibration")  # fmt: skip
+            "eval.ne_gap", "eval.auc_gap", "eval.oracle_ne", "eval.calibration",
+            "dpp.samples_per_s", "train.samples_per_s")  # fmt: skip
 
 
 def headline_rank(key: str) -> tuple[int, str] | None:

@@ -504,22 +504,28 @@ def with_upstream(stage: str, args: dict, summaries: dict[str, str | dict | None
     return out
 
 
+def parse_args(args: dict) -> StageArgs:
+    """`args` as an orchestrator renders them, validated: templated values it could not fill
+    ("", "None") are unset; what does not validate is `BadInput` with one line."""
+    args = {k: v for k, v in args.items() if v not in (None, "", "None")}
+    try:
+        return StageArgs.model_validate(args)
+    except ValidationError as e:
+        reasons = "; ".join(
+            err["msg"].removeprefix("Value error, ")
+            if err["type"] == "value_error"
+            else f"--{'.'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}"
+            for err in e.errors()
+        )
+        raise BadInput(f"bad arguments: {reasons}") from None
+
+
 def stage_args(name: str, args: StageArgs | dict) -> StageArgs:
-    """`args` validated for stage `name`: templated values an orchestrator could not fill
-    ("", "None") are unset; another stage's own argument (`graph.Stage.options`) is refused,
-    so a misdirected flag fails instead of doing nothing."""
+    """`args` validated for stage `name` (`parse_args`); another stage's own argument
+    (`graph.Stage.options`) is refused, so a misdirected flag fails instead of doing
+    nothing."""
     if isinstance(args, dict):
-        args = {k: v for k, v in args.items() if v not in (None, "", "None")}
-        try:
-            args = StageArgs.model_validate(args)
-        except ValidationError as e:
-            reasons = "; ".join(
-                err["msg"].removeprefix("Value error, ")
-                if err["type"] == "value_error"
-                else f"--{'.'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}"
-                for err in e.errors()
-            )
-            raise BadInput(f"bad arguments: {reasons}") from None
+        args = parse_args(args)
     foreign = sorted(args.model_fields_set & (OPTIONS - set(GRAPH_STAGES[name].options)))
     if foreign:
         flags = ", ".join("--" + f.replace("_", "-") for f in foreign)
@@ -589,11 +595,9 @@ def _record_model(record, args: StageArgs, stage, summary: dict) -> dict:
     tracker = record.tracker
     if "models" in stage.writes:
         uri = summary["train.model_uris"].split(";")[-1]
-        day = args.training_days()[-1]
-        samples = args.store().read("samples", day, layout="clustered")
+        example = registry.example_rows(args.store(), args.training_days()[-1])
         with model_dir(uri) as local:
-            model_id = registry.log_model(tracker, record.run_id, local,
-                                          samples.slice(0, registry.EXAMPLE_ROWS), uri)  # fmt: skip
+            model_id = registry.log_model(tracker, record.run_id, local, example, uri)
         return {"train.logged_model_id": model_id}
     if "models" in stage.reads and "eval.ne" in summary and args.model_uri:
         model_id = registry.logged_model_of(tracker, args.model_uri.split(";")[-1])
@@ -620,11 +624,16 @@ def stage_inputs(args: StageArgs, stage) -> list[dict]:
             continue
         m = wh.manifest(table, day, **keys)
         digest = hashlib.sha256(json.dumps(m, sort_keys=True, default=str).encode()).hexdigest()
-        rel = "/".join([table, *(f"{k}={v}" for k, v in keys.items()), f"ds={day}"])
-        out.append({"name": rel, "uri": wh.partition_uri(table, day, **keys),
+        out.append({"name": wh.partition_name(table, day, **keys), "uri": wh.partition_uri(table, day, **keys),
                     "digest": digest[:16], "rows": m["rows"],
                     "context": "evaluation" if scoring else "training"})  # fmt: skip
     return out
+
+
+def stage_days(name: str, args: StageArgs) -> list[str]:
+    """The days stage `name` works on: its `days_of` days (synth, ingest, generate), else
+    the training days."""
+    return args.data_days() if "days_of" in GRAPH_STAGES[name].options else args.training_days()
 
 
 def run_label(name: str, args: StageArgs) -> str:
@@ -632,7 +641,7 @@ def run_label(name: str, args: StageArgs) -> str:
     on (a model's: trained → scored), so `ingest` of the evaluation day and of the training
     day, or the two arms' `train`, read apart."""
     stage = GRAPH_STAGES[name]
-    days = args.data_days() if "days_of" in stage.options else args.training_days()
+    days = stage_days(name, args)
     span = days[0] if len(days) == 1 else f"{days[0]}..{days[-1]}"
     if "models" in stage.reads:
         span = f"{span} → {args.eval_day(days[-1])}"
