@@ -80,6 +80,20 @@ if [ -n "$torch_local" ] && [ "$VARIANT" = cpu ]; then
   args+=(--build-arg TORCH_INDEX=)
 fi
 
+# room to build: a cold build writes the 1.8 GB environment about three times (the build
+# stage, the runtime copy, the blob committed through TMPDIR); a full disk fails late and
+# takes the host's other work with it, so say so first
+need_gb=${IMAGE_BUILD_FREE_GB:-6}
+for dir in "$(podman info --format '{{.Store.GraphRoot}}')" "${TMPDIR:-/var/tmp}"; do
+  free_gb=$(df -Pk "$dir" | awk 'NR==2 {print int($4 / 1048576)}')
+  if [ "$free_gb" -lt "$need_gb" ]; then
+    say "only ${free_gb} GB free under $dir; a build needs about ${need_gb} GB (\`podman image prune\` reclaims old builds)"
+    exit 1
+  fi
+done
+
 say "podman build of $IMAGE"
-podman build "${args[@]}" "${mounts[@]}" -t "$IMAGE" .
+podman build --force-rm "${args[@]}" "${mounts[@]}" -t "$IMAGE" .
+# the builds this one replaced (untagged now): each holds its own copy of recd's layers
+podman image prune -f --filter "label=org.opencontainers.image.title=recd-components" >/dev/null
 podman image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' "$IMAGE"
