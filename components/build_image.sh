@@ -18,8 +18,9 @@ BASE=${PYTHON_IMAGE:-docker.io/library/python:3.11.14-slim-bookworm}
 LOCAL_BASE=localhost/recd-python:3.11-bookworm
 WORK=build/image
 PIP=${PIP:-.venv/bin/pip}
-args=(-f components/Dockerfile --build-arg "VARIANT=$VARIANT" --build-arg "VERSION=$VERSION"
-      --build-arg "REVISION=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)")
+args=(-f components/Dockerfile --build-arg "VARIANT=$VARIANT"
+      --label "org.opencontainers.image.version=$VERSION"
+      --label "org.opencontainers.image.revision=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)")
 say() { echo "make image: $*"; }
 
 if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then
