@@ -1,7 +1,7 @@
-"""What every component entrypoint does: typed arguments (generated from `StageArgs`, so the
-orchestrators and the library cannot drift apart), one stage call, the stage's summary
-written as the output-metadata file the orchestrator reads and printed as `recd <stage>`
-prints it, and a one-line reason with the exit code of `recd_core.errors` (2 bad input,
+"""What every component entrypoint does: typed arguments (generated from `StageArgs`, as
+`recd <stage>`'s options are, so the orchestrators, the command line and the library cannot
+drift apart), one stage call, the stage's summary written as the output-metadata file the
+orchestrator reads and printed as `recd <stage>` prints it, and a one-line reason with the exit code of `recd_core.errors` (2 bad input,
 3 quality gate, 4 tracking) on failure."""
 
 from __future__ import annotations
@@ -17,13 +17,8 @@ from components._kfp import write_outputs
 from recd_core.errors import BadInput, RecdError
 from recd_core.orchestration.graph import PULLED_FROM, STAGES
 from recd_core.orchestration.schedule import training_day
-from recd_core.orchestration.stages import (
-    OPTIONS,
-    StageArgs,
-    run_stage,
-    stage_args,
-    with_upstream,
-)
+from recd_core.orchestration.stage_args import stage_args, stage_options
+from recd_core.orchestration.stages import run_stage, with_upstream
 from recd_core.report import print_summary
 
 
@@ -32,17 +27,9 @@ def parser(stage: str) -> argparse.ArgumentParser:
         prog=f"python -m components.{stage}",
         description=f"recd stage {stage}: {STAGES[stage].doc}",
     )
-    own = set(STAGES[stage].options)
-    for name, field in StageArgs.model_fields.items():
-        if name in OPTIONS and name not in own:  # another stage's own argument
-            continue
-        text = field.description or ""
-        if field.is_required():
-            text += " (required)"
-        elif "(default" not in text and field.default is not None:
-            text += f" (default: {field.default})"
+    for o in stage_options(stage):
         # not `required=` here: a value may come from --args-json; StageArgs validates
-        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=text)
+        p.add_argument(o.flag, dest=o.name, default=None, help=o.help)
     p.add_argument("--args-json", help="further arguments as one JSON object (flags win)")
     for source in PULLED_FROM:  # the summaries stages take arguments from (graph.Pull)
         p.add_argument(f"--{source}-json", help=f"{source}'s summary (JSON)")

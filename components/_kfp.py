@@ -22,7 +22,8 @@ from pathlib import Path
 from recd_core.mlops.compare import markdown as comparison_markdown
 from recd_core.mlops.tracking import HEADLINE, headline_rank
 from recd_core.orchestration.graph import ARMS, OUTPUT_NAMES, STAGES, outputs
-from recd_core.orchestration.stages import StageArgs, merge, stage_days
+from recd_core.orchestration.stage_args import StageArgs
+from recd_core.orchestration.stages import merge, stage_days
 
 # where the KFP launcher mounts a remote pipeline root in the pod (kfp.dsl.types.artifact_types)
 _MOUNTS = {"gs://": "/gcs/", "s3://": "/s3/", "minio://": "/minio/"}

@@ -9,43 +9,24 @@ gate, 4 an unusable tracking server).
 from __future__ import annotations
 
 import datetime as dt
+import inspect
 import os
 import sys
 import warnings
-from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
 from recd_core.config import PipelineConfig, load_pipeline_config
 from recd_core.errors import BadInput, GateFailed, RecdError, TrackingError, classify
 from recd_core.report import console, print_summary, progress, write_summary
-from recd_core.warehouse import validate_ds
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
 
 SummaryOpt = Annotated[Path | None, typer.Option(help="write the figures as JSON here")]
 ConfigOpt = Annotated[Path | None, typer.Option(help="pipeline config YAML (default: built-in)")]
 WarehouseOpt = Annotated[str, typer.Option(help="warehouse root: a directory or a URI (s3://…)")]
-DsOpt = Annotated[str, typer.Option(help="the partition date, YYYY-MM-DD")]
-
-
-class Preset(StrEnum):
-    small = "small"
-    default = "default"
-    standard = "standard"
-
-
-class Format(StrEnum):
-    events = "events"
-    movielens = "movielens"
-
-
-class LayoutChoice(StrEnum):
-    clustered = "clustered"
-    shuffled = "shuffled"
-    both = "both"
 
 
 def _fail(command: str, message: str, code: int) -> None:
@@ -118,51 +99,6 @@ def _pipeline(config: Path | None, dataset: str = "synthetic") -> PipelineConfig
     return load_pipeline_config(config, dataset=dataset)
 
 
-@app.command()
-def synth(
-    ctx: typer.Context,
-    out: Annotated[
-        Path, typer.Option("--out", "--logs", help="the logs root: OUT/ds=YYYY-MM-DD/*.jsonl.gz")
-    ],
-    start_date: Annotated[
-        str, typer.Option("--start-date", "--ds", help="first day, YYYY-MM-DD")
-    ] = "2026-11-01",
-    days: Annotated[int, typer.Option(min=1)] = 1,
-    days_of: DaysOfOpt = None,
-    preset: Preset = Preset.small,
-    samples_per_day: Annotated[
-        int | None, typer.Option(min=1, help="impressions a day (default: the preset's)")
-    ] = None,
-    users: Annotated[int | None, typer.Option(min=1, help="users (default: the preset's)")] = None,
-    items: Annotated[int | None, typer.Option(min=2, help="items (default: the preset's)")] = None,
-    mean_session_length: Annotated[float | None, typer.Option(min=1.0)] = None,
-    seed: int | None = None,
-    features: Annotated[str, typer.Option(help="feature set name or YAML")] = "synthetic",
-    config: ConfigOpt = None,
-    summary: SummaryOpt = None,
-):
-    """Generate raw impression logs with session structure (deterministic per seed), for the
-    days that have none (a day with logs is kept). The `synth` stage of the pipelines.
-
-    A preset sizes the workload; `--samples-per-day`, `--users` and `--items` resize it
-    without a config file. Days are written a file at a time, so memory does not grow with
-    the day's size."""
-    try:
-        validate_ds(start_date)
-    except ValueError:
-        _fail("synth", f"--start-date must be YYYY-MM-DD, got {start_date!r}", 2)
-    _stage(ctx, "synth", summary, logs=out, ds=start_date, days=days,
-           days_of=days_of.value if days_of else None, preset=preset.value,
-           samples_per_day=samples_per_day, users=users, items=items,
-           mean_session_length=mean_session_length, seed=seed, features=features,
-           config=config)  # fmt: skip
-
-
-class Engine(StrEnum):
-    local = "local"
-    ray = "ray"
-
-
 def _stage(ctx: typer.Context, name: str, summary_path: Path | None, **args) -> dict:
     """`recd <stage>`: the stage itself, run as every orchestrator runs it
     (`stages.run_stage`, the same arguments: the options given, unset ones left to the
@@ -185,187 +121,52 @@ def _stage(ctx: typer.Context, name: str, summary_path: Path | None, **args) -> 
     return summary
 
 
-EngineOpt = Annotated[
-    Engine | None, typer.Option(help="do the work here (threads, processes) or as Ray Data tasks")
-]
-WorkersOpt = Annotated[int | None, typer.Option(min=1, help="parallel workers")]
-DaysOpt = Annotated[int | None, typer.Option(min=1, help="consecutive training days from --ds")]
+# what each stage command does; its options are generated from `StageArgs`
+STAGE_COMMANDS = {
+    "synth": """Generate raw impression logs with session structure (deterministic per seed),
+    for the days that have none (a day with logs is kept). A preset sizes the workload;
+    `--samples-per-day`, `--users` and `--items` resize it without a config file. Days are
+    written a file at a time, so memory does not grow with the day's size.""",
+    "ingest": """Validate raw logs into events/ds=D; rejected rows go to quarantine/ds=D with
+    reasons (`--source`: one day's files; `--logs`: the run's days, as the pipelines give it).""",
+    "generate": """Write training samples in the session-clustered (RecD) and shuffled
+    (baseline) layouts.""",
+    "preprocess": """DPP: transform samples/layout=clustered/ds=D into batches/mode=<mode>/ds=D;
+    in dedup mode once per unique value (IKJT).""",
+    "train": """Train the DLRM on the preprocessed batches/mode=<mode>/ds=D (dedup: IKJT,
+    baseline: KJT); resumes from the run's latest checkpoint. --batch-size must match
+    preprocessing.""",
+    "evaluate": """Score the evaluation day's clustered samples (--eval-ds, default the day
+    after --ds) with the model trained on --ds: NE, AUC, log loss, calibration.""",
+}
 
 
-class DaysOf(StrEnum):
-    training = "training"
-    evaluation = "evaluation"
-    run = "run"
+def _stage_command(name: str, text: str) -> None:
+    """`recd <name>`, its options generated from the stage's arguments
+    (`stage_args.stage_options`: name, type, default and help declared once, in
+    `StageArgs`), as the component `python -m components.<name>` takes them."""
+    from recd_core.orchestration.stage_args import stage_options
+
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("ctx", keyword, annotation=typer.Context)]
+    for o in stage_options(name, wiring=False):
+        flag = f"{o.flag}/--no-{o.flag[2:]}" if o.annotation is bool else o.flag
+        option = typer.Option(flag, help=o.help, show_default=False)
+        default = inspect.Parameter.empty if o.required else o.default
+        params.append(inspect.Parameter(o.name, keyword, default=default,
+                                        annotation=Annotated[o.annotation, option]))  # fmt: skip
+    params.append(inspect.Parameter("summary", keyword, default=None, annotation=SummaryOpt))
+
+    def command(ctx: typer.Context, summary: Path | None = None, **args) -> None:
+        _stage(ctx, name, summary, **args)
+
+    command.__signature__ = inspect.Signature(params)
+    command.__doc__ = f"{text}\n\n    The `{name}` stage of the pipelines, with the same arguments."
+    app.command(name)(command)
 
 
-DaysOfOpt = Annotated[
-    DaysOf | None,
-    typer.Option(
-        help="the run's training days (--ds, --days), its evaluation days (the day after "
-        "each, or --eval-ds), or both"
-    ),
-]
-EvalDayOpt = Annotated[
-    str | None, typer.Option(help="the evaluation day of a one-day run (default: the next day)")
-]
-
-
-@app.command("ingest")
-def ingest_cmd(
-    ctx: typer.Context,
-    warehouse: WarehouseOpt,
-    ds: DsOpt,
-    source: Annotated[
-        Path | None, typer.Option(help="a log file or a directory of them: the day --ds")
-    ] = None,
-    logs: Annotated[
-        Path | None, typer.Option(help="instead of --source: the logs root (<logs>/ds=<day>/)")
-    ] = None,
-    days: DaysOpt = None,
-    days_of: DaysOfOpt = None,
-    eval_ds: EvalDayOpt = None,
-    format: Format | None = None,  # noqa: A002
-    max_quarantine_fraction: Annotated[float | None, typer.Option(min=0.0, max=1.0)] = None,
-    engine: EngineOpt = None,
-    workers: WorkersOpt = None,
-    config: ConfigOpt = None,
-    summary: SummaryOpt = None,
-):
-    """Validate raw logs into events/ds=D; rejected rows go to quarantine/ds=D with reasons.
-    The `ingest` stage of the pipelines, with the same arguments (`--source`: one day's files;
-    `--logs`: the run's days, as the pipelines give it)."""
-    _stage(ctx, "ingest", summary, warehouse=warehouse, ds=ds, source=source, logs=logs,
-           days=days, days_of=days_of.value if days_of else None, eval_ds=eval_ds,
-           format=format.value if format else None, max_quarantine_fraction=max_quarantine_fraction,
-           engine=engine.value if engine else None, workers=workers, config=config)  # fmt: skip
-
-
-@app.command("generate")
-def generate_cmd(
-    ctx: typer.Context,
-    warehouse: WarehouseOpt,
-    ds: DsOpt,
-    layout: Annotated[
-        LayoutChoice | None,
-        typer.Option(help="default: both for training days, clustered for evaluation days"),
-    ] = None,
-    days: DaysOpt = None,
-    days_of: DaysOfOpt = None,
-    eval_ds: EvalDayOpt = None,
-    batch_size: Annotated[
-        int | None, typer.Option(min=1, help="batch size of the dedup profile")
-    ] = None,
-    row_group_size: Annotated[int | None, typer.Option(min=1)] = None,
-    engine: EngineOpt = None,
-    workers: WorkersOpt = None,
-    config: ConfigOpt = None,
-    summary: SummaryOpt = None,
-):
-    """Write training samples in the session-clustered (RecD) and shuffled (baseline)
-    layouts: the `generate` stage of the pipelines, with the same arguments."""
-    _stage(ctx, "generate", summary, warehouse=warehouse, ds=ds,
-           layout=layout.value if layout else None, days=days, days_of=days_of.value if days_of else None,
-           eval_ds=eval_ds, batch_size=batch_size, row_group_size=row_group_size,
-           engine=engine.value if engine else None, workers=workers, config=config)  # fmt: skip
-
-
-class Mode(StrEnum):
-    dedup = "dedup"
-    baseline = "baseline"
-
-
-@app.command("preprocess")
-def preprocess_cmd(
-    ctx: typer.Context,
-    warehouse: WarehouseOpt,
-    ds: DsOpt,
-    mode: Mode = Mode.dedup,
-    days: DaysOpt = None,
-    batch_size: Annotated[int | None, typer.Option(min=1)] = None,
-    workers: WorkersOpt = None,
-    engine: EngineOpt = None,
-    threads: Annotated[
-        bool, typer.Option(help="local workers as threads instead of processes")
-    ] = False,
-    stats_from: Annotated[
-        str | None, typer.Option(help="use the standardization statistics of this preprocessed day")
-    ] = None,
-    config: ConfigOpt = None,
-    summary: SummaryOpt = None,
-):
-    """DPP: transform samples/layout=clustered/ds=D into batches/mode=<mode>/ds=D; in dedup
-    mode once per unique value (IKJT). The `preprocess` stage of the pipelines."""
-    _stage(ctx, "preprocess", summary, warehouse=warehouse, ds=ds, mode=mode.value, days=days,
-           batch_size=batch_size, workers=workers, engine=engine.value if engine else None,
-           threads=threads or None, stats_from=stats_from, config=config)  # fmt: skip
-
-
-class DeviceChoice(StrEnum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-@app.command("train")
-def train_cmd(
-    ctx: typer.Context,
-    warehouse: WarehouseOpt,
-    ds: DsOpt,
-    mode: Mode = Mode.dedup,
-    days: DaysOpt = None,
-    device: DeviceChoice | None = None,
-    nproc: Annotated[
-        int | None, typer.Option(min=1, help="data-parallel processes (gloo on CPU, nccl on GPU)")
-    ] = None,
-    batch_size: Annotated[int | None, typer.Option(min=1)] = None,
-    epochs: Annotated[int | None, typer.Option(min=1)] = None,
-    max_steps: Annotated[int | None, typer.Option(min=1)] = None,
-    checkpoint_every: Annotated[int | None, typer.Option(min=1)] = None,
-    amp: Annotated[bool, typer.Option(help="bf16 autocast on CUDA")] = False,
-    init_from: Annotated[
-        str | None,
-        typer.Option(
-            help="start from this model's weights (warm start): a model directory, "
-            "<warehouse>/models/<run>, or models:/<name>@<alias> | models:/<name>/<version> "
-            "(needs a tracking URI); default: the champion, when the config's train.warm_start "
-            "and a tracking URI"
-        ),
-    ] = None,
-    train_config: Annotated[
-        Path | None, typer.Option(help="TrainConfig YAML (model, optimizer, dedup plan)")
-    ] = None,
-    config: ConfigOpt = None,
-    summary: SummaryOpt = None,
-):
-    """Train the DLRM on the preprocessed batches/mode=<mode>/ds=D (dedup: IKJT, baseline:
-    KJT); resumes from the run's latest checkpoint. --batch-size must match preprocessing.
-    The `train` stage of the pipelines."""
-    _stage(ctx, "train", summary, warehouse=warehouse, ds=ds, mode=mode.value, days=days,
-           device=device.value if device else None, nproc=nproc, batch_size=batch_size,
-           epochs=epochs, max_steps=max_steps, checkpoint_every=checkpoint_every,
-           amp=amp or None, init_from=init_from, train_config=train_config,
-           config=config)  # fmt: skip
-
-
-@app.command("evaluate")
-def evaluate_cmd(
-    ctx: typer.Context,
-    warehouse: WarehouseOpt,
-    model: Annotated[str, typer.Option(help="the model URI (train's train.model_uri)")],
-    ds: Annotated[str, typer.Option(help="the day scored, YYYY-MM-DD")],
-    mode: Annotated[Mode, typer.Option(help="the model's arm (labels its figures)")] = Mode.dedup,
-    batch_size: Annotated[int | None, typer.Option(min=1)] = None,
-    logs: Annotated[
-        Path | None, typer.Option(help="the logs root: the day's oracle figures, if synthetic")
-    ] = None,
-    config: ConfigOpt = None,
-    summary: SummaryOpt = None,
-):
-    """Score samples/layout=clustered/ds=D with a trained model: NE, AUC, log loss,
-    calibration. The `evaluate` stage of the pipelines, for one model on the day given (its
-    evaluation day, `--eval-ds` there)."""
-    _stage(ctx, "evaluate", summary, warehouse=warehouse, ds=ds, eval_ds=ds, model_uri=model,
-           mode=mode.value, eval_batch_size=batch_size, logs=logs, config=config)  # fmt: skip
+for _name, _text in STAGE_COMMANDS.items():
+    _stage_command(_name, _text)
 
 
 def _day_or_yesterday(ds: str | None) -> str:
@@ -496,7 +297,9 @@ def compare_cmd(
 @app.command("bench")
 def bench_cmd(
     ctx: typer.Context,
-    preset: Preset = Preset.standard,
+    preset: Annotated[
+        Literal["small", "default", "standard"], typer.Option(help="synthetic workload size")
+    ] = "standard",
     out: Annotated[Path, typer.Option(help="where the bench writes its data and report")] = Path(
         "build/bench"
     ),
@@ -514,7 +317,7 @@ def bench_cmd(
     from recd_core.bench.run import run_bench
 
     def body():
-        return run_bench(preset.value, out, movielens, quality=quality, quality_days=quality_days)
+        return run_bench(preset, out, movielens, quality=quality, quality_days=quality_days)
 
     _run(ctx, "bench", summary or out / "bench.json", body)
 

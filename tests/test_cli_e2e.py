@@ -28,11 +28,11 @@ def test_synth_ingest_generate_with_contract_summaries(tmp_path: Path):
     logs, wh = tmp_path / "logs", tmp_path / "wh"
     recd(
         "synth",
-        "--out",
+        "--logs",
         logs,
         "--preset",
         "small",
-        "--start-date",
+        "--ds",
         DAY,
         "--days",
         "2",
@@ -157,7 +157,7 @@ def test_quarantine_gate_exits_nonzero_with_one_line(tmp_path: Path, day_logs):
             ("ingest", "--source", "{tmp}", "--warehouse", "{tmp}/wh", "--ds", "2026-13-01"),
             "YYYY-MM-DD",
         ),
-        (("synth", "--out", "{tmp}/x", "--start-date", "tomorrow"), "--start-date"),
+        (("synth", "--logs", "{tmp}/x", "--ds", "tomorrow"), "--ds must be a date"),
         (
             (
                 "ingest",

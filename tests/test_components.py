@@ -167,7 +167,7 @@ def test_the_dockerfile_is_multi_stage_pinned_and_non_root():
 
 
 def test_a_stage_names_the_days_it_works_on_or_refuses():
-    from recd_core.orchestration.stages import StageArgs
+    from recd_core.orchestration.stage_args import StageArgs
 
     args = {"warehouse": "w", "ds": DAY, "days": 2}
     assert StageArgs(**args).data_days() == [DAY, "2026-11-02"]
@@ -175,3 +175,41 @@ def test_a_stage_names_the_days_it_works_on_or_refuses():
     assert StageArgs(**args, days_of="run").data_days() == [DAY, "2026-11-02", "2026-11-03"]
     with pytest.raises(BadInput, match="no such day"):  # the evaluation day is a training day
         StageArgs(warehouse="w", ds=DAY, eval_ds=DAY, days_of="evaluation").data_days()
+
+
+def test_each_recd_command_takes_the_options_its_component_takes(monkeypatch):
+    """`recd <stage>` and `python -m components.<stage>` are generated from one declaration
+    (`StageArgs`): the same option names, help, defaults and types, so a flag that works in
+    a terminal works in a pod."""
+    import types
+    import typing
+
+    import typer.main
+
+    monkeypatch.syspath_prepend(str(REPO))  # the components run from the repository root
+    from components._entry import parser
+    from recd_core.cli import STAGE_COMMANDS, app
+    from recd_core.orchestration.stage_args import WIRING, StageArgs
+
+    cli = typer.main.get_command(app)
+    for stage in STAGE_COMMANDS:
+        component_opts = {
+            a.option_strings[0]: a
+            for a in parser(stage)._actions
+            if a.dest in StageArgs.model_fields
+        }
+        command_opts = {
+            p.opts[0]: p for p in cli.commands[stage].params if p.name in StageArgs.model_fields
+        }
+        wiring = {"--" + w.replace("_", "-") for w in WIRING}
+        assert set(command_opts) == set(component_opts) - wiring, stage
+        for flag, option in command_opts.items():
+            field = StageArgs.model_fields[option.name]
+            assert option.help == component_opts[flag].help, (stage, flag)
+            assert option.required == field.is_required(), (stage, flag)
+            if not field.is_required():
+                assert option.default == field.default, (stage, flag)
+            kind = field.annotation
+            if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+                (kind,) = [k for k in typing.get_args(kind) if k is not type(None)]
+            assert option.type_descriptor.annotation == kind, (stage, flag)

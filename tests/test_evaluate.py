@@ -37,8 +37,8 @@ def test_both_arms_reach_the_same_quality_on_the_next_day(fresh_warehouse, tmp_p
     # each arm) move the AUC of a 4,000-sample day by a few thousandths (0.0032 measured)
     assert d["eval.auc"] == pytest.approx(b["eval.auc"], abs=5e-3)
     r = subprocess.run(
-        [sys.executable, "-m", "recd_core.cli", "evaluate", "--warehouse", fresh_warehouse.uri, "--model",
-         d["eval.model_uri"], "--ds", NEXT, "--summary", str(tmp_path / "e.json")],
+        [sys.executable, "-m", "recd_core.cli", "evaluate", "--warehouse", fresh_warehouse.uri, "--model-uri",
+         d["eval.model_uri"], "--ds", DAY, "--summary", str(tmp_path / "e.json")],
         capture_output=True, text=True,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -51,8 +51,18 @@ def test_both_arms_reach_the_same_quality_on_the_next_day(fresh_warehouse, tmp_p
 
 def test_missing_model_or_day_is_one_line(fresh_warehouse):
     for args, message in (
-        (("--model", fresh_warehouse.uri + "/models/nope", "--ds", NEXT), "model not found"),
-        (("--model", fresh_warehouse.uri + "/models/nope", "--ds", "2026-12-31"), None),
+        (("--model-uri", fresh_warehouse.uri + "/models/nope", "--ds", DAY), "model not found"),
+        (
+            (
+                "--model-uri",
+                fresh_warehouse.uri + "/models/nope",
+                "--ds",
+                DAY,
+                "--eval-ds",
+                "2026-12-31",
+            ),
+            None,
+        ),
     ):
         r = subprocess.run(
             [sys.executable, "-m", "recd_core.cli", "evaluate", "--warehouse", fresh_warehouse.uri, *args],

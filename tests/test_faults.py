@@ -329,7 +329,18 @@ def test_a_tracking_server_killed_mid_run_is_told_truthfully_and_cleaned_up(tmp_
     try:
         running = client.search_runs(["1"], "attributes.status = 'RUNNING'")
         assert running, "the dead run left runs open"
-        recd("--tracking-uri", uri, "synth", "--out", tmp_path / "logs2", "--ds", DAY, code=0)
+        recd(
+            "--tracking-uri",
+            uri,
+            "synth",
+            "--logs",
+            tmp_path / "logs2",
+            "--ds",
+            DAY,
+            "--preset",
+            "small",
+            code=0,
+        )
         for run in running:
             after = client.get_run(run.info.run_id)
             assert after.info.status == "FAILED" and after.data.tags["recd.status"] == "abandoned"

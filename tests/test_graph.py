@@ -123,7 +123,7 @@ def test_each_layer_imports_only_from_the_layers_above_it():
 def test_every_stage_argument_is_common_or_one_stages_own():
     """`Stage.options` name real `StageArgs` fields, and a field no stage claims is common
     (every stage may take it): a component's `--help` shows exactly what its stage reads."""
-    from recd_core.orchestration.stages import OPTIONS, StageArgs
+    from recd_core.orchestration.stage_args import OPTIONS, StageArgs
 
     assert set(StageArgs.model_fields) >= OPTIONS
     common = set(StageArgs.model_fields) - OPTIONS

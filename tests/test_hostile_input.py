@@ -281,7 +281,7 @@ def test_a_damaged_or_malicious_model_is_one_line_about_the_model(files, tmp_pat
                 (model / name).write_text(json.dumps(meta))
             else:
                 (model / name).write_text(text)
-    r = recd("evaluate", "--warehouse", tmp_path / "wh", "--model", model, "--ds", "2026-11-02",
+    r = recd("evaluate", "--warehouse", tmp_path / "wh", "--model-uri", model, "--ds", "2026-11-01",
              code=2)  # fmt: skip
     assert "checkpoint" not in r.stderr and str(model) in r.stderr, r.stderr
     assert not marker.exists(), "the pickle did not run"

@@ -347,29 +347,6 @@ def test_mlflow_models_serve_answers_the_champions_own_serving_example(daily, tm
     assert all(0.0 < p < 1.0 for p in predictions)
 
 
-def test_a_model_registered_by_the_flat_layout_still_loads_and_scores(daily, tmp_path):
-    """Upgrading recd must not strand the champion: models registered before the layered
-    layout keep `from recd_core.registry import SampleScorer` in their entry code."""
-    import mlflow.artifacts
-
-    root, uri, _ = daily
-    client = MlflowClient(tracking_uri=uri)
-    v1 = client.get_model_version("recd-dlrm", "1")
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=v1.source, dst_path=str(tmp_path),
-                                                     tracking_uri=uri))  # fmt: skip
-    entry = next(local.rglob("mlflow_model.py"))
-    entry.write_text(
-        "from mlflow.models import set_model\n\n"
-        "from recd_core.registry import SampleScorer\n\n"
-        "set_model(SampleScorer())\n"
-    )
-    loaded = mlflow.pyfunc.load_model(str(local))
-    rows = Warehouse(root / "wh").read_range("samples", NEXT, 0, 50, layout="clustered")
-    rows = rows.drop_columns(["label", "event_id", "ts"])
-    scores = np.asarray(loaded.predict(rows.to_pandas()))
-    assert scores.shape == (50,) and ((scores > 0) & (scores < 1)).all()
-
-
 def test_a_day_without_clicks_decides_nothing_and_the_champion_stays(daily):
     """An evaluation day whose labels are all 0: AUC is undefined and NE divides by a zero
     entropy, so no decision is made, with the reason, and the champion keeps serving."""

@@ -82,8 +82,10 @@ def test_an_unreachable_server_fails_fast_with_one_line(tmp_path):
         "--tracking-uri",
         f"http://127.0.0.1:{port}",
         "synth",
-        "--out",
+        "--logs",
         tmp_path / "logs",
+        "--ds",
+        "2026-11-01",
         check=False,
     )
     assert r.returncode == 4 and time.monotonic() - t0 < 10
@@ -121,7 +123,17 @@ def mlflow_server(tmp_path):
 
 @pytest.mark.slow
 def test_commands_log_to_a_real_mlflow_server(mlflow_server, tmp_path):
-    recd("--tracking-uri", mlflow_server, "synth", "--out", tmp_path / "logs", "--preset", "small")
+    recd(
+        "--tracking-uri",
+        mlflow_server,
+        "synth",
+        "--logs",
+        tmp_path / "logs",
+        "--ds",
+        "2026-11-01",
+        "--preset",
+        "small",
+    )
     _, runs = _runs(mlflow_server, "synth")
     assert len(runs) == 1 and runs[0].data.metrics["synth.rows"] > 1000
     # the daily run registers its model through the server and names a champion

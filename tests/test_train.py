@@ -15,9 +15,16 @@ from recd_core.dedup.sparse import JaggedError
 from recd_core.dpp.preprocess import preprocess
 from recd_core.metrics import auc
 from recd_core.modeling.batching import make_batch, plan_dedup
+from recd_core.modeling.checkpoints import Checkpoints, batches_id, run_name
 from recd_core.modeling.model import DLRM
-from recd_core.modeling.saved import CheckpointError, batches_of, load_model, predict
-from recd_core.modeling.train import Checkpoints, batches_id, run_name, train
+from recd_core.modeling.saved import (
+    CheckpointError,
+    ModelError,
+    batches_of,
+    load_model,
+    predict,
+)
+from recd_core.modeling.train import train
 from recd_core.schema import feature_set_of
 
 DAY, NEXT = "2026-11-01", "2026-11-02"
@@ -100,7 +107,9 @@ def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(
     script = textwrap.dedent(
         f"""
         import os, signal
-        from recd_core.modeling.train import Checkpoints, TrainConfig, train
+        from recd_core.config import TrainConfig
+        from recd_core.modeling.checkpoints import Checkpoints
+        from recd_core.modeling.train import train
         from recd_core.warehouse import Warehouse
         real = Checkpoints.save
         def save_then_die(self, state):
@@ -305,7 +314,8 @@ def test_validation_rows_are_the_latest_and_never_trained_on(fresh_warehouse):
 
 def test_warm_start_loads_the_given_models_weights_or_says_why_it_cannot(fresh_warehouse):
     from recd_core.dpp.batch_store import BatchStore
-    from recd_core.modeling.train import initial_state, validate
+    from recd_core.modeling.train import validate
+    from recd_core.modeling.warm_start import initial_state
 
     first = fit(fresh_warehouse, TrainConfig(batch_size=256, max_steps=6, model=SMALL_MODEL))
     model, _ = load_model(first["train.model_uri"])
@@ -438,23 +448,23 @@ def test_warm_start_continues_the_saved_optimizer_state(fresh_warehouse, monkeyp
     assert same["train.lr_dense"] == plain.lr_dense  # None: the warm start keeps lr_dense
 
 
-def test_a_model_saved_before_an_option_existed_still_loads_and_warm_starts_afresh(
+def test_a_model_whose_weights_do_not_fit_its_config_is_refused_and_warm_starts_afresh(
     fresh_warehouse,
 ):
-    """Models saved before the FM term have no `fm` in model.json and no `fm.weight`: they
-    load as what they were built as, and a warm start from one trains from scratch, saying
-    why (today's default config differs)."""
-    old_model = SMALL_MODEL.model_copy(update={"fm": False})
-    old = fit(fresh_warehouse, TrainConfig(batch_size=256, max_steps=2, model=old_model))
+    """A model.json whose config does not describe its weights (edited, or written by
+    another version of recd): scoring refuses it naming the model, and a warm start from it
+    trains from scratch, saying why."""
+    old = fit(fresh_warehouse, TrainConfig(batch_size=256, max_steps=2, model=SMALL_MODEL))
     meta_path = Path(old["train.model_uri"]) / "model.json"
     meta = json.loads(meta_path.read_text())
-    del meta["train"]["model"]["fm"]
+    meta["train"]["model"]["fm"] = not meta["train"]["model"]["fm"]
     meta_path.write_text(json.dumps(meta))
-    model, _ = load_model(old["train.model_uri"])
-    assert model.fm is None
+    with pytest.raises(ModelError, match=f"{old['train.model_uri']} is not a recd model"):
+        load_model(old["train.model_uri"])
     cfg = TrainConfig(batch_size=256, max_steps=2, model=SMALL_MODEL)
     new = train(fresh_warehouse, DAY, cfg, init_from=old["train.model_uri"])
-    assert new["train.init_from"] == "" and "model config changed (fm)" in new["train.init_reason"]
+    assert new["train.init_from"] == ""
+    assert "model config changed (fm)" in new["train.init_reason"]
 
 
 def test_a_training_window_trains_on_the_days_before_too(fresh_warehouse):

@@ -30,6 +30,7 @@ from recd_tasks import SETTINGS, build, dag_options
 
 from recd_core.orchestration.graph import DAILY
 from recd_core.orchestration.schedule import training_day
+from recd_core.orchestration.stage_args import param_schema
 
 # an explicit `ds` wins; else the days are over when the run starts (a manual run without
 # a logical date: its run_after)
@@ -48,14 +49,12 @@ TRAIN_DAY = "{{ params.ds or recd_training_day(data_interval_end or dag_run.run_
     user_defined_macros={"recd_training_day": training_day},
     params={
         "ds": Param(
-            "", type="string", description="training day YYYY-MM-DD (empty: from the run's time)"
+            "",
+            **param_schema("ds")
+            | {"description": "training day YYYY-MM-DD (empty: from the run's time)"},
         ),
-        "config": Param(
-            SETTINGS.config or "",
-            type="string",
-            description="pipeline config YAML (empty: built-in)",
-        ),
-        "mode": Param("dedup", enum=["dedup", "baseline"], description="the training arm"),
+        "config": Param(SETTINGS.config or "", **param_schema("config")),
+        "mode": Param("dedup", **param_schema("mode")),
     },
     **dag_options(DAILY.name),
 )

@@ -17,6 +17,7 @@ from airflow.sdk import Param, dag
 from recd_tasks import SETTINGS, build, dag_options
 
 from recd_core.orchestration.graph import COMPARISON
+from recd_core.orchestration.stage_args import param_schema
 
 PRESET = "{{ params.preset }}"
 ROOT = f"{SETTINGS.compare_root}/{PRESET}"
@@ -32,12 +33,10 @@ LOGS = f"{SETTINGS.logs}/_compare/{PRESET}"  # raw logs stay files (the logs vol
     tags=["recd", "benchmark"],
     doc_md=__doc__ + "\n" + COMPARISON.table(),
     params={
-        "ds": Param("2026-11-01", type="string", format="date", description="first training day"),
-        "days": Param(1, type="integer", minimum=1, maximum=31, description="training days"),
-        "preset": Param(
-            "small", enum=["small", "default", "standard"], description="synthetic workload"
-        ),
-        "batch_size": Param(512, type="integer", minimum=1, description="DPP and training"),
+        "ds": Param("2026-11-01", format="date", **param_schema("ds")),
+        "days": Param(1, **param_schema("days")),
+        "preset": Param("small", **param_schema("preset")),
+        "batch_size": Param(512, **param_schema("batch_size")),
     },
     **dag_options(COMPARISON.name),
 )

@@ -150,7 +150,7 @@ def wait_for_logs(args: dict):
         from airflow.sdk.exceptions import AirflowFailException
 
         from recd_core.data.completeness import incomplete_days, marker_path
-        from recd_core.orchestration.stages import parse_args
+        from recd_core.orchestration.stage_args import parse_args
 
         # the run's days and where their logs are
         a = parse_args({k: run_args.get(k) for k in ("ds", "days", "eval_ds", "logs")})

@@ -25,11 +25,15 @@ from pathlib import Path
 from kfp import compiler, dsl, kubernetes
 
 from recd_core.orchestration.graph import COMPARISON, DAILY, PULLED_FROM, STAGES, Graph, outputs
+from recd_core.orchestration.stage_args import param_schema
 
 IMAGE = "ghcr.io/recd-project/recd-components:0.1.0"
-# the run's arguments every stage takes, as pipeline inputs (their types: the parameters')
-SHARED = {"ds": str, "warehouse": str, "logs": str, "tracking_uri": str, "config": str,
-          "synthesize": bool, "pipeline": str, "scheduled_time": str}  # fmt: skip
+# the run's arguments every stage takes, as pipeline inputs, typed as `StageArgs` declares
+# them; and the schedule's time, which components turn into the days (components/_entry.py)
+RUN_INPUTS = ("ds", "warehouse", "logs", "tracking_uri", "config", "synthesize", "pipeline")
+KFP_TYPES = {"boolean": bool, "integer": int, "number": float}
+SHARED = {**{n: KFP_TYPES.get(param_schema(n)["type"], str) for n in RUN_INPUTS},
+          "scheduled_time": str}  # fmt: skip
 ARTIFACTS = {"dataset": dsl.Dataset, "model": dsl.Model, "metrics": dsl.Metrics,
              "markdown": dsl.Markdown}  # fmt: skip
 GRAPHS = (DAILY, COMPARISON)

@@ -29,7 +29,17 @@ EXTRA = ("dpp",)  # not in the default run: the dedup-vs-baseline DPP ratio per 
 def _commands(n: int, root: Path) -> dict[str, list[str]]:
     logs, wh = root / "logs", root / "wh"
     return {
-        "synth": ["synth", "--out", logs, "--preset", "standard", "--samples-per-day", n],
+        "synth": [
+            "synth",
+            "--logs",
+            logs,
+            "--ds",
+            DAY,
+            "--preset",
+            "standard",
+            "--samples-per-day",
+            n,
+        ],
         "ingest": ["ingest", "--source", logs / f"ds={DAY}", "--warehouse", wh, "--ds", DAY],
         "generate": ["generate", "--warehouse", wh, "--ds", DAY, "--layout", "both"],
         "preprocess": ["preprocess", "--warehouse", wh, "--ds", DAY],

@@ -28,9 +28,10 @@ from recd_core.dpp.batch_store import Batch
 from recd_core.dpp.preprocess import batch_ranges
 from recd_core.modeling.batching import make_batch, plan_dedup
 from recd_core.modeling.cooccurrence import list_features, rows_loss
+from recd_core.modeling.launch import peak_mem
 from recd_core.modeling.model import DLRM
 from recd_core.modeling.optim import RowWiseAdagrad
-from recd_core.modeling.train import _peak_mem, cooccurrence_term, make_optimizers, train_step
+from recd_core.modeling.step import cooccurrence_term, make_optimizers, train_step
 from recd_core.schema import feature_set_of
 
 
@@ -180,7 +181,7 @@ def _memory_probe(args) -> int:
     opts = make_optimizers(model, cfg)
     for k, b in enumerate(dedup if mode == "dedup" else base):
         train_step(model, b, *opts, False, cooccurrence_term(model, cfg, k))
-    return _peak_mem(dev)
+    return peak_mem(dev)
 
 
 def peak_memory(table: pa.Table, cfg: TrainConfig, tmp_dir: str, device: str = "cpu") -> dict:

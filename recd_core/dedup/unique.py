@@ -166,22 +166,6 @@ def same_as_previous(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return same
 
 
-def rows_equal_to(values: np.ndarray, lengths: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    """Per row i: is row i identical to row ref[i]? (vectorized: lengths, then values)"""
-    n = lengths.size
-    equal = lengths == lengths[ref]
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    rows = np.flatnonzero(equal & (np.arange(n) != ref))
-    if rows.size == 0 or values.size == 0:
-        return equal
-    ln = lengths[rows]
-    base = np.repeat(np.arange(rows.size), ln)
-    within = np.arange(int(ln.sum())) - np.repeat(np.concatenate([[0], np.cumsum(ln)])[:-1], ln)
-    mismatch = values[offsets[rows][base] + within] != values[offsets[ref[rows]][base] + within]
-    equal[rows[np.unique(base[mismatch])]] = False
-    return equal
-
-
 def unique_sessions(
     session_ids: np.ndarray, cuts: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:

@@ -41,14 +41,6 @@ class Batch:
             {g: ik.to(device, non_blocking) for g, ik in self.groups.items()},
         )
 
-    def pin_memory(self) -> Batch:
-        return Batch(
-            self.dense.pin_memory(),
-            self.kjt.pin_memory() if self.kjt is not None else None,
-            self.labels.pin_memory(),
-            {g: ik.pin_memory() for g, ik in self.groups.items()},
-        )
-
 
 def _tensor(rb: pa.RecordBatch, name: str, dtype=None) -> torch.Tensor:
     arr = np.asarray(rb.column(name).values)

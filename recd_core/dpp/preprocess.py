@@ -101,7 +101,7 @@ class Prepared:
             d["groups"],
             d["stats"],
             PreprocessConfig.model_validate(d["cfg"]),
-            d.get("dedup_method", "runs"),
+            d["dedup_method"],
         )
 
 

@@ -215,11 +215,6 @@ class DLRM(Calibrated):
             self.fm = nn.Linear(n_vec * (n_vec - 1) // 2, 1, bias=False)
             nn.init.zeros_(self.fm.weight)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # a model saved before the calibration existed is an uncalibrated one
-        state_dict.setdefault(prefix + "calibration", torch.tensor([1.0, 0.0]))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
     def init_output_bias(self, click_rate: float) -> None:
         """Start at the base click rate instead of 50%: the first steps learn structure, not
         the prior (the usual bias initialization for an imbalanced label)."""

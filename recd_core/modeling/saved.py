@@ -4,7 +4,7 @@ warm start): the model directory, its two files, and scoring with it.
     <warehouse>/models/<run>/          (or any local copy, e.g. MLflow's model artifacts)
         model.pt      the state dict: plain `torch.save` of tensors (loaded weights_only),
                       `calibration` among them ([slope, offset] of the logit, fitted on
-                      the validation slice; absent in models saved before it: identity)
+                      the validation slice)
         optimizer.pt  both optimizers' state at the end of training (Adam's moments, the
                       tables' Adagrad accumulators): the next day's warm start continues
                       it, as incremental training does, instead of restarting the
@@ -46,23 +46,23 @@ class CheckpointError(BadInput):
     """A checkpoint that cannot be read: named, with what to do about it."""
 
 
-def _write_bytes(wh: Warehouse, path: str, data: bytes) -> None:
+def write_bytes(wh: Warehouse, path: str, data: bytes) -> None:
     """Write atomically, leaving nothing behind on failure (recd_core/leftovers.py)."""
     write_atomically(wh.fs, path, data)
 
 
-def _read_bytes(wh: Warehouse, path: str) -> bytes:
+def read_bytes(wh: Warehouse, path: str) -> bytes:
     with wh.fs.open_input_stream(path) as f:
         return f.read()
 
 
-def _torch_bytes(obj) -> bytes:
+def torch_bytes(obj) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
 
 
-def _torch_load(data: bytes, where: str, what: str = "checkpoint"):
+def torch_load(data: bytes, where: str, what: str = "checkpoint"):
     try:
         with warnings.catch_warnings():  # torch warns about the pickle protocol of odd files
             warnings.simplefilter("ignore")
@@ -95,13 +95,13 @@ def _saved_file(location: str, name: str, optional: bool = False) -> tuple[bytes
     else:
         wh, base = _model_location(location)
         if wh.exists_file(f"{base}/{name}"):
-            return _read_bytes(wh, f"{base}/{name}"), f"{base}/{name}"
+            return read_bytes(wh, f"{base}/{name}"), f"{base}/{name}"
     if optional:
         return None
     raise FileNotFoundError(f"{location} has no {name}")
 
 
-def _read_saved(location: str) -> tuple[dict, bytes, str]:
+def read_saved(location: str) -> tuple[dict, bytes, str]:
     """model.json (parsed) and model.pt (bytes) of a saved model, local or in a warehouse."""
     (meta, _), (weights, where) = (
         _saved_file(location, "model.json"),
@@ -114,7 +114,7 @@ def read_optimizer(location: str) -> dict | None:
     """The optimizer state saved beside a model (`optimizer.pt`), or None (a model saved
     without one: the optimizer then starts afresh)."""
     found = _saved_file(location, OPTIMIZER_FILE, optional=True)
-    return _torch_load(found[0], found[1], "model") if found else None
+    return torch_load(found[0], found[1], "model") if found else None
 
 
 def save_model(
@@ -127,18 +127,18 @@ def save_model(
     optimizer: dict | None = None,
 ) -> str:
     base = f"{wh.root}/models/{run}"
-    _write_bytes(
-        wh, f"{base}/model.pt", _torch_bytes({k: v.cpu() for k, v in model.state_dict().items()})
+    write_bytes(
+        wh, f"{base}/model.pt", torch_bytes({k: v.cpu() for k, v in model.state_dict().items()})
     )
     if optimizer is not None:
-        _write_bytes(wh, f"{base}/{OPTIMIZER_FILE}", _torch_bytes(optimizer))
+        write_bytes(wh, f"{base}/{OPTIMIZER_FILE}", torch_bytes(optimizer))
     meta = {
         "features": model.features.model_dump(mode="json"),
         "train": cfg.model_dump(mode="json"),
         "prepared": prepared,  # DPP's transforms, statistics and dedup groups: score with these
         "summary": {k: v for k, v in summary.items() if k != "train.model_uri"},
     }
-    _write_bytes(wh, f"{base}/model.json", json.dumps(meta, indent=1).encode())
+    write_bytes(wh, f"{base}/model.json", json.dumps(meta, indent=1).encode())
     return f"{wh.uri.rstrip('/')}/models/{run}"
 
 
@@ -152,7 +152,7 @@ def _model_location(uri: str) -> tuple[Warehouse, str]:
 def load_model(uri: str) -> tuple[Model, dict]:
     """A saved model (state dict + model.json) at `<warehouse>/models/<run>` or in a local
     directory (a copy, e.g. MLflow's model artifacts), for scoring."""
-    meta, weights, where = _read_saved(str(uri))
+    meta, weights, where = read_saved(str(uri))
     try:
         return model_from(meta, weights, where), meta
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
@@ -171,29 +171,21 @@ def model_dir(uri: str):
         return
     with owned_tempdir("recd-model-") as tmp:  # a killed run's: swept
         for name in ("model.pt", "model.json"):
-            (Path(tmp) / name).write_bytes(_read_bytes(wh, f"{base}/{name}"))
+            (Path(tmp) / name).write_bytes(read_bytes(wh, f"{base}/{name}"))
         if wh.exists_file(f"{base}/{OPTIMIZER_FILE}"):  # optional: models saved before it
-            (Path(tmp) / OPTIMIZER_FILE).write_bytes(_read_bytes(wh, f"{base}/{OPTIMIZER_FILE}"))
+            (Path(tmp) / OPTIMIZER_FILE).write_bytes(read_bytes(wh, f"{base}/{OPTIMIZER_FILE}"))
         yield Path(tmp)
 
 
 def saved_summary(uri: str) -> dict:
     """The training summary stored in a saved model's model.json."""
     wh, base = _model_location(uri)
-    return json.loads(_read_bytes(wh, f"{base}/model.json")).get("summary", {})
-
-
-# model options added after models were saved without them, with the value that means what
-# those models were built as (a default of True would rebuild them as something else)
-ADDED_MODEL_OPTIONS = {"fm": False}
+    return json.loads(read_bytes(wh, f"{base}/model.json")).get("summary", {})
 
 
 def saved_train_config(meta: dict) -> TrainConfig:
-    """The TrainConfig a saved model was trained with; model options it predates take the
-    value its model was built with, not today's default."""
-    train = dict(meta["train"])
-    train["model"] = {**ADDED_MODEL_OPTIONS, **train.get("model", {})}
-    return TrainConfig.model_validate(train)
+    """The TrainConfig a saved model was trained with."""
+    return TrainConfig.model_validate(meta["train"])
 
 
 def lineage_key(features: FeatureSet, model: ModelConfig) -> str:
@@ -215,7 +207,7 @@ def saved_lineage_key(location: str) -> str:
 def model_from(meta: dict, weights: bytes, where: str) -> Model:
     features = FeatureSet.model_validate(meta["features"])
     model = build_model(features, saved_train_config(meta).model)
-    model.load_state_dict(_torch_load(weights, where, "model"))
+    model.load_state_dict(torch_load(weights, where, "model"))
     return model.eval()
 
 
