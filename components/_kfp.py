@@ -51,7 +51,7 @@ def _datasets(stage: str, args: StageArgs, table: str) -> tuple[dict, dict]:
     """(pointer, metadata) of the partitions `stage` wrote to `table` on its days."""
     days = stage_days(stage, args)
     if table == "logs":
-        from recd_core.data.synth import logs_for_day
+        from recd_core.data.logs_root import logs_for_day
 
         uris = [str(logs_for_day(args.logs, d)) for d in days]
         return {"partitions": uris}, {"uris": uris, "days": days}

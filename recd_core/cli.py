@@ -182,10 +182,11 @@ LogsOpt = Annotated[Path, typer.Option(help="raw logs root; days without logs ar
 
 def _run_graph(
     graph, warehouse: str, ds: str | None, eval_ds: str | None, logs: Path,
-    config: Path | None, handle, synthesize: bool = True,
+    config: Path | None, handle, out: Path | None, synthesize: bool = True,
 ) -> dict:  # fmt: skip
     """`graph` run in this process by the local runner; the result: finish's merged summary
-    (every stage's contract keys; an arm's suffixed with its mode)."""
+    (every stage's contract keys; an arm's suffixed with its mode). The comparison's chart is
+    also copied under `out`, when there is one, whether the quality gate passed or not."""
     from recd_core.orchestration.runner import run_graph
 
     if handle is not None:
@@ -196,9 +197,15 @@ def _run_graph(
         "tracking_uri": handle.tracker.uri if handle else None, "pipeline": graph.name,
         **({"experiment": handle.tracker.experiment} if handle else {}),
     }  # fmt: skip
-    with progress("run", len(graph.tasks)) as advance:
-        done = run_graph(graph, args, handle.run_id if handle else None, advance)
-    return {k: v for k, v in done["finish"].items() if k != "status"}
+    try:
+        with progress("run", len(graph.tasks)) as advance:
+            done = run_graph(graph, args, handle.run_id if handle else None, advance)
+    except GateFailed as e:
+        _copy_chart(e.summary, out)
+        raise
+    result = {k: v for k, v in done["finish"].items() if k != "status"}
+    _copy_chart(result, out)
+    return result
 
 
 def _copy_chart(result: dict, out: Path | None) -> None:
@@ -255,13 +262,7 @@ def run_cmd(
             raise BadInput(f"--mode must be dedup, baseline or both, got {mode!r}")
         arms = ARMS if mode == "both" else (mode,)
         graph = pipeline_graph(arms, register=True, compare=mode == "both", name="recd run")
-        try:
-            result = _run_graph(graph, warehouse, ds, eval_ds, logs, config, handle, synthesize)
-        except GateFailed as e:
-            _copy_chart(e.summary, out)
-            raise
-        _copy_chart(result, out)
-        return result
+        return _run_graph(graph, warehouse, ds, eval_ds, logs, config, handle, out, synthesize)
 
     _print_decision(_run(ctx, "run", summary, body, tracked=True))
 
@@ -283,13 +284,7 @@ def compare_cmd(
     from recd_core.orchestration.graph import COMPARISON
 
     def body(handle):
-        try:
-            result = _run_graph(COMPARISON, warehouse, ds, eval_ds, logs, config, handle)
-        except GateFailed as e:
-            _copy_chart(e.summary, out)
-            raise
-        _copy_chart(result, out)
-        return result
+        return _run_graph(COMPARISON, warehouse, ds, eval_ds, logs, config, handle, out)
 
     _run(ctx, "compare", summary, body, tracked=True)  # the compare stage printed the table
 

@@ -144,8 +144,9 @@ class FeatureSet(_Strict):
         raise KeyError(name)
 
 
-# Columns every event and sample carries besides the features.
-ENVELOPE_COLUMNS = ("event_id", "ts", "session_id", "label")
+# Columns every event and sample carries besides the features, with their Arrow types
+# (schema.py builds the fields from these).
+ENVELOPE_COLUMNS = {"event_id": "int64", "ts": "int64", "session_id": "int64", "label": "int8"}
 
 
 class SynthConfig(_Strict):
@@ -287,7 +288,7 @@ class ModelConfig(_Strict):
 
 
 class DedupConfig(_Strict):
-    """Which features are deduplicated (batching.plan_dedup)."""
+    """Which features are deduplicated (dedup/unique.py, `plan_dedup`)."""
 
     min_factor: float = Field(default=2.0, ge=1.0)
     # how unique rows are found: `session` (one unique row per session run: exact for data
@@ -305,12 +306,11 @@ class TrainConfig(_Strict):
     mode: Literal["dedup", "baseline"] = "dedup"
     batch_size: int = Field(default=4096, gt=0)
     # at most this many passes over the day; validation stops earlier and keeps the best
-    # state (CTR models overfit after about one pass, the "one-epoch phenomenon", unless
-    # the tables restart each pass: `restart_tables`). A day trained from scratch gains
-    # from five to seven passes (the standard day at a constant dense rate: next-day NE
-    # 0.8435 after 3, 0.8400 after 5, 0.8362 after 7, 0.8363 at most 10, best at the
-    # sixth; 0.8308 after 7 with `lr_dense_pass_decay`); a warm-started day stops after
-    # its best pass and two more
+    # state. CTR models overfit after about one pass (the "one-epoch phenomenon") unless
+    # the tables restart each pass (`restart_tables`); with restarts a day trained from
+    # scratch still gains up to about seven passes (the standard day: next-day NE 0.8435
+    # after 3, 0.8308 after 7), and a warm-started day stops after its best pass and
+    # `pass_patience` more
     epochs: int = Field(default=7, gt=0)
     max_steps: int | None = Field(default=None, gt=0)
     # the longest a day's training may run before its orchestrator stops it and retries
@@ -319,31 +319,28 @@ class TrainConfig(_Strict):
     # each pass after the first starts the embedding tables (and their Adagrad state) again
     # from where the run started (scratch or the warm start) and keeps the dense layers:
     # the tables see the day once, the layers above them several times, with new tables
-    # each time (MEDA, Fan et al. 2024). A second pass over tables that have seen the day
-    # memorizes it (validation NE jumps by ~0.15 at its start); `pass_patience` then
-    # counts passes without a better validation NE, not validations. Off for a small table that
-    # needs many passes (MovieLens-100k's ids: AUC 0.758 with restarts, 0.771 without)
+    # each time (MEDA, Fan et al. 2024), because a second pass over tables that have seen
+    # the day memorizes it (validation NE jumps by ~0.15 at its start). Off for small tables
+    # that need many passes (MovieLens' ids)
     restart_tables: bool = True
     # with `restart_tables`: each pass after the first multiplies the dense layers' learning
-    # rate by this (1: constant). Later passes refine layers that already fit the day's
-    # one-pass tables; at a constant rate they wander instead (the standard day from
-    # scratch, 7 passes: next-day NE 0.8362 constant, 0.8308 at 0.7)
+    # rate by this (1: constant): later passes refine layers that already fit the day's
+    # one-pass tables, where at a constant rate they wander (next-day NE 0.8362 -> 0.8308)
     lr_dense_pass_decay: float = Field(default=0.7, gt=0, le=1)
     validations_per_epoch: int = Field(default=4, gt=0)
-    # stop after this many validations in a row without a better validation NE (on a daily
-    # day the best state is about the end of the first pass: two more validations, half of
-    # a second pass, confirm it)
+    # without `restart_tables`: stop after this many validations in a row without a better
+    # validation NE (the best state is about the end of the first pass; two more
+    # validations, half of a second pass, confirm it)
     patience: int = Field(default=2, gt=0)
     # with `restart_tables`: stop after this many passes in a row without a better
-    # validation NE. Two: one pass's tables are one draw, and a pass worse than the one
-    # before it is often followed by a better one (from scratch, one stopped the standard
-    # day after two passes at 0.85 where three reached 0.8435)
+    # validation NE. Two, because one pass's tables are one draw: a pass worse than the one
+    # before it is often followed by a better one
     pass_patience: int = Field(default=2, gt=0)
     # the auxiliary loss that predicts each user-side list's ids from the rest of the list
     # (modeling/cooccurrence.py), added to the click loss with this weight (0: off), with
-    # this many sampled negatives. Measure it on your data: it lowered the synthetic
-    # workload's next-day NE (0.868 -> 0.848 on the first day), and MovieLens' AUC (0.771 ->
-    # 0.755: its one list is the rated items' history; its bench turns it off)
+    # this many sampled negatives: it teaches the tables what ids go together, which helps
+    # where users carry several topical lists (the synthetic day's next-day NE 0.868 ->
+    # 0.848) and hurts where the one list is the history (MovieLens turns it off)
     cooccurrence_weight: float = Field(default=3.0, ge=0)
     cooccurrence_negatives: int = Field(default=1024, gt=0)
     # after training, fit a slope and an offset of the logit on the validation slice (the
@@ -352,16 +349,13 @@ class TrainConfig(_Strict):
     calibrate: bool = True
     # then the tables take one pass over the validation slice (dense layers and calibration
     # stay): the day's latest rows, which they would otherwise never see, as the bench's
-    # references are refit on all their training rows. MovieLens-100k: AUC 0.7710 -> 0.7797,
-    # NE 0.8265 -> 0.8168; the standard day from scratch: next-day NE 0.8307 -> 0.8294
+    # references are refit on all their training rows (MovieLens-100k: AUC 0.7710 -> 0.7797)
     fold_in_validation: bool = True
     lr_dense: float = Field(default=3e-3, gt=0)
     # the dense layers' learning rate when training starts from a saved model (a warm start,
-    # the daily retrain): layers that already fit take smaller steps, as fine-tuning does.
-    # On the standard preset's warm days: 1e-3 lowered next-day NE by 0.004-0.006 a day
-    # against lr_dense (0.8338 -> 0.8281 on the second day), 3e-4 by 0.0005-0.0023 more
-    # (0.8247 -> 0.8226 on the second), 1e-4 is worse again; from scratch 1e-3 is 0.0014
-    # worse than lr_dense. None: lr_dense
+    # the daily retrain): layers that already fit take smaller steps, as fine-tuning does
+    # (the standard preset's second day: next-day NE 0.8338 -> 0.8281 at 1e-3; 3e-4 lower again).
+    # None: lr_dense
     lr_dense_warm: float | None = Field(default=3e-4, gt=0)
     # embedding tables: row-wise Adagrad (modeling/optim.py); its per-row accumulator starts here
     lr_sparse: float = Field(default=0.1, gt=0)
@@ -369,10 +363,9 @@ class TrainConfig(_Strict):
     # pipelines (`recd run`, the DAGs) start from the champion's weights when its feature
     # set and model config match; `recd train --init-from` names a model explicitly
     warm_start: bool = True
-    # train on the last N days' batches (day D and the N-1 before it), oldest first. For a
-    # model trained from scratch on a window; with a warm start from yesterday's model the
-    # tables would see yesterday twice: on the standard preset's second day, 2 kept the warm
-    # start (no better state; next-day NE 0.8291 against 0.8178 with 1)
+    # train on the last N days' batches (day D and the N-1 before it), oldest first: for a
+    # model trained from scratch on a window. With a warm start from yesterday's model keep
+    # 1, or the tables see yesterday twice
     window_days: int = Field(default=1, gt=0, le=31)
     checkpoint_every: int = Field(default=50, gt=0)
     keep_checkpoints: int = Field(default=2, gt=0)
@@ -468,7 +461,7 @@ class PipelineConfig(_Strict):
     synth: SynthConfig = SynthConfig(**SYNTH_PRESETS["default"])
     ingest: IngestConfig = IngestConfig()
     generate: GenerateConfig = GenerateConfig()
-    # a daily retrain: batches of 512, at most three passes over the day (validation decides)
+    # a daily retrain: batches of 512 (the passes: `TrainConfig.epochs`; validation decides)
     preprocess: PreprocessConfig = PreprocessConfig(batch_size=512)
     train: TrainConfig = TrainConfig(batch_size=512)
     registry: RegistryConfig = RegistryConfig()

@@ -27,17 +27,26 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
-def logloss(labels: np.ndarray, probs: np.ndarray) -> float:
+def log_losses(labels: np.ndarray, probs: np.ndarray) -> np.ndarray:
+    """Each sample's log loss (probabilities clipped to [EPS, 1 - EPS])."""
     y = np.asarray(labels, np.float64)
     p = np.clip(np.asarray(probs, np.float64), EPS, 1 - EPS)
-    return float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
+    return -(y * np.log(p) + (1 - y) * np.log(1 - p))
+
+
+def logloss(labels: np.ndarray, probs: np.ndarray) -> float:
+    return float(np.mean(log_losses(labels, probs)))
+
+
+def base_entropy(click_rate: float) -> float:
+    """The log loss of always predicting the click rate: NE's denominator."""
+    ctr = float(np.clip(click_rate, EPS, 1 - EPS))
+    return float(-(ctr * np.log(ctr) + (1 - ctr) * np.log(1 - ctr)))
 
 
 def normalized_entropy(labels: np.ndarray, probs: np.ndarray) -> float:
     """Log loss divided by the entropy of the base click rate (lower is better; 1 = no skill)."""
-    ctr = float(np.clip(np.mean(labels), EPS, 1 - EPS))
-    base = -(ctr * np.log(ctr) + (1 - ctr) * np.log(1 - ctr))
-    return logloss(labels, probs) / base
+    return logloss(labels, probs) / base_entropy(float(np.mean(labels)))
 
 
 def calibration(labels: np.ndarray, probs: np.ndarray) -> float:

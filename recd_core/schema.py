@@ -15,16 +15,11 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from recd_core.config import FeatureSet, FeatureSpec
+from recd_core.config import ENVELOPE_COLUMNS, FeatureSet, FeatureSpec
 
 FEATURES_METADATA_KEY = b"recd.features"
 
-ENVELOPE_FIELDS = (
-    pa.field("event_id", pa.int64()),
-    pa.field("ts", pa.int64()),
-    pa.field("session_id", pa.int64()),
-    pa.field("label", pa.int8()),
-)
+ENVELOPE_FIELDS = tuple(pa.field(name, getattr(pa, t)()) for name, t in ENVELOPE_COLUMNS.items())
 
 
 def feature_type(spec: FeatureSpec) -> pa.DataType:

@@ -97,7 +97,7 @@ def test_the_logistic_regression_reference_and_the_split_by_time_per_user(fresh_
     import numpy as np
     import pyarrow.compute as pc
 
-    from recd_core.bench.quality import logistic_regression, time_split
+    from recd_core.bench.references import logistic_regression, time_split
     from recd_core.schema import feature_set_of
 
     samples = fresh_warehouse.read("samples", "2026-11-01", layout="clustered")
@@ -125,7 +125,7 @@ def test_the_id_terms_fit_recovers_biases_and_id_only_affinity_from_enough_impre
     the labels shuffled and few, it learns no affinity, and its priors bound what it fits."""
     import numpy as np
 
-    from recd_core.bench.quality import fit_id_terms
+    from recd_core.bench.bounds import fit_id_terms
 
     rng = np.random.default_rng(0)
     n_users, n_items, k, n = 60, 80, 2, 60_000
@@ -157,7 +157,7 @@ def test_the_factorization_machine_scores_every_pair_of_active_columns():
     import torch
     from scipy import sparse
 
-    from recd_core.bench.quality import FactorizationMachine
+    from recd_core.bench.references import FactorizationMachine
 
     rng = np.random.default_rng(0)
     x = sparse.random(6, 9, density=0.4, random_state=1, format="csr") * 3
@@ -184,7 +184,7 @@ def test_the_factorization_machine_reference_learns_what_the_linear_one_cannot()
     import numpy as np
     import pyarrow as pa
 
-    from recd_core.bench.quality import factorization_machine, logistic_regression
+    from recd_core.bench.references import factorization_machine, logistic_regression
     from recd_core.config import FeatureSet, FeatureSpec
 
     rng = np.random.default_rng(0)
@@ -218,7 +218,7 @@ def test_the_learned_generator_model_takes_each_topic_from_the_clicks_beyond_its
     import numpy as np
 
     from recd_core import metrics
-    from recd_core.bench.quality import fit_id_terms, id_terms_probability
+    from recd_core.bench.bounds import fit_id_terms, id_terms_probability
 
     rng = np.random.default_rng(1)
     n_users, n_items, n_topics, n, effect = 200, 300, 4, 60_000, 2.0

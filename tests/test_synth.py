@@ -88,11 +88,12 @@ def test_the_oracle_figures_equal_a_direct_computation(tmp_path, features):
     from sklearn.metrics import log_loss, roc_auc_score
 
     from recd_core.config import SynthConfig
-    from recd_core.data.synth import _World, generate_day, read_oracle, synthesize
+    from recd_core.data.logs_root import read_oracle
+    from recd_core.data.synth import World, generate_day, synthesize
 
     cfg = SynthConfig(users=50, items=200, samples_per_day=600, days=2)
     summary = synthesize(features, cfg, tmp_path)
-    day = generate_day(_World(features, cfg), cfg.start_date)  # the first day, again
+    day = generate_day(World(features, cfg), cfg.start_date)  # the first day, again
     y, p = day.labels, day.click_prob
     ctr = y.mean()
     ne = log_loss(y, p) / -(ctr * np.log(ctr) + (1 - ctr) * np.log(1 - ctr))
@@ -115,10 +116,10 @@ def test_the_logit_parts_add_up_to_the_oracles_click_probabilities(features):
     """The learnable bound (bench) hands some parts of the click model over and estimates
     others: the parts must be the generator's own, term by term."""
     from recd_core.config import SynthConfig
-    from recd_core.data.synth import _World, generate_day, logit_parts
+    from recd_core.data.synth import World, generate_day, logit_parts
 
     cfg = SynthConfig(users=50, items=200, samples_per_day=600)
-    world = _World(features, cfg)
+    world = World(features, cfg)
     day = generate_day(world, cfg.start_date)
     p = logit_parts(world, day)
     logit = (
@@ -177,17 +178,12 @@ def test_the_topic_posterior_is_bayes_over_the_entitys_topical_ids(features):
     """The features-alone reference (bench) reads the topics from the ids as the generator
     drew them: each entity's posterior equals the product of per-id likelihoods, computed
     directly, and names the true topic for users (long lists), less surely for items."""
+    from recd_core.bench.bounds import topic_posterior
     from recd_core.config import SynthConfig
-    from recd_core.data.synth import (
-        TOPIC_LEAN,
-        Ragged,
-        _World,
-        skewed_id_probabilities,
-        topic_posterior,
-    )
+    from recd_core.data.synth import TOPIC_LEAN, Ragged, World, skewed_id_probabilities
 
     cfg = SynthConfig(users=60, items=300, samples_per_day=100)
-    world = _World(features, cfg)
+    world = World(features, cfg)
     for side, n, true in (("user", 60, world.user_topic), ("item", 300, world.item_topic)):
         post = topic_posterior(world, side)
         np.testing.assert_allclose(post.sum(1), 1.0)
@@ -216,11 +212,12 @@ def test_the_topic_posterior_is_bayes_over_the_entitys_topical_ids(features):
 def test_the_latent_posterior_mean_is_the_regression_of_the_latent_on_the_dense_feature(
     features,
 ):
+    from recd_core.bench.bounds import latent_posterior_mean, latent_prior
     from recd_core.config import SynthConfig
-    from recd_core.data.synth import _World, latent_posterior_mean, latent_prior
+    from recd_core.data.synth import World
 
     cfg = SynthConfig(users=4000, items=100, samples_per_day=100)
-    world = _World(features, cfg)
+    world = World(features, cfg)
     mean = latent_posterior_mean(world, "user", 4)
     latent = world.user_latent[:, :4]
     for k in range(4):  # E[latent | x] is the least-squares fit of the latent on x

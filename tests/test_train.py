@@ -12,9 +12,9 @@ import torch
 
 from recd_core.config import DedupConfig, ModelConfig, PreprocessConfig, TrainConfig
 from recd_core.dedup.sparse import JaggedError
-from recd_core.dpp.preprocess import preprocess
+from recd_core.dedup.unique import plan_dedup
+from recd_core.dpp.preprocess import make_batch, preprocess
 from recd_core.metrics import auc
-from recd_core.modeling.batching import make_batch, plan_dedup
 from recd_core.modeling.checkpoints import Checkpoints, batches_id, run_name
 from recd_core.modeling.model import DLRM
 from recd_core.modeling.saved import (
@@ -616,20 +616,6 @@ def test_the_tables_fold_in_the_validation_slice_after_it_chose_the_state(fresh_
     acc_b = read_optimizer(kept["train.model_uri"])["sparse"]["state"]
     grew = [bool((acc_a[k]["sum"] > acc_b[k]["sum"]).any()) for k in acc_b]
     assert any(grew) and all(bool((acc_a[k]["sum"] >= acc_b[k]["sum"]).all()) for k in acc_b)
-
-
-def test_a_state_dict_saved_before_the_calibration_loads_uncalibrated(fresh_warehouse):
-    table = fresh_warehouse.read("samples", DAY, layout="clustered").slice(0, 200)
-    features = feature_set_of(table.schema)
-    old = DLRM(features, SMALL_MODEL).state_dict()
-    del old["calibration"]
-    model = DLRM(features, SMALL_MODEL)
-    model.set_calibration(2.0, 1.0)
-    model.load_state_dict(old)  # strict: every other key still has to match
-    assert model.calibration.tolist() == [1.0, 0.0]
-    del old["constant"]
-    with pytest.raises(RuntimeError, match="constant"):
-        model.load_state_dict(old)
 
 
 def test_an_ensembles_members_learn_as_models_of_their_own_and_it_scores_their_mean(

@@ -24,7 +24,7 @@ from typing import Literal
 from airflow.sdk import Asset, task
 from pydantic import BaseModel, ConfigDict
 
-from recd_core.data.completeness import MARKER
+from recd_core.data.logs_root import MARKER
 from recd_core.orchestration.alerts import DEFAULT as ALERTS_DEFAULT
 from recd_core.orchestration.graph import STAGES, Graph
 
@@ -136,7 +136,7 @@ def build(graph: Graph, args: dict, assets: bool = True) -> dict:
 
 def wait_for_logs(args: dict):
     """A sensor: every day the run reads (its training and evaluation days) has its logs
-    marked complete (`recd_core.data.completeness`). It looks every `logs_poke_s` without
+    marked complete (`recd_core.data.logs_root`). It looks every `logs_poke_s` without
     holding a worker slot (reschedule mode) and fails after `logs_wait_hours` naming the
     days still missing."""
     from airflow.sdk import PokeReturnValue
@@ -149,7 +149,7 @@ def wait_for_logs(args: dict):
     def waiting(run_args: dict, **context) -> PokeReturnValue:
         from airflow.sdk.exceptions import AirflowFailException
 
-        from recd_core.data.completeness import incomplete_days, marker_path
+        from recd_core.data.logs_root import incomplete_days, marker_path
         from recd_core.orchestration.stage_args import parse_args
 
         # the run's days and where their logs are

@@ -9,7 +9,6 @@ regression on MovieLens, the oracle on a synthetic week). Results go to `OUT/ben
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import platform
 import shutil
@@ -17,10 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from recd_core.config import GenerateConfig, IngestConfig, load_feature_set, synth_config
+from recd_core.config import GenerateConfig
 from recd_core.data.generate import generate
-from recd_core.data.ingest import ingest
-from recd_core.data.synth import synthesize
+from recd_core.orchestration.stages import run_stage
 from recd_core.report import human_bytes
 from recd_core.warehouse import Warehouse
 
@@ -74,13 +72,13 @@ def run_bench(
     if (out / "warehouse").exists():
         shutil.rmtree(out / "warehouse")
     wh = Warehouse(out / "warehouse")
-    features = load_feature_set("synthetic")
     logs = out / "logs"
     if logs.exists():
         shutil.rmtree(logs)
-    synthesize(features, synth_config(preset, start_date=dt.date.fromisoformat(DS)), logs)
+    # the bench's day, synthesized and ingested as the pipelines do (`stages.run_stage`)
+    run_stage("synth", {"logs": str(logs), "ds": DS, "preset": preset})
+    ing = run_stage("ingest", {"warehouse": wh.uri, "ds": DS, "source": str(logs / f"ds={DS}")})
     gen = GenerateConfig()
-    ing = ingest(logs / f"ds={DS}", wh, DS, features, IngestConfig(), gen)
     storage = _storage(wh, DS, gen)
     result = {
         "bench.preset": preset,
@@ -100,10 +98,8 @@ def run_bench(
     if train:
         result.update(_train_figures(wh, DS, out))
     if movielens is not None:
-        ml_features = load_feature_set("movielens")
-        ml_ing = ingest(
-            movielens, wh, "2026-10-01", ml_features, IngestConfig(format="movielens"), gen
-        )
+        ml_ing = run_stage("ingest", {"warehouse": wh.uri, "ds": "2026-10-01",
+                                      "source": str(movielens), "format": "movielens"})  # fmt: skip
         ml = _storage(wh, "2026-10-01", gen)
         result["bench.movielens.storage_ratio"] = ml["storage_ratio"]
         result["bench.movielens.storage_over_lower_bound"] = ml["clustered_over_lower_bound"]

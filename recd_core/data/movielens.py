@@ -65,7 +65,7 @@ class Layout:
     header: bool
 
 
-LAYOUTS = {
+RELEASES = {  # the files of each MovieLens release
     "ml-100k": Layout("ml-100k", "u.data", "u.user", "u.item", "|", "latin-1", False),
     "ml-1m": Layout("ml-1m", "ratings.dat", "users.dat", "movies.dat", "::", "latin-1", False),
 }
@@ -77,7 +77,7 @@ def detect(source: Path) -> tuple[Layout, Path, Path, Path]:
         raise SourceError(f"source not found: {source}")
     folder = source if source.is_dir() else source.parent
     names = [source.name] if source.is_file() else sorted(p.name for p in folder.iterdir())
-    for layout in LAYOUTS.values():
+    for layout in RELEASES.values():
         if layout.ratings in names:
             return layout, folder / layout.ratings, folder / layout.users, folder / layout.items
     inter = next((n for n in names if n.endswith(".inter")), None)

@@ -45,10 +45,9 @@ import numpy as np
 
 from recd_core import metrics
 from recd_core.config import ConfigError, FeatureSet, FeatureSpec, SynthConfig
-from recd_core.data.completeness import mark_complete
+from recd_core.data.logs_root import ORACLE_FILE, logs_for_day, mark_complete
 
 ROWS_PER_FILE = 50_000
-ORACLE_FILE = "_oracle.json"
 HISTORY_SIDE_KINDS = {("user", "sequence")}
 
 
@@ -152,7 +151,7 @@ def _check_index_ranges(features: FeatureSet, cfg: SynthConfig) -> None:
             )
 
 
-class _World:
+class World:
     """Users and items with their latent factors and static features (fixed per seed)."""
 
     def __init__(self, features: FeatureSet, cfg: SynthConfig):
@@ -285,7 +284,7 @@ def click_logit(cfg: SynthConfig, topic_match, affinity, user_bias, item_bias, p
     )
 
 
-def seen_latent_dims(world: _World) -> int:
+def seen_latent_dims(world: World) -> int:
     """How many leading latent dimensions both sides' dense features carry (0 where a side
     has none): the affinity a model can learn from the dense features alone."""
     dense = {
@@ -296,7 +295,7 @@ def seen_latent_dims(world: _World) -> int:
     return min(dense.get("user", 0), dense.get("item", 0))
 
 
-def logit_parts(world: _World, day: Day) -> dict[str, np.ndarray]:
+def logit_parts(world: World, day: Day) -> dict[str, np.ndarray]:
     """The terms of each impression's true click logit, apart from the base rate: the topic
     match, the latent affinity split into the dimensions both sides' dense features carry
     (`affinity_seen`) and the ones only ids can teach (`affinity_ids`), the two biases and
@@ -314,57 +313,6 @@ def logit_parts(world: _World, day: Day) -> dict[str, np.ndarray]:
     }
 
 
-def topic_posterior(world: _World, side: str) -> np.ndarray:
-    """[entities, topics]: P(topic | the entity's topical ids) for each user or item, by
-    Bayes from how `_topical_ids` draws them (uniform prior). An id in topic t's slice of
-    its table has likelihood TOPIC_LEAN / width + (1 - TOPIC_LEAN) * P_skew(id) under t and
-    (1 - TOPIC_LEAN) * P_skew(id) under any other topic, so each id adds the log of their
-    ratio to its slice's topic. What a model could know of the topics from the features."""
-    cfg = world.cfg
-    static = world.user_static if side == "user" else world.item_static
-    n = cfg.users if side == "user" else cfg.items
-    score = np.zeros((n, cfg.topics))
-    for spec in world.features.by_side(side):
-        table = static.get(spec.name)
-        width = (spec.table_size or 1) // cfg.topics
-        if table is None or spec.kind not in ("sparse", "id_list") or width < 1:
-            continue
-        skew = (1 - TOPIC_LEAN) * skewed_id_probabilities(spec.table_size or 1)
-        gain = np.log(TOPIC_LEAN / width + skew) - np.log(skew)
-        if isinstance(table, Ragged):
-            owner, ids = np.repeat(np.arange(n), np.diff(table.offsets)), table.values
-        else:
-            owner, ids = np.arange(n), table
-        topic = ids // width
-        ok = topic < cfg.topics
-        np.add.at(score, (owner[ok], topic[ok]), gain[ids[ok]])
-    score -= score.max(1, keepdims=True)
-    p = np.exp(score)
-    return p / p.sum(1, keepdims=True)
-
-
-def latent_prior(world: _World, side: str) -> tuple[np.ndarray, np.ndarray]:
-    """What an entity's dense feature tells of its latent vector: ([entities, latent_dim]
-    means, [latent_dim] variances) of the latent given the feature. The dimensions the
-    feature carries (x = DENSE_SIGNAL * latent + DENSE_NOISE * noise, both standard normal)
-    have mean DENSE_SIGNAL * x / (DENSE_SIGNAL^2 + DENSE_NOISE^2) and variance
-    DENSE_NOISE^2 / (DENSE_SIGNAL^2 + DENSE_NOISE^2); the others keep the prior N(0, 1)."""
-    spec = next(s for s in world.features.by_side(side) if s.kind == "dense")
-    static = world.user_static if side == "user" else world.item_static
-    k = min(spec.dim, world.cfg.latent_dim)
-    x = np.asarray(static[spec.name][:, :k], np.float64)
-    mean = np.zeros((x.shape[0], world.cfg.latent_dim))
-    var = np.ones(world.cfg.latent_dim)
-    mean[:, :k] = DENSE_SIGNAL * x / (DENSE_SIGNAL**2 + DENSE_NOISE**2)
-    var[:k] = DENSE_NOISE**2 / (DENSE_SIGNAL**2 + DENSE_NOISE**2)
-    return mean, var
-
-
-def latent_posterior_mean(world: _World, side: str, dims: int) -> np.ndarray:
-    """[entities, dims]: E[latent | dense feature] for the first `dims` latent dimensions."""
-    return latent_prior(world, side)[0][:, :dims]
-
-
 def oracle_figures(labels: np.ndarray, click_prob: np.ndarray) -> dict[str, float]:
     """NE, AUC and log loss of the true click probabilities: the best a model can do."""
     return {
@@ -376,16 +324,7 @@ def oracle_figures(labels: np.ndarray, click_prob: np.ndarray) -> dict[str, floa
     }
 
 
-def read_oracle(logs_day: str | Path) -> dict[str, float] | None:
-    """The oracle figures synth wrote for a day's logs directory, or None (real logs)."""
-    path = Path(logs_day) / ORACLE_FILE
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def generate_day(world: _World, day: dt.date) -> Day:
+def generate_day(world: World, day: dt.date) -> Day:
     """One day's impression lines (as str), sessions, labels and true click probabilities.
 
     The day's randomness and ids derive from its date, not from its place in a run, so a day
@@ -483,7 +422,7 @@ def synthesize(
     """Write `cfg.days` days of logs under `out_dir/ds=YYYY-MM-DD/`; return the figures,
     the oracle's per day (`synth.oracle_ne.<day>`) and pooled over the days."""
     out = Path(out_dir)
-    world = _World(features, cfg)
+    world = World(features, cfg)
     total_rows = total_bytes = total_sessions = 0
     oracle: dict[str, float] = {}
     all_labels, all_probs = [], []
@@ -530,11 +469,6 @@ def _pooled_oracle(labels: list[np.ndarray], probs: list[np.ndarray]) -> dict[st
     return {"synth.oracle_ne": pooled["ne"], "synth.oracle_auc": pooled["auc"]}
 
 
-def logs_for_day(logs: str | Path, ds: str) -> Path:
-    """A day's directory under a logs root: `<logs>/ds=YYYY-MM-DD`."""
-    return Path(logs) / f"ds={ds}"
-
-
 def synthesize_missing(
     logs: str | Path,
     days: list[str],
@@ -575,13 +509,3 @@ def synthesize_missing(
     for d in days:  # the producer of these days: they are complete (a waiting run goes on)
         mark_complete(logs, d)
     return out
-
-
-def eval_oracle(logs: str | Path | None, ds: str) -> dict:
-    """`eval.oracle_ne` / `eval.oracle_auc` for an evaluation day: the optimum when the day is
-    synthetic (the true click probabilities its labels were drawn from); nothing for real
-    logs."""
-    oracle = read_oracle(logs_for_day(logs, ds)) if logs is not None else None
-    if not oracle:
-        return {}
-    return {"eval.oracle_ne": oracle["ne"], "eval.oracle_auc": oracle["auc"]}

@@ -116,6 +116,11 @@ class KeyedJaggedTensor:
             validate=False,
         )
 
+    def pin_memory(self) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(
+            self.keys, self.values.pin_memory(), self.lengths.pin_memory(), validate=False
+        )
+
     def select_rows(self, rows: torch.Tensor) -> KeyedJaggedTensor:
         """The rows `rows` (a gather, per key): the expansion of an IKJT."""
         parts_v, parts_l = [], []
@@ -194,6 +199,11 @@ class InverseKeyedJaggedTensor:
             self.unique.to(device, non_blocking),
             self.inverse_indices.to(device, non_blocking=non_blocking),
             validate=False,
+        )
+
+    def pin_memory(self) -> InverseKeyedJaggedTensor:
+        return InverseKeyedJaggedTensor(
+            self.unique.pin_memory(), self.inverse_indices.pin_memory(), validate=False
         )
 
     def __repr__(self) -> str:

@@ -46,9 +46,10 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from recd_core.config import FeatureSet, PreprocessConfig
+from recd_core.dedup.unique import DedupPlan, unique_rows, unique_runs, unique_sessions
 from recd_core.dedup.unique import list_array as _lists
 from recd_core.dedup.unique import list_parts as _list_parts
-from recd_core.dedup.unique import unique_rows, unique_runs, unique_sessions
+from recd_core.dpp.batch_store import Batch, decode_batch
 from recd_core.dpp.transforms import (
     dense_stats,
     model_spec,
@@ -569,3 +570,20 @@ def run_splits(args: list[tuple], cfg: PreprocessConfig, progress=None) -> list[
             if progress:
                 progress("split", 1)
         return out
+
+
+def make_batch(rows: pa.Table, features: FeatureSet, plan: DedupPlan | None) -> Batch:
+    """A slice of samples as one training batch in memory, through DPP's own encode and
+    decode (ids hashed into their tables, dense values as they are; `plan=None` is the
+    baseline, every feature per sample; unique rows found by hashing, any row order): what
+    tests and benchmarks build batches with, without writing them to the warehouse."""
+    from recd_core.config import DedupConfig, TransformSpec
+
+    groups = {g: fs for g, fs in plan.groups.items() if fs} if plan else {}
+    cfg = PreprocessConfig(
+        mode="dedup" if groups else "baseline",
+        default_dense=TransformSpec(),
+        dedup=DedupConfig(method="hash"),
+    )
+    prep = Prepared(features, features, groups, {}, cfg, dedup_method="hash")
+    return decode_batch(encode_batch(rows, prep), features, groups)

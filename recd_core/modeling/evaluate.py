@@ -34,15 +34,14 @@ class StreamingMetrics:
         self.n += y.size
         self.clicks += float(y.sum())
         self.predicted += float(p.sum())
-        self.loss_sum += float(-(y * np.log(p) + (1 - y) * np.log(1 - p)).sum())
+        self.loss_sum += float(metrics.log_losses(y, p).sum())
         self.labels.append(y)
         self.probs.append(p)
 
     def result(self) -> dict[str, float]:
         if self.n == 0:
             raise ValueError("no samples were scored")
-        ctr = min(max(self.clicks / self.n, metrics.EPS), 1 - metrics.EPS)
-        entropy = -(ctr * np.log(ctr) + (1 - ctr) * np.log(1 - ctr))
+        entropy = metrics.base_entropy(self.clicks / self.n)
         logloss = self.loss_sum / self.n
         return {
             "eval.logloss": logloss,

@@ -48,7 +48,6 @@ from torch.nn.parallel import DistributedDataParallel
 from recd_core.config import TrainConfig
 from recd_core.dpp.batch_store import BatchStore
 from recd_core.errors import BadInput, first_line
-from recd_core.modeling.batching import epoch_order
 from recd_core.modeling.calibration import calibrate
 from recd_core.modeling.checkpoints import Checkpoints, batches_id, checkpoint_state, run_name
 from recd_core.modeling.early_stopping import EarlyStopping, TableStart, on_cpu
@@ -317,3 +316,8 @@ def validate(model: Model, valid: BatchStore, device: torch.device) -> dict[str,
     from recd_core.modeling.evaluate import score_batches
 
     return score_batches(model, valid, device)
+
+
+def epoch_order(num_batches: int, seed: int, epoch: int) -> np.ndarray:
+    """The batches of an epoch in a seeded order (contiguous rows stay together)."""
+    return np.random.default_rng([seed, epoch]).permutation(num_batches)

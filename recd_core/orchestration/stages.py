@@ -87,7 +87,7 @@ def _ingest(args: StageArgs, advance: Advance) -> dict:
     """The days of `days_of`, each from `<logs>/ds=<day>/`, or the one day --ds from
     `source`."""
     from recd_core.data.ingest import ingest
-    from recd_core.data.synth import logs_for_day
+    from recd_core.data.logs_root import logs_for_day
 
     days = args.data_days()
     if args.source and (len(days) != 1 or args.days_of != "training"):
@@ -107,8 +107,9 @@ def _ingest(args: StageArgs, advance: Advance) -> dict:
     return {**first, "ingest.days": {d: s["ingest.rows_ok"] for d, s in out.items()}}
 
 
-LAYOUTS = {"clustered": ("clustered",), "shuffled": ("shuffled",),
-           "both": tuple(ARM_LAYOUT[arm] for arm in ARMS)}  # fmt: skip
+def _layouts(choice: str) -> tuple[str, ...]:
+    """generate's `layout` argument as the layouts it writes: `both` is every arm's."""
+    return tuple(ARM_LAYOUT[arm] for arm in ARMS) if choice == "both" else (choice,)
 
 
 def _generate(args: StageArgs, advance: Advance) -> dict:
@@ -121,7 +122,7 @@ def _generate(args: StageArgs, advance: Advance) -> dict:
     training = args.training_days()
 
     def one(day: str) -> dict:
-        layouts = LAYOUTS[args.layout or ("both" if day in training else "clustered")]
+        layouts = _layouts(args.layout or ("both" if day in training else "clustered"))
         s = generate(wh, day, cfg.generate, layouts, advance)
         per_layout = s.pop("layouts", {layouts[0]: s})  # one layout: its figures at the top
         for arm, layout in ARM_LAYOUT.items():
@@ -168,7 +169,7 @@ def _train(args: StageArgs, advance: Advance) -> dict:
 
 def _evaluate(args: StageArgs, advance: Advance) -> dict:
     """Each training day's model scored on its evaluation day."""
-    from recd_core.data.synth import eval_oracle
+    from recd_core.data.logs_root import eval_oracle
     from recd_core.modeling.evaluate import evaluate
 
     if not args.model_uri:
