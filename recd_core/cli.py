@@ -108,7 +108,7 @@ def _stage(ctx: typer.Context, name: str, summary_path: Path | None, **args) -> 
     from recd_core.orchestration.stages import run_stage
 
     tracker = ctx.find_root().obj
-    args = {k: str(v) if isinstance(v, Path) else v for k, v in args.items() if v is not None}
+    args = {k: v for k, v in args.items() if v is not None}
     if tracker is not None:
         args |= {"tracking_uri": tracker.uri, "experiment": tracker.experiment}
     try:

@@ -50,7 +50,6 @@ from recd_core.config import (
     IngestConfig,
     TrainConfig,
     load_pipeline_config,
-    synth_config,
 )
 from recd_core.warehouse import Warehouse
 
@@ -125,6 +124,7 @@ def synthetic_week(
     """`days` daily runs, each warm-started from the previous day's model, each evaluated on
     its next day next to the oracle; the first day also by the baseline arm. Every stage
     runs as the pipelines run it (`stages.run_stage`, the built-in config at `preset`)."""
+    from recd_core.orchestration.stage_args import parse_args
     from recd_core.orchestration.stages import run_stage
 
     root = _fresh(out / "week")
@@ -134,7 +134,7 @@ def synthetic_week(
     run_stage("synth", every_day)
     run_stage("ingest", every_day)
     run_stage("generate", {**every_day, "layout": "clustered"})
-    pipeline = load_pipeline_config(None).model_copy(update={"synth": synth_config(preset)})
+    pipeline = parse_args({**run, "ds": WEEK_START}).pipeline_config()  # the stages' config
     rows, previous = [], None
     for day, eval_day in zip(all_days[:-1], all_days[1:], strict=True):
         run_stage("preprocess", {**run, "ds": day})

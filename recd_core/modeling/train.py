@@ -102,7 +102,6 @@ class Run:
     move as it goes."""
 
     cfg: TrainConfig
-    ds: str
     rank: int
     world: int
     device: torch.device
@@ -220,7 +219,7 @@ def setup(
     if cfg.max_steps:
         total = min(total, cfg.max_steps)
     return Run(
-        cfg, ds, rank, world, device, wh, store, BatchStore(wh, ds, cfg.mode, split="validation"),
+        cfg, rank, world, device, wh, store, BatchStore(wh, ds, cfg.mode, split="validation"),
         days, model, DistributedDataParallel(model) if world > 1 else model, opt_dense,
         opt_sparse, init, restart, early, checkpoints, per_epoch, total, step=step,
         resumed_at=step,
