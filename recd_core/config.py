@@ -285,6 +285,18 @@ class ModelConfig(_Strict):
     # batches, each on its own loss, scored by their mean logit (modeling/model.py,
     # `Ensemble`): lower NE for K times the training and scoring
     members: int = Field(default=1, ge=1, le=16)
+    # with members > 1: a day of more training samples than this trains one model. An
+    # average gains by the members' disagreement, which shrinks as the data grows, while its
+    # cost grows with the data (docs/benchmarks.md, "MovieLens at size"). None: always
+    # `members`
+    members_up_to_samples: int | None = Field(default=None, gt=0)
+
+    def for_samples(self, samples: int) -> ModelConfig:
+        """The shape a day of `samples` training samples trains: one model where the day is
+        over `members_up_to_samples`."""
+        if self.members_up_to_samples is None or samples <= self.members_up_to_samples:
+            return self
+        return self.model_copy(update={"members": 1, "members_up_to_samples": None})
 
 
 class DedupConfig(_Strict):
@@ -372,7 +384,9 @@ class TrainConfig(_Strict):
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     amp: bool = False  # bf16 autocast on CUDA
-    threads: int | None = None  # torch intra-op threads on CPU
+    # torch intra-op threads on CPU; None: the CPUs the process may use (affinity, cgroup
+    # quota: recd_core/runtime.py) shared among the run's processes
+    threads: int | None = Field(default=None, gt=0)
     dedup: DedupConfig = DedupConfig()
     model: ModelConfig = ModelConfig()
 
@@ -415,6 +429,12 @@ class PreprocessConfig(_Strict):
 
     mode: Literal["dedup", "baseline"] = "dedup"
     batch_size: int = Field(default=4096, gt=0)
+    # a day too small for this many training steps a pass at `batch_size` is cut into
+    # smaller batches: `batch_size` halved (not below 256) until a pass has that many, so
+    # the batch grows with the data and a small day still gets the steps it learns from
+    # (MovieLens at 500: ml-100k 256, ml-1m 1024; docs/benchmarks.md). Training asks for
+    # `batch_size` and takes the batches' size. None: always `batch_size`
+    min_steps_per_pass: int | None = Field(default=None, gt=0)
     batches_per_split: int = Field(default=8, gt=0)  # a split = the unit of parallel work
     workers: int = Field(default=1, gt=0)
     engine: Literal["local", "ray"] = "local"

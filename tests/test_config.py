@@ -9,6 +9,7 @@ from recd_core.config import (
     load_pipeline_config,
     synth_config,
 )
+from recd_core.dpp.preprocess import scaled_batch_size
 
 
 def test_builtin_feature_sets_load():
@@ -33,11 +34,17 @@ def test_pipeline_config_from_yaml_with_named_feature_set(tmp_path: Path):
 
 def test_the_builtin_movielens_pipeline_trains_as_its_file_says(tmp_path: Path):
     """A `format: movielens` run without a config file trains as the MovieLens bench does
-    (small batches, several passes, five models averaged), not with the daily retrain's
-    settings; the synthetic default keeps those; a user's file keeps its own."""
+    (batches and an average that scale with the data, several passes), not with the daily
+    retrain's settings; the synthetic default keeps those; a user's file keeps its own."""
     movielens = load_pipeline_config(dataset="movielens")
-    assert movielens.train.batch_size == movielens.preprocess.batch_size == 256
-    assert movielens.train.epochs == 20 and movielens.train.model.members == 5
+    assert movielens.train.batch_size == movielens.preprocess.batch_size
+    # ml-100k's 80k training ratings in batches of 256 and five models; ml-1m's 800k in
+    # batches of 1024 and one model; ten times that in the batch size asked for
+    batch_of = lambda rows: scaled_batch_size(rows, movielens.preprocess)  # noqa: E731
+    assert [batch_of(n) for n in (80_000, 800_000, 8_000_000)] == [256, 1024, 4096]
+    model = movielens.train.model
+    assert model.for_samples(72_000).members == 5 and model.for_samples(720_000).members == 1
+    assert movielens.train.epochs == 20
     assert not movielens.train.restart_tables and movielens.train.cooccurrence_weight == 0
     synthetic = load_pipeline_config(dataset="synthetic")
     assert synthetic.train.batch_size == 512 and synthetic.train.model.members == 1

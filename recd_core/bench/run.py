@@ -45,6 +45,7 @@ def _storage(wh: Warehouse, ds: str, cfg: GenerateConfig) -> dict:
 def _train_figures(wh: Warehouse, ds: str, out: Path, repeats: int = 7) -> dict:
     import torch
 
+    from recd_core.bench.neighbour import neighbour_figures
     from recd_core.bench.training import bench_embeddings, bench_train, peak_memory
     from recd_core.config import TrainConfig
 
@@ -54,6 +55,8 @@ def _train_figures(wh: Warehouse, ds: str, out: Path, repeats: int = 7) -> dict:
     cfg = TrainConfig(batch_size=batch)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     figures = bench_train(table, cfg, repeats=repeats, device=device)
+    if device == "cpu":  # the same steps beside a busy neighbour process
+        figures.update(neighbour_figures(wh.uri, ds, batch))
     figures.update(peak_memory(table, cfg, str(out), device=device))
     figures.update(bench_embeddings(table, cfg, repeats=repeats))
     figures["train.model"] = cfg.model.model_dump()
@@ -208,6 +211,14 @@ def markdown(r: dict) -> str:
         rows.append(
             f"| samples/s | {r['train.samples_per_s.dedup']:,.0f} | {r['train.samples_per_s.baseline']:,.0f} | |"
         )
+        for name in ("passive", "spinning"):  # bench/neighbour.py
+            if f"bench.neighbour.train_speedup.{name}" in r:
+                rows.append(
+                    f"| step time beside a busy neighbour, {name} threads | "
+                    f"{r[f'train.neighbour.step_ms.dedup.{name}']:,.0f} ms | "
+                    f"{r[f'train.neighbour.step_ms.baseline.{name}']:,.0f} ms | "
+                    f"{r[f'bench.neighbour.train_speedup.{name}']:.2f}x |"
+                )
         if "train.peak_mem_bytes.dedup" in r:
             rows.append(
                 f"| peak memory | {human_bytes(r['train.peak_mem_bytes.dedup'])} | "

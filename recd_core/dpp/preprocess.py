@@ -336,6 +336,19 @@ def _ids(col, prep: Prepared, name: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 # -- a partition ----------------------------------------------------------------------------------
+MIN_SCALED_BATCH = 256  # `min_steps_per_pass` halves the batch size down to this
+
+
+def scaled_batch_size(rows: int, cfg: PreprocessConfig) -> int:
+    """The batch size a day of `rows` rows is cut into: `batch_size`, halved while a pass
+    over the training rows would have fewer than `min_steps_per_pass` steps."""
+    size, steps = cfg.batch_size, cfg.min_steps_per_pass
+    train_rows = rows * (1 - cfg.validation_fraction)
+    while steps is not None and size // 2 >= MIN_SCALED_BATCH and train_rows / size < steps:
+        size //= 2
+    return size
+
+
 def batch_ranges(num_rows: int, batch_size: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + batch_size, num_rows)) for lo in range(0, num_rows, batch_size)]
 
@@ -459,6 +472,8 @@ def preprocess(
     t0 = time.perf_counter()
     info = warehouse.info("samples", ds, layout="clustered")
     raw = check_samples_schema(warehouse, ds)
+    asked = cfg.batch_size
+    cfg = cfg.model_copy(update={"batch_size": scaled_batch_size(info.rows, cfg)})
     try:
         dense_cols = [f.name for f in raw.features if f.kind == "dense"]
         # statistics need the dense columns only; the dedup profile the first batches
@@ -513,6 +528,7 @@ def preprocess(
             "format": "recd.batches/2 (see recd_core/dpp/preprocess.py)",
             "mode": cfg.mode,
             "batch_size": cfg.batch_size,
+            "batch_size_asked": asked,  # what training asks for (`min_steps_per_pass`)
             "batches": sum(r["batches"] for r in results),
             "samples": samples,
             "batches_per_shard": [r["batches"] for r in results],

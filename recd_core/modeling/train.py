@@ -62,6 +62,7 @@ from recd_core.modeling.model import Model, build_model
 from recd_core.modeling.saved import save_model
 from recd_core.modeling.step import cooccurrence_term, fold_in, make_optimizers, train_step
 from recd_core.modeling.warm_start import Init, continue_optimizers, initial_state
+from recd_core.runtime import cpu_budget
 from recd_core.warehouse import Warehouse
 
 
@@ -173,19 +174,23 @@ def setup(
     """The run as `fit` takes it: batches checked against the config, the model (warm
     start or scratch), its optimizers, and the position of the run's latest checkpoint."""
     device = join_process_group(rank, world, resolve_device(cfg.device))
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    if device.type == "cpu":  # the CPUs this process may use, shared by the run's processes
+        torch.set_num_threads(cfg.threads or max(cpu_budget() // world, 1))
     # Adagrad rebuilds sparse gradients internally; torch warns about invariant checks.
     warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
     wh = Warehouse(wh_uri)
     store = BatchStore(wh, ds, cfg.mode)
-    if store.manifest["batch_size"] != cfg.batch_size:
+    asked = store.manifest.get("batch_size_asked", store.manifest["batch_size"])
+    if asked != cfg.batch_size:
         raise BatchMismatch(
             f"batches/mode={cfg.mode}/ds={ds} were preprocessed with batch size "
-            f"{store.manifest['batch_size']}, the training config asks for {cfg.batch_size}: "
+            f"{asked}, the training config asks for {cfg.batch_size}: "
             f"re-run `recd preprocess --batch-size {cfg.batch_size}` or train with that size"
         )
     days = add_window(wh, store, ds, cfg)
+    # the shape a day of this size trains (one model past `members_up_to_samples`)
+    samples = len(store) * store.manifest["batch_size"]
+    cfg = cfg.model_copy(update={"model": cfg.model.for_samples(samples)})
     model, init = _initial_model(store, cfg, init_from, init_label)
     model = model.to(device)
     opt_dense, opt_sparse = make_optimizers(model, cfg, warm=init.state is not None)
@@ -277,6 +282,7 @@ def finish(run: Run) -> dict:
         "train.world_size": world,
         "train.dedup_groups": {g: len(fs) for g, fs in run.store.groups.items()},
         "train.batch_size": run.store.manifest["batch_size"],
+        "train.members": cfg.model.members,
         "train.days": run.days,
         "train.init_from": run.init.uri or "",
         "train.init_reason": run.init.reason,

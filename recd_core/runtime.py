@@ -1,0 +1,55 @@
+"""How recd's processes use the CPUs they are given: set once, before torch loads.
+
+OpenMP's worker threads (torch's intra-op pool) spin after each parallel region, waiting
+for the next one, by default. A training step runs hundreds of small ops, so on a machine
+that is shared (a neighbour process, a pod under a CPU limit) the spinning threads take
+the time slices the working ones need. Measured on 2 cores with one 2-thread torch
+neighbour (docs/benchmarks.md, "Speed beside a neighbour"): the dedup step 6,896 ms with
+spinning threads, 556 ms with passive ones (376 ms idle). recd therefore asks for passive
+waiting unless the environment already says otherwise.
+
+torch sizes its pool by the machine's cores, not by what the process may use: a pod limited
+to 2 CPUs on a 64-core node would run 32+ threads in 2 CPUs' time. `cpu_budget` reads the
+limit (affinity and the cgroup's CPU quota), and training sizes its pool by it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def quiet_openmp(environ: dict | None = None) -> None:
+    """Passive OpenMP waiting for this process and its children, unless already set. Takes
+    effect only where torch (libgomp) has not been loaded yet: recd_core calls it on import."""
+    env = os.environ if environ is None else environ
+    for key, value in OPENMP_DEFAULTS.items():
+        env.setdefault(key, value)
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPU quota of this process's cgroup in CPUs (v2 `cpu.max`, v1 `cpu.cfs_quota_us`
+    over `cpu.cfs_period_us`), or None where there is none."""
+    try:
+        v2 = root / "cpu.max"
+        if v2.exists():
+            quota, period = v2.read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_budget(root: Path = Path("/sys/fs/cgroup")) -> int:
+    """The CPUs this process may use: its affinity, capped by its cgroup's quota (rounded
+    up: a limit of 1.5 CPUs gets 2 threads), at least 1."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    quota = cgroup_cpu_quota(root)
+    if quota is not None:
+        cpus = min(cpus or 1, math.ceil(quota))
+    return max(int(cpus or 1), 1)
