@@ -304,7 +304,10 @@ def bench_cmd(
     quality: Annotated[
         bool, typer.Option(help="model quality next to references (LR, the oracle)")
     ] = True,
-    quality_days: Annotated[int, typer.Option(min=1, help="days of the warm-started week")] = 7,
+    quality_days: Annotated[
+        int, typer.Option(min=0, help="days of the warm-started week (0: no week)")
+    ] = 7,
+    train: Annotated[bool, typer.Option(help="training speed, dedup vs baseline")] = True,
     summary: SummaryOpt = None,
 ):
     """The headline ratios measured side by side (storage, ingestion, DPP, training) and the
@@ -312,7 +315,9 @@ def bench_cmd(
     from recd_core.bench.run import run_bench
 
     def body():
-        return run_bench(preset, out, movielens, quality=quality, quality_days=quality_days)
+        return run_bench(
+            preset, out, movielens, train=train, quality=quality, quality_days=quality_days
+        )
 
     _run(ctx, "bench", summary or out / "bench.json", body)
 

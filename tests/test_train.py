@@ -24,7 +24,7 @@ from recd_core.modeling.saved import (
     load_model,
     predict,
 )
-from recd_core.modeling.train import train
+from recd_core.modeling.train import BatchMismatch, train
 from recd_core.schema import feature_set_of
 
 DAY, NEXT = "2026-11-01", "2026-11-02"
@@ -109,7 +109,7 @@ def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(
         import os, signal
         from recd_core.config import TrainConfig
         from recd_core.modeling.checkpoints import Checkpoints
-        from recd_core.modeling.train import train
+        from recd_core.modeling.train import BatchMismatch, train
         from recd_core.warehouse import Warehouse
         real = Checkpoints.save
         def save_then_die(self, state):
@@ -226,13 +226,28 @@ def test_two_processes_data_parallel_on_gloo(fresh_warehouse):
 
 
 def test_training_refuses_batches_of_another_size(fresh_warehouse):
-    from recd_core.modeling.train import BatchMismatch
-
     preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=512))
     with pytest.raises(
         BatchMismatch, match=r"preprocessed with batch size 512, the training config asks for 256"
     ):
         train(fresh_warehouse, DAY, TrainConfig(batch_size=256, model=SMALL_MODEL))
+
+
+def test_a_small_day_gets_smaller_batches_and_a_large_one_a_single_model(fresh_warehouse):
+    """`min_steps_per_pass`: DPP halves the batch until a pass has that many steps, and
+    training, asking for the batch size it was configured with, takes the batches' size;
+    `members_up_to_samples`: past it the day trains (and saves) one model, not an average."""
+    rows = fresh_warehouse.info("samples", DAY, layout="clustered").rows
+    steps = int(rows * 0.9 / 256) + 1  # more than a pass at 512 has, fewer than at 256
+    preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=1024, min_steps_per_pass=steps))
+    model = SMALL_MODEL.model_copy(update={"members": 3, "members_up_to_samples": rows // 2})
+    cfg = TrainConfig(batch_size=1024, max_steps=4, model=model)
+    summary = train(fresh_warehouse, DAY, cfg)
+    assert summary["train.batch_size"] == 256 and summary["train.members"] == 1
+    single, meta = load_model(summary["train.model_uri"])
+    assert not hasattr(single, "members") and meta["train"]["model"]["members"] == 1
+    with pytest.raises(BatchMismatch, match=r"preprocessed with batch size 1024, .* asks for 256"):
+        train(fresh_warehouse, DAY, cfg.model_copy(update={"batch_size": 256}))
 
 
 def test_early_stopping_keeps_the_best_validated_state(fresh_warehouse):

@@ -116,7 +116,8 @@ def run_bench(
 
         if movielens is not None:
             result.update(movielens_quality(movielens, out))
-        result.update(synthetic_week(out, preset, days=quality_days))
+        if quality_days:
+            result.update(synthetic_week(out, preset, days=quality_days))
     (out / "bench.md").write_text(markdown(result))
     result["artifacts"] = [str(out / "bench.md"), str(chart(result, out / "bench.png"))]
     return result
@@ -239,7 +240,7 @@ def quality_markdown(r: dict) -> list[str]:
         q = "bench.quality.movielens."
         rows += [
             "",
-            "| MovieLens-100k, split by time per user (80/20) | NE | AUC |",
+            f"| MovieLens ({r.get(q + 'data', 'ml-100k')}), split by time per user (80/20) | NE | AUC |",
             "|---|---|---|",
             f"| logistic regression, one-hot (C={r[q + 'lr_c']}) | {r[q + 'lr_ne']:.4f} | {r[q + 'lr_auc']:.4f} |",
             f"| recd DLRM | {r[q + 'ne']:.4f} | {r[q + 'auc']:.4f} |",
@@ -256,6 +257,16 @@ def quality_markdown(r: dict) -> list[str]:
                 f"{r[q + 'fm_passes']} passes) | {r[q + 'fm_ne']:.4f} | {r[q + 'fm_auc']:.4f} |",
                 f"| its gain over the logistic regression | {r[q + 'lr_ne'] - r[q + 'fm_ne']:+.4f} "
                 f"| {r[q + 'fm_auc'] - r[q + 'lr_auc']:+.4f} |",
+            ]
+        if q + "gbdt_auc" in r:
+            rows += [
+                f"| gradient-boosted trees, LightGBM ({r[q + 'gbdt_leaves']} leaves, "
+                f"{r[q + 'gbdt_rounds']} rounds) | {r[q + 'gbdt_ne']:.4f} | {r[q + 'gbdt_auc']:.4f} |",
+                f"| recd DLRM over the best reference, figure by figure | {r[q + 'best_ne_gain']:+.4f} "
+                f"| {r[q + 'best_auc_gain']:+.4f} |",
+                f"| recd DLRM's training: {r[q + 'train_minutes']:.1f} min, "
+                f"{r[q + 'train_samples_per_s']:,.0f} samples/s (batch {r[q + 'batch_size']}, "
+                f"{r[q + 'members']} model{'s' if r[q + 'members'] > 1 else ''}) | | |",
             ]
     if r.get("week"):
         rows += [

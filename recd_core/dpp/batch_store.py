@@ -132,6 +132,11 @@ class BatchStore:
     def __len__(self) -> int:
         return len(self.refs)
 
+    def samples(self) -> int:
+        """About the samples in the batches: whole batches' worth (over by under a batch
+        a file), what `ModelConfig.for_samples` sizes the model by."""
+        return len(self.refs) * self.manifest["batch_size"]
+
     def __getitem__(self, i: int) -> Batch:
         return decode_batch(self.record(i), self.model_features, self.groups)
 

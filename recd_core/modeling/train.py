@@ -189,8 +189,7 @@ def setup(
         )
     days = add_window(wh, store, ds, cfg)
     # the shape a day of this size trains (one model past `members_up_to_samples`)
-    samples = len(store) * store.manifest["batch_size"]
-    cfg = cfg.model_copy(update={"model": cfg.model.for_samples(samples)})
+    cfg = cfg.model_copy(update={"model": cfg.model.for_samples(store.samples())})
     model, init = _initial_model(store, cfg, init_from, init_label)
     model = model.to(device)
     opt_dense, opt_sparse = make_optimizers(model, cfg, warm=init.state is not None)

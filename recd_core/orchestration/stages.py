@@ -158,7 +158,8 @@ def _train(args: StageArgs, advance: Advance) -> dict:
     start = args.init_from or ("champion" if tc.warm_start else None)
     # the champion only when it was trained before the first day trained here (args.ds);
     # when it is of another model config, this config's own newest version
-    key = lineage_key(BatchStore(wh, args.ds, args.mode).model_features, tc.model)
+    store = BatchStore(wh, args.ds, args.mode)  # the model's shape as training sizes it
+    key = lineage_key(store.model_features, tc.model.for_samples(store.samples()))
     resolved = init_model(args.tracker(), start, cfg.registry.model_name, args.ds, key)
     with resolved as (init_dir, label):
         out = _per_day(args, lambda day: train(wh, day, tc, nproc=args.nproc,
