@@ -70,6 +70,9 @@ def test_recd_bench_writes_and_logs_its_report(tmp_path):
     ):
         assert result[key] > 0, key
     assert (tmp_path / "b/bench.png").read_bytes()[:4] == b"\x89PNG"
+    # the training steps again beside a busy neighbour, threads passive and spinning
+    for name in ("passive", "spinning"):
+        assert result[f"bench.neighbour.train_speedup.{name}"] > 0, name
     # the quality part: two warm-started days against the oracle, the first by both arms
     week = result["week"]
     assert [w["init"] for w in week] == ["scratch", "warm"]
@@ -84,6 +87,7 @@ def test_recd_bench_writes_and_logs_its_report(tmp_path):
         assert w["missed"]["all"] < w["missed"]["model"]
     md = (tmp_path / "b/bench.md").read_text()
     assert "learnable bound" in md and "the features alone" in md and "Where the gap lies" in md
+    assert "beside a busy neighbour, passive threads" in md
     assert "the generator's model, learned" in md
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(result["mlflow.run_id"])
@@ -266,3 +270,32 @@ def test_the_learned_generator_model_takes_each_topic_from_the_clicks_beyond_its
               y[held], id_terms_probability(f, u[held], i[held], offset[held], 1.0, effect))
           for name, f in (("prior", prior_only), ("learned", first))}  # fmt: skip
     assert ne["learned"] < ne["prior"] - 0.02
+
+
+def test_gradient_boosted_trees_learn_what_two_ids_say_together():
+    """The trees reference takes each id as a categorical column: clicks that depend only on
+    whether a user's and an item's hidden groups match (every id clicks half the time) are
+    learned by a split on the user's group, then on the item's."""
+    import numpy as np
+    import pyarrow as pa
+
+    from recd_core.bench.references import GBDT_LEAVES, gradient_boosted_trees, tree_design
+    from recd_core.config import FeatureSet, FeatureSpec
+
+    rng = np.random.default_rng(0)
+    n, users, items = 6000, 60, 60
+    u, i = rng.integers(0, users, n), rng.integers(0, items, n)
+    label = rng.random(n) < np.where((u % 2) == (i % 2), 0.8, 0.2)
+    table = pa.table({
+        "user_id": u, "item_id": i, "tags": [[int(x % 5), int(x % 7)] for x in i],
+        "label": label.astype(np.int64), "ts": np.arange(n), "event_id": np.arange(n),
+    })  # fmt: skip
+    features = FeatureSet(name="pairs", features=[
+        FeatureSpec(name="user_id", side="user", kind="sparse", table_size=users),
+        FeatureSpec(name="item_id", side="item", kind="sparse", table_size=items),
+        FeatureSpec(name="tags", side="item", kind="id_list", table_size=8, max_length=2),
+    ])  # fmt: skip
+    x, categorical = tree_design(table, features)
+    assert categorical == [0, 1] and x.shape == (n, 2 + 8 + 1)  # ids, tags multi-hot, length
+    gbdt = gradient_boosted_trees(table.slice(0, 5000), table.slice(5000), features, False)
+    assert gbdt["auc"] > 0.75 and gbdt["leaves"] in GBDT_LEAVES and gbdt["rounds"] >= 1
