@@ -287,7 +287,7 @@ class ModelConfig(_Strict):
     members: int = Field(default=1, ge=1, le=16)
     # with members > 1: a day of more training samples than this trains one model. An
     # average gains by the members' disagreement, which shrinks as the data grows, while its
-    # cost grows with the data (docs/benchmarks.md, "MovieLens at size"). None: always
+    # cost grows with the data (docs/benchmarks.md, "MovieLens-1M at size"). None: always
     # `members`
     members_up_to_samples: int | None = Field(default=None, gt=0)
 
