@@ -1,12 +1,13 @@
 """How recd's processes use the CPUs they are given: set once, before torch loads.
 
-OpenMP's worker threads (torch's intra-op pool) spin after each parallel region, waiting
-for the next one, by default. A training step runs hundreds of small ops, so on a machine
-that is shared (a neighbour process, a pod under a CPU limit) the spinning threads take
-the time slices the working ones need. Measured on 2 cores with one 2-thread torch
-neighbour (docs/benchmarks.md, "Speed beside a neighbour"): the dedup step 6,896 ms with
-spinning threads, 556 ms with passive ones (376 ms idle). recd therefore asks for passive
-waiting unless the environment already says otherwise.
+OpenMP's worker threads (torch's intra-op pool) spin for a while after each parallel region,
+waiting for the next one, by default. A training step runs hundreds of small ops, so on a
+machine that is shared (a neighbour process, a pod under a CPU limit) the spinning threads
+take the time slices the working ones need. Measured on 2 cores with one 2-thread torch
+neighbour (docs/benchmarks.md, "Training", "Beside a neighbour"; the probe in
+docs/journal.md): the dedup step 6,896 ms at torch's defaults, 556 ms with passive threads
+(376 ms idle). recd therefore asks for passive waiting unless the environment already says
+otherwise; idle, that costs the dedup step ~20%.
 
 torch sizes its pool by the machine's cores, not by what the process may use: a pod limited
 to 2 CPUs on a 64-core node would run 32+ threads in 2 CPUs' time. `cpu_budget` reads the

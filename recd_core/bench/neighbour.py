@@ -4,9 +4,9 @@ A shared machine or a pod under a CPU limit gives a training process less than t
 sees. The bench times the dedup and the baseline step (`bench_train`, fewer repeats) while
 a neighbour process keeps every core busy with matrix products (a torch process of its own,
 at its defaults), twice: with OpenMP threads that wait passively (recd's default,
-recd_core/runtime.py) and with threads that spin (`OMP_WAIT_POLICY=ACTIVE`, what torch does
-when nothing says otherwise). Each in a fresh process, because OpenMP reads the policy once,
-when it loads.
+recd_core/runtime.py) and with threads that spin (`OMP_WAIT_POLICY=ACTIVE`; OpenMP's
+default spins for a while, then sleeps). Each in a fresh process, because OpenMP reads the
+policy once, when it loads.
 
 Run as a module it prints one timing as JSON:
     python -m recd_core.bench.neighbour WAREHOUSE DS BATCH_SIZE REPEATS

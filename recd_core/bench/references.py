@@ -16,31 +16,36 @@ from recd_core import metrics
 from recd_core.config import FeatureSet
 
 
+def _dense(col: pa.Array, f, rows: int) -> np.ndarray:
+    """A dense feature's values as a [rows, dim] matrix (nulls 0)."""
+    flat = col.flatten() if pa.types.is_list(col.type) else col
+    return np.asarray(flat.fill_null(0), np.float64).reshape(rows, f.dim)
+
+
+def _id_values(col: pa.Array, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """An id feature's ids, flat, and how many each row holds (one for a single id)."""
+    if pa.types.is_list(col.type):
+        lengths = np.asarray(pc.list_value_length(col).fill_null(0), np.int64)
+        return np.asarray(col.flatten().fill_null(0), np.int64), lengths
+    return np.asarray(col.fill_null(0), np.int64), np.ones(rows, np.int64)
+
+
 def one_hot(table: pa.Table, features: FeatureSet):
     """A sparse design matrix: one column per (feature, id) for id features and id lists
     (multi-hot, each list's ids weighted 1/length), dense features as they are (scaled)."""
     from scipy import sparse
 
-    blocks = []
+    blocks, n = [], table.num_rows
     for f in features.features:
         col = table[f.name].combine_chunks()
         if f.kind == "dense":
-            flat = col.flatten() if pa.types.is_list(col.type) else col
-            x = np.asarray(flat.fill_null(0), np.float64).reshape(table.num_rows, f.dim)
-            blocks.append(sparse.csr_matrix(x))
+            blocks.append(sparse.csr_matrix(_dense(col, f, n)))
             continue
-        if pa.types.is_list(col.type):
-            lengths = np.asarray(pc.list_value_length(col).fill_null(0), np.int64)
-            ids = np.asarray(col.flatten().fill_null(0), np.int64)
-        else:
-            lengths = np.ones(table.num_rows, np.int64)
-            ids = np.asarray(col.fill_null(0), np.int64)
-        rows = np.repeat(np.arange(table.num_rows), lengths)
+        ids, lengths = _id_values(col, n)
+        rows = np.repeat(np.arange(n), lengths)
         size = f.table_size or 1
         weights = 1.0 / np.maximum(np.repeat(lengths, lengths), 1)
-        blocks.append(
-            sparse.csr_matrix((weights, (rows, ids % size)), shape=(table.num_rows, size))
-        )
+        blocks.append(sparse.csr_matrix((weights, (rows, ids % size)), shape=(n, size)))
     return sparse.hstack(blocks, format="csr")
 
 
@@ -268,27 +273,22 @@ def tree_design(table: pa.Table, features: FeatureSet):
     Returns (sparse matrix, the categorical columns' indices)."""
     from scipy import sparse
 
-    blocks, categorical, width = [], [], 0
+    blocks, categorical, width, n = [], [], 0, table.num_rows
     for f in features.features:
         col = table[f.name].combine_chunks()
         if f.kind == "dense":
-            flat = col.flatten() if pa.types.is_list(col.type) else col
-            block = sparse.csr_matrix(
-                np.asarray(flat.fill_null(0), np.float64).reshape(table.num_rows, f.dim)
-            )
+            block = sparse.csr_matrix(_dense(col, f, n))
         elif pa.types.is_list(col.type):
-            lengths = np.asarray(pc.list_value_length(col).fill_null(0), np.int64)
-            ids = np.asarray(col.flatten().fill_null(0), np.int64) % (f.table_size or 1)
-            rows = np.repeat(np.arange(table.num_rows), lengths)
-            hot = sparse.csr_matrix(
-                (np.ones(ids.size), (rows, ids)), shape=(table.num_rows, f.table_size or 1)
-            )
+            ids, lengths = _id_values(col, n)
+            size = f.table_size or 1
+            rows = np.repeat(np.arange(n), lengths)
+            hot = sparse.csr_matrix((np.ones(ids.size), (rows, ids % size)), shape=(n, size))
             hot.sum_duplicates()
             hot.data[:] = 1.0
             block = sparse.hstack([hot, sparse.csr_matrix(lengths[:, None].astype(np.float64))])
         else:
-            ids = np.asarray(col.fill_null(0), np.int64) % (f.table_size or 1)
-            block = sparse.csr_matrix(ids[:, None].astype(np.float64))
+            ids, _ = _id_values(col, n)
+            block = sparse.csr_matrix((ids % (f.table_size or 1))[:, None].astype(np.float64))
             categorical.append(width)
         blocks.append(block)
         width += block.shape[1]
@@ -312,10 +312,10 @@ def gradient_boosted_trees(
     stopping), then refit on all of `train` for that many rounds."""
     import lightgbm as lgb
 
-    late = time_split(train, 0.9, per_user)
-    fit_rows, val_rows = train.filter(pc.invert(late)), train.filter(late)
-    x_fit, cats = tree_design(fit_rows, features)
-    x_val, _ = tree_design(val_rows, features)
+    late = np.asarray(time_split(train, 0.9, per_user))
+    x_all, cats = tree_design(train, features)  # once; the fit and validation rows of it
+    y_all = _labels(train)
+    x_fit, y_fit, x_val, y_val = x_all[~late], y_all[~late], x_all[late], y_all[late]
 
     def params(num_leaves: int) -> dict:
         return {"objective": "binary", "learning_rate": learning_rate, "num_leaves": num_leaves,
@@ -323,21 +323,20 @@ def gradient_boosted_trees(
                 "bagging_freq": 1, "cat_smooth": 10, "verbose": -1, "seed": 0}  # fmt: skip
 
     best = (np.inf, None, 0)  # (validation NE, leaves, rounds)
+    fit_set = lgb.Dataset(x_fit, y_fit, categorical_feature=cats, free_raw_data=False)
+    val_set = lgb.Dataset(x_val, y_val, reference=fit_set, free_raw_data=False)
     for num_leaves in leaves:
-        fit_set = lgb.Dataset(x_fit, _labels(fit_rows), categorical_feature=cats)
-        val_set = lgb.Dataset(x_val, _labels(val_rows), reference=fit_set)
         booster = lgb.train(
             params(num_leaves), fit_set, max_rounds, valid_sets=[val_set],
             callbacks=[lgb.early_stopping(patience, verbose=False)],
         )  # fmt: skip
         p_val = booster.predict(x_val, num_iteration=booster.best_iteration)
-        ne = metrics.normalized_entropy(_labels(val_rows), p_val)
+        ne = metrics.normalized_entropy(y_val, p_val)
         if ne < best[0]:
             best = (ne, num_leaves, booster.best_iteration)
     _, num_leaves, rounds = best
-    x_all, _ = tree_design(train, features)
     booster = lgb.train(
-        params(num_leaves), lgb.Dataset(x_all, _labels(train), categorical_feature=cats), rounds
+        params(num_leaves), lgb.Dataset(x_all, y_all, categorical_feature=cats), rounds
     )
     p, y = booster.predict(tree_design(test, features)[0]), _labels(test)
     return {"ne": metrics.normalized_entropy(y, p), "auc": metrics.auc(y, p),

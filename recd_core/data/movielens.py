@@ -284,8 +284,8 @@ def read_movielens(
     lines, first = _lines(ratings_path, layout.encoding, layout.header)
     sep = "::" if layout.name == "ml-1m" else "\t"
     names = ["user_id", "item_id", "rating", "ts"]
-    ids = {} if layout.header else {"user_id": INT, "item_id": INT}  # RecBole ids are tokens
-    cols, problem, fields = _split(lines, sep, names, ids | {"rating": NUM, "ts": NUM})
+    id_patterns = {} if layout.header else {"user_id": INT, "item_id": INT}  # RecBole: tokens
+    cols, problem, fields = _split(lines, sep, names, id_patterns | {"rating": NUM, "ts": NUM})
     line_no = np.arange(first, first + len(lines), dtype=np.int64)
     ok = np.asarray(pc.is_null(problem), bool)
     # each rating's row in the side files (-1: not there)
@@ -311,8 +311,7 @@ def read_movielens(
     )
 
     keep = np.flatnonzero(~rejected)
-    user = np.where(user_row >= 0, users["user_id"][user_row], -1)
-    order = keep[np.lexsort((line_no[keep], ts_s[keep], user[keep]))]
+    order = keep[np.lexsort((line_no[keep], ts_s[keep], users["user_id"][user_row[keep]]))]
     uidx, iidx = user_row[order], item_row[order]  # rows of the side files
     u, it = users["user_id"][uidx], items["item_id"][iidx]
     t, r = ts_s[order], rating[order]
