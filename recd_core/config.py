@@ -312,6 +312,9 @@ class DedupConfig(_Strict):
     groups: dict[str, list[str]] | None = None  # explicit groups: skip the measurement
 
 
+Sharding = Literal["none", "auto", "table_wise", "row_wise", "column_wise"]
+
+
 class TrainConfig(_Strict):
     """`recd train` (modeling/train.py)."""
 
@@ -384,6 +387,14 @@ class TrainConfig(_Strict):
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     amp: bool = False  # bf16 autocast on CUDA
+    # with several processes: "none" replicates every table in every process (data
+    # parallel); otherwise the tables are sharded across the processes through TorchRec
+    # (modeling/sharding.py), placed by its planner (`auto`) or table-, row- or column-wise,
+    # and each process takes a slice of every batch
+    sharding: Sharding = "none"
+    # with `sharding`: the memory a process may give its shards of the tables (MB); the
+    # planner places them within it or training refuses. None: the device's memory
+    memory_budget_mb: int | None = Field(default=None, gt=0)
     # torch intra-op threads on CPU; None: the CPUs the process may use (affinity, cgroup
     # quota: recd_core/runtime.py) shared among the run's processes
     threads: int | None = Field(default=None, gt=0)

@@ -33,6 +33,20 @@ class Batch:
     def size(self) -> int:
         return self.labels.numel()
 
+    def part(self, k: int, parts: int) -> Batch:
+        """The k-th of `parts` contiguous slices of the samples (a sharded run's rank takes
+        one): per-sample features sliced, each group keeping the unique rows its slice uses
+        (session-clustered batches keep most of their duplicates within a slice)."""
+        lo, hi = k * self.size // parts, (k + 1) * self.size // parts
+        rows = torch.arange(lo, hi, device=self.labels.device)
+        kjt = self.kjt.select_rows(rows) if self.kjt is not None else None
+        groups = {}
+        for g, ik in self.groups.items():
+            used, inverse = torch.unique(ik.inverse_indices[lo:hi], return_inverse=True)
+            groups[g] = InverseKeyedJaggedTensor(ik.unique.select_rows(used), inverse,
+                                                 validate=False)  # fmt: skip
+        return Batch(self.dense[lo:hi], kjt, self.labels[lo:hi], groups)
+
     def to(self, device, non_blocking: bool = False) -> Batch:
         return Batch(
             self.dense.to(device, non_blocking=non_blocking),

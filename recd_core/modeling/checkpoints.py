@@ -1,6 +1,8 @@
 """A training run's checkpoints, and the key that names the run.
 
     <warehouse>/checkpoints/<run>/step-NNNNNNNN.pt     written atomically, `keep` newest kept
+                                 step-NNNNNNNN.rank-R-of-N.pt   a sharded run: one a rank
+                                                                (its shards, its states)
         {"model": state dict, "optimizer": {"dense", "sparse"} (as the saved model's
          optimizer.pt), "step": steps taken, "config": the TrainConfig JSON,
          "early": EarlyStopping's state (best state, history)}
@@ -13,6 +15,7 @@ afresh instead of resuming onto it."""
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
@@ -44,9 +47,12 @@ def batches_id(wh: Warehouse, ds: str, mode: str) -> str:
 
 @dataclass
 class Checkpoints:
+    """`part`: a sharded run's rank writes and reads its own files (".rank-R-of-N")."""
+
     wh: Warehouse
     run: str
     keep: int
+    part: str = ""
 
     @property
     def dir(self) -> str:
@@ -57,19 +63,25 @@ class Checkpoints:
             return []
         sweep_files(self.wh.fs, self.dir)  # a killed or failed save's temporary file
         infos = self.wh.fs.get_file_info(pafs.FileSelector(self.dir))
-        return sorted(
-            i.path for i in infos if i.base_name.startswith("step-") and i.base_name.endswith(".pt")
-        )
+        mine = re.compile(rf"step-\d{{8}}{re.escape(self.part)}\.pt")
+        return sorted(i.path for i in infos if mine.fullmatch(i.base_name))
+
+    def path(self, step: int) -> str:
+        return f"{self.dir}/step-{step:08d}{self.part}.pt"
 
     def save(self, state: dict) -> str:
-        path = f"{self.dir}/step-{state['step']:08d}.pt"
+        path = self.path(state["step"])
         write_bytes(self.wh, path, torch_bytes(state))
         for old in self.list()[: -self.keep]:
             self.wh.fs.delete_file(old)
         return path
 
-    def latest(self) -> dict | None:
-        paths = self.list()
+    def steps(self) -> list[int]:
+        return [int(p.rsplit("/", 1)[-1][5:13]) for p in self.list()]
+
+    def latest(self, step: int | None = None) -> dict | None:
+        """The newest checkpoint (or the one of `step`: the newest every rank has)."""
+        paths = self.list() if step is None else [self.path(step)]
         if not paths:
             return None
         state = torch_load(read_bytes(self.wh, paths[-1]), paths[-1])

@@ -56,9 +56,10 @@ def mlp(sizes: list[int], last_relu: bool = True) -> nn.Sequential:
     return nn.Sequential(*(layers if last_relu else layers[:-1]))
 
 
-def padded(jt: JaggedTensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Jagged rows -> ([N, L] ids, [N, L] valid mask), L = min(longest row, max_len).
-    Rows longer than max_len keep their last (most recent) max_len ids."""
+def padded(jt: JaggedTensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Jagged rows -> ([N, L] ids, [N, L] valid mask, [N, L] positions in `jt.values`),
+    L = min(longest row, max_len). Rows longer than max_len keep their last (most recent)
+    max_len ids; a padding slot holds id 0 and a valid position (masked by `mask`)."""
     lengths = jt.lengths.clamp(max=max_len)
     n = lengths.numel()
     width = max(int(lengths.max()) if n else 0, 1)
@@ -67,7 +68,7 @@ def padded(jt: JaggedTensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     start = jt.offsets[1:] - lengths  # the last `lengths` values of each row
     idx = (start.unsqueeze(1) + pos.unsqueeze(0)).clamp(max=max(jt.values.numel() - 1, 0))
     ids = jt.values[idx] if jt.values.numel() else torch.zeros_like(idx)
-    return torch.where(mask, ids, torch.zeros_like(ids)), mask
+    return torch.where(mask, ids, torch.zeros_like(ids)), mask, idx
 
 
 class HistoryEncoder(nn.Module):
@@ -96,12 +97,19 @@ class HistoryEncoder(nn.Module):
         self.pool = nn.MultiheadAttention(d, cfg.history_heads, dropout=0.0, batch_first=True)
 
     def forward(
-        self, jt: JaggedTensor, table: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (pooled [N, d], tokens [N, 1 + L, d], valid [N, 1 + L]); token 0 is the null."""
-        ids, mask = padded(jt, self.max_len)
+        self, jt: JaggedTensor, table: torch.Tensor | None = None,
+        vectors: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """-> (pooled [N, d], tokens [N, 1 + L, d], valid [N, 1 + L]); token 0 is the null.
+        `vectors`: the ids' vectors already looked up ([nnz, d], a sharded table's)."""
+        ids, mask, idx = padded(jt, self.max_len)
         n, width = ids.shape
-        emb = self.embedding(ids) if table is None else F.embedding(ids, table, sparse=True)
+        if vectors is not None:
+            emb = vectors[idx] if vectors.shape[0] else vectors.new_zeros(n, width, vectors.shape[1])
+        elif table is None:
+            emb = self.embedding(ids)
+        else:
+            emb = F.embedding(ids, table, sparse=True)
         x = emb + self.position[1 : width + 1]
         x = torch.cat([self.null.expand(n, 1, -1) + self.position[:1], x], dim=1)
         valid = torch.cat([torch.ones(n, 1, dtype=torch.bool, device=ids.device), mask], dim=1)
@@ -152,7 +160,11 @@ class Calibrated(nn.Module):
 
 
 class DLRM(Calibrated):
-    def __init__(self, features: FeatureSet, cfg: ModelConfig):
+    """`sharded_tables`: the tables live in a TorchRec EmbeddingCollection
+    (modeling/sharding.py) that looks every id feature up at once; the model keeps its
+    dense part and pools the looked-up vectors itself."""
+
+    def __init__(self, features: FeatureSet, cfg: ModelConfig, sharded_tables: bool = False):
         super().__init__()
         self.features, self.cfg = features, cfg
         d = cfg.embedding_dim
@@ -181,8 +193,9 @@ class DLRM(Calibrated):
         # one embedding bag per table; features naming the same `table` share it (module
         # keys are prefixed: a table named like a ModuleDict method, e.g. `items`, is fine)
         self.table_of = {n: f"t_{features.table_of(n)}" for n in self.sparse_names}
+        self.bag_tables = list(dict.fromkeys(self.table_of.values()))
         self.bags = nn.ModuleDict()
-        for n in self.sparse_names:
+        for n in self.sparse_names if not sharded_tables else []:
             if self.table_of[n] not in self.bags:
                 bag = nn.EmbeddingBag(features[n].table_size, d, mode=cfg.pooling, sparse=True)
                 nn.init.uniform_(bag.weight, -0.05, 0.05)
@@ -190,15 +203,20 @@ class DLRM(Calibrated):
         # a history whose `table` is a bag's table (e.g. clicked items and the shown item)
         # looks its ids up there; otherwise it has a table of its own
         self.history_table = {
-            n: f"t_{features.table_of(n)}" if f"t_{features.table_of(n)}" in self.bags else None
+            n: f"t_{features.table_of(n)}" if f"t_{features.table_of(n)}" in self.bag_tables else None
             for n in self.sequence_names
         }
         self.history = nn.ModuleDict(
             {
-                n: HistoryEncoder(features[n], cfg, self.history_table[n] is not None)
+                n: HistoryEncoder(features[n], cfg, sharded_tables or self.history_table[n] is not None)
                 for n in self.sequence_names
             }
         )
+        self.sharded = None
+        if sharded_tables:
+            from recd_core.modeling.sharding import ShardedTables, table_specs
+
+            self.sharded = ShardedTables(table_specs(self), d)
         self.targeted = self.sequence_names if cfg.target_attention else []
         n_dense = len(self.bottoms)
         self.order = [*self.sparse_names, *self.sequence_names]
@@ -223,6 +241,9 @@ class DLRM(Calibrated):
             self.top[-1].bias.fill_(float(np.log(p / (1 - p))))
 
     def sparse_parameters(self) -> list[nn.Parameter]:
+        """The tables (a sharded model: this rank's shards, views of the weights)."""
+        if self.sharded is not None:
+            return self.sharded.local_weights()
         return [b.weight for b in self.bags.values()] + [
             h.embedding.weight for h in self.history.values() if h.embedding is not None
         ]
@@ -235,8 +256,57 @@ class DLRM(Calibrated):
         return self.bags[key].weight
 
     def dense_parameters(self) -> list[nn.Parameter]:
+        if self.sharded is not None:
+            return [p for n, p in self.named_parameters() if not n.startswith("sharded.")]
         sparse = {id(p) for p in self.sparse_parameters()}
         return [p for p in self.parameters() if id(p) not in sparse]
+
+    # a sharded model's state: the dense part, and this rank's shards as plain tensors
+    # (`sharded.<k>`); modeling/sharding.py gathers and scatters the single-process layout
+    def dense_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in super().state_dict().items() if not k.startswith("sharded.")}
+
+    def load_dense_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Everything but the sharded tables, strictly (their own loading hooks want the
+        whole sharded state, so they are left out of the walk)."""
+        children = dict(self.named_children())
+        children.pop("sharded", None)
+        own = dict(self.named_parameters(recurse=False)) | {
+            k: b for k, b in self.named_buffers(recurse=False)
+            if k not in self._non_persistent_buffers_set
+        }  # fmt: skip
+        unexpected = [k for k in state if k.split(".")[0] not in children and k not in own]
+        missing = [k for k in own if k not in state]
+        if missing or unexpected:
+            raise RuntimeError(f"missing keys {missing[:4]}, unexpected keys {unexpected[:4]}")
+        for name, child in children.items():
+            child.load_state_dict({k[len(name) + 1 :]: v for k, v in state.items()
+                                   if k.startswith(name + ".")})  # fmt: skip
+        with torch.no_grad():
+            for k, t in own.items():
+                t.copy_(state[k])
+
+    def state_dict(self, *args, **kwargs):
+        if self.sharded is None or args or kwargs:
+            return super().state_dict(*args, **kwargs)
+        shards = {f"sharded.{k}": w.detach() for k, w in enumerate(self.sharded.local_weights())}
+        return {**self.dense_state(), **shards}
+
+    def load_state_dict(self, state, strict: bool = True, assign: bool = False):
+        if self.sharded is None:
+            return super().load_state_dict(state, strict=strict, assign=assign)
+        if any(spec.key in state for spec in self.sharded.specs):  # the single-process layout
+            from recd_core.modeling.sharding import load_full_state
+
+            return load_full_state(self, state)
+        shards = self.sharded.local_weights()
+        if any(f"sharded.{k}" not in state for k in range(len(shards))):
+            raise RuntimeError("the state holds no shards of this rank (a sharded model's own)")
+        self.load_dense_state({k: v for k, v in state.items() if not k.startswith("sharded.")})
+        with torch.no_grad():
+            for k, w in enumerate(shards):
+                w.copy_(state[f"sharded.{k}"])
+        return None
 
     def _check_ids(self, features: list[tuple[str, JaggedTensor]]) -> None:
         """Every feature's ids within its table (an out-of-range id would read another
@@ -253,19 +323,29 @@ class DLRM(Calibrated):
                     f"feature {name!r}: ids must be in [0, {size}) (its table size), got [{lo}, {hi}]"
                 )
 
-    def _embed(self, name: str, jt: JaggedTensor, tokens: dict, inverse=None) -> torch.Tensor:
+    def _embed(self, name: str, jt: JaggedTensor, tokens: dict, inverse=None,
+               vectors: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """[rows, d] for one feature; a history also leaves its tokens (expanded to samples
         by `inverse` when the rows are a group's unique rows) for target attention. The
-        caller has checked the ids (`_check_ids`)."""
+        caller has checked the ids (`_check_ids`). `vectors`: the ids' vectors, looked up
+        by the sharded tables."""
         if name not in self.history:
+            if vectors is not None:
+                from recd_core.modeling.sharding import pooled
+
+                return pooled(vectors, jt, self.cfg.pooling)
             return self.bags[self.table_of[name]](jt.values, jt.offsets[:-1])
         shared = self.history_table[name]
-        pooled, x, valid = self.history[name](jt, self.bags[shared].weight if shared else None)
+        if vectors is not None:
+            pooled_, x, valid = self.history[name](jt, vectors=vectors)
+        else:
+            table = self.bags[shared].weight if shared else None
+            pooled_, x, valid = self.history[name](jt, table)
         if name in self.targeted:
             if inverse is not None:
                 x, valid = x.index_select(0, inverse), valid.index_select(0, inverse)
             tokens[name] = (x, valid)
-        return pooled
+        return pooled_
 
     def embed_features(self, batch: Batch) -> dict[str, torch.Tensor]:
         """[B, d] per id feature: per sample from `kjt`, unique-then-expand from `groups`;
@@ -276,10 +356,12 @@ class DLRM(Calibrated):
         unique = [(n, jt, ik.inverse_indices) for ik in batch.groups.values()
                   for n, jt in ik.unique.to_dict().items()]  # fmt: skip
         self._check_ids(per_sample + [(n, jt) for n, jt, _ in unique])
+        vectors = self.sharded(batch) if self.sharded is not None else {}
         for name, jt in per_sample:
-            out[name] = self._embed(name, jt, tokens)
+            out[name] = self._embed(name, jt, tokens, vectors=vectors.get(name))
         for name, jt, inverse in unique:
-            out[name] = self._embed(name, jt, tokens, inverse).index_select(0, inverse)
+            looked_up = vectors.get(name)
+            out[name] = self._embed(name, jt, tokens, inverse, looked_up).index_select(0, inverse)
         missing = [n for n in self.order if n not in out]
         if missing:
             raise JaggedError(f"batch lacks features {missing}")

@@ -125,11 +125,13 @@ def save_model(
     prepared: dict,
     summary: dict,
     optimizer: dict | None = None,
+    state: dict | None = None,
 ) -> str:
+    """`state`: the weights to save when they are not `model.state_dict()` (a sharded
+    run's, gathered into the single-process layout)."""
     base = f"{wh.root}/models/{run}"
-    write_bytes(
-        wh, f"{base}/model.pt", torch_bytes({k: v.cpu() for k, v in model.state_dict().items()})
-    )
+    state = model.state_dict() if state is None else state
+    write_bytes(wh, f"{base}/model.pt", torch_bytes({k: v.cpu() for k, v in state.items()}))
     if optimizer is not None:
         write_bytes(wh, f"{base}/{OPTIMIZER_FILE}", torch_bytes(optimizer))
     meta = {

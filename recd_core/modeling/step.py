@@ -20,31 +20,34 @@ from recd_core.modeling.model import Model
 from recd_core.modeling.optim import RowWiseAdagrad
 
 
-def make_optimizers(model: Model, cfg: TrainConfig, warm: bool = False):
+def make_optimizers(model: Model, cfg: TrainConfig, warm: bool = False, sparse: bool = True):
     """Adam for the dense layers (at `lr_dense_warm` on a warm start: layers that already
-    fit are fine-tuned), row-wise Adagrad for the tables."""
-    sparse = RowWiseAdagrad(
-        model.sparse_parameters(),
-        lr=cfg.lr_sparse,
-        initial_accumulator=cfg.adagrad_initial_accumulator,
-    )
+    fit are fine-tuned), row-wise Adagrad for the tables (`sparse=False`: None, the
+    sharded tables' is fused into TorchRec's backward)."""
+    if sparse:
+        sparse = RowWiseAdagrad(
+            model.sparse_parameters(),
+            lr=cfg.lr_sparse,
+            initial_accumulator=cfg.adagrad_initial_accumulator,
+        )
     rate = cfg.lr_dense_warm if warm and cfg.lr_dense_warm is not None else cfg.lr_dense
     dense = torch.optim.Adam(model.dense_parameters(), lr=rate)
-    return dense, sparse
+    return dense, sparse or None
 
 
-def train_step(model, batch, opt_dense, opt_sparse, amp: bool, aux=None) -> float:
+def train_step(model, batch, opt_dense, opt_sparse, amp: bool, aux=None, scale=1.0) -> float:
     """One step on the click loss plus `aux(batch)` (an auxiliary loss, or None); returns
-    the click loss."""
+    the click loss. `scale` multiplies what is back-propagated (a sharded run's rank: its
+    slice's share of the batch, so DDP's mean over ranks is the batch's mean)."""
     opt_dense.zero_grad(set_to_none=True)
     opt_sparse.zero_grad(set_to_none=True)
-    loss = backward_loss(model, batch, amp, aux)
+    loss = backward_loss(model, batch, amp, aux, scale)
     opt_dense.step()
     opt_sparse.step()
     return loss
 
 
-def backward_loss(model, batch, amp: bool, aux=None) -> float:
+def backward_loss(model, batch, amp: bool, aux=None, scale=1.0) -> float:
     """Training's loss on `batch` (the click loss on the raw logit plus `aux(batch)`),
     back-propagated into the gradients; returns the click loss. An `Ensemble`'s members
     each fit their own: the sum of their losses is back-propagated, their mean returned."""
@@ -56,7 +59,7 @@ def backward_loss(model, batch, amp: bool, aux=None) -> float:
     )
     extra = aux(batch) if aux is not None else None
     loss = losses.sum()
-    (loss if extra is None else loss + extra.float()).backward()
+    ((loss if extra is None else loss + extra.float()) * scale).backward()
     return float(losses.detach().mean())
 
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from recd_core.config import TrainConfig
@@ -58,8 +59,16 @@ from recd_core.modeling.launch import (
     peak_mem,
     resolve_device,
 )
-from recd_core.modeling.model import Model, build_model
+from recd_core.modeling.model import DLRM, Model, build_model
 from recd_core.modeling.saved import save_model
+from recd_core.modeling.sharding import (
+    FusedTables,
+    ShardingRefused,
+    check_config,
+    full_state,
+    plan_table,
+    shard,
+)
 from recd_core.modeling.step import cooccurrence_term, fold_in, make_optimizers, train_step
 from recd_core.modeling.warm_start import Init, continue_optimizers, initial_state
 from recd_core.runtime import cpu_budget
@@ -120,6 +129,7 @@ class Run:
     checkpoints: Checkpoints
     per_epoch: int  # steps a pass (every rank takes as many)
     total: int  # steps at most
+    sharded: bool = False  # tables sharded (modeling/sharding.py): a rank takes a batch's slice
     step: int = 0
     resumed_at: int = 0
     samples: int = 0
@@ -146,10 +156,16 @@ def fit(run: Run) -> None:
             run.restart.restore(model, run.opt_sparse)
             for group in run.opt_dense.param_groups:  # saved with the optimizer: kept on resume
                 group["lr"] *= cfg.lr_dense_pass_decay
-        b = int(epoch_order(len(run.store), cfg.seed, epoch)[run.rank :: run.world][k])
-        batch = run.store[b].to(run.device)
+        scale = 1.0
+        if run.sharded:  # every rank the same batch, its slice of it
+            whole = run.store[int(epoch_order(len(run.store), cfg.seed, epoch)[k])]
+            batch = whole.part(run.rank, run.world).to(run.device)
+            scale = run.world * batch.size / whole.size
+        else:
+            b = int(epoch_order(len(run.store), cfg.seed, epoch)[run.rank :: run.world][k])
+            batch = run.store[b].to(run.device)
         aux = cooccurrence_term(model, cfg, run.step)
-        loss = train_step(run.net, batch, run.opt_dense, run.opt_sparse, amp, aux)
+        loss = train_step(run.net, batch, run.opt_dense, run.opt_sparse, amp, aux, scale)
         run.losses.append(loss)
         run.samples += batch.size
         run.step += 1
@@ -162,7 +178,8 @@ def fit(run: Run) -> None:
             early.update(step, validate(model, valid, run.device), model, run.optimizers())
         if len(valid) and pass_end:
             early.pass_done(step - run.per_epoch)
-        if run.rank == 0 and (step % cfg.checkpoint_every == 0 or step == run.total or early.stop):
+        save = step % cfg.checkpoint_every == 0 or step == run.total or early.stop
+        if save and (run.rank == 0 or run.sharded):  # sharded: every rank its own part
             state = checkpoint_state(model, run.optimizers(), step, cfg, early)
             run.checkpoints.save(state)
 
@@ -190,9 +207,17 @@ def setup(
     days = add_window(wh, store, ds, cfg)
     # the shape a day of this size trains (one model past `members_up_to_samples`)
     cfg = cfg.model_copy(update={"model": cfg.model.for_samples(store.samples())})
-    model, init = _initial_model(store, cfg, init_from, init_label)
-    model = model.to(device)
-    opt_dense, opt_sparse = make_optimizers(model, cfg, warm=init.state is not None)
+    sharded = cfg.sharding != "none"
+    if sharded:
+        check_config(cfg, world)
+        model, net, init = _sharded_model(store, cfg, init_from, init_label, world, device)
+        opt_dense, _ = make_optimizers(model, cfg, warm=init.state is not None, sparse=False)
+        opt_sparse = FusedTables(model.sharded, cfg.lr_sparse)
+    else:
+        model, init = _initial_model(store, cfg, init_from, init_label)
+        model = model.to(device)
+        net = DistributedDataParallel(model) if world > 1 else model
+        opt_dense, opt_sparse = make_optimizers(model, cfg, warm=init.state is not None)
     if init.optimizer is not None:  # a warm start from a model saved with it
         continue_optimizers(opt_dense, opt_sparse, init.optimizer)
     # where every pass's tables start (before a checkpoint moves them): scratch or warm start
@@ -202,9 +227,10 @@ def setup(
     name = run_name(ds, cfg, batches_id(wh, ds, cfg.mode) + (init.uri or ""))
     patience = cfg.pass_patience if restart is not None else cfg.patience
     early = EarlyStopping(patience, per_pass=restart is not None)
-    checkpoints = Checkpoints(wh, name, cfg.keep_checkpoints)
+    part = f".rank-{rank}-of-{world}" if sharded else ""
+    checkpoints = Checkpoints(wh, name, cfg.keep_checkpoints, part)
     step = 0
-    state = checkpoints.latest()
+    state = checkpoints.latest(_common_step(checkpoints) if sharded else None)
     if state is not None:
         model.load_state_dict(state["model"])
         opt_dense.load_state_dict(state["optimizer"]["dense"])
@@ -214,7 +240,7 @@ def setup(
     # every rank takes the same number of steps (DDP all-reduces each one): the batches
     # past the last full round of `world` are left out of that epoch (a different set each
     # epoch, the order being seeded per epoch)
-    per_epoch = len(store) // world if world > 1 else len(store)
+    per_epoch = len(store) // world if world > 1 and not sharded else len(store)
     if per_epoch == 0:
         raise BatchMismatch(
             f"batches/mode={cfg.mode}/ds={ds} holds {len(store)} batches for {world} processes"
@@ -224,10 +250,46 @@ def setup(
         total = min(total, cfg.max_steps)
     return Run(
         cfg, rank, world, device, wh, store, BatchStore(wh, ds, cfg.mode, split="validation"),
-        days, model, DistributedDataParallel(model) if world > 1 else model, opt_dense,
-        opt_sparse, init, restart, early, checkpoints, per_epoch, total, step=step,
-        resumed_at=step,
+        days, model, net, opt_dense, opt_sparse, init, restart, early, checkpoints, per_epoch,
+        total, step=step, resumed_at=step, sharded=sharded,
     )  # fmt: skip
+
+
+def _sharded_model(
+    store: BatchStore, cfg: TrainConfig, init_from: str | None, init_label: str | None,
+    world: int, device: torch.device,
+):  # fmt: skip
+    """The DLRM with its tables sharded (modeling/sharding.py): (the model, its
+    DistributedModelParallel wrapper, the init). A warm start's weights, saved in the
+    single-process layout by a run of any N, are scattered to the shards."""
+    features = store.model_features
+    model = DLRM(features, cfg.model, sharded_tables=True)
+    for name, child in model.named_children():  # the dense part; DMP places the tables
+        if name != "sharded":
+            child.to(device)
+    net = shard(model, cfg, world, device)
+    model = net.module
+    init = initial_state(init_from, features, cfg, init_label)
+    if init.state is not None:
+        try:
+            model.load_state_dict(init.state)
+        except RuntimeError as e:
+            reason = f"from scratch: the saved weights do not fit this model ({first_line(e, 120)})"
+            raise ShardingRefused(f"{init.uri}: {reason}") from None
+    else:
+        model.init_output_bias(store.click_rate())
+    model.reset_calibration()
+    return model, net, init
+
+
+def _common_step(checkpoints: Checkpoints) -> int | None:
+    """The newest checkpoint step every rank of a sharded run has (a kill between two
+    ranks' saves leaves one rank a step ahead), None when some rank has none."""
+    steps = checkpoints.steps()
+    newest = torch.tensor([steps[-1] if steps else -1])
+    dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+    step = int(newest)
+    return step if step >= 0 and step in steps else None
 
 
 def _initial_model(
@@ -290,10 +352,15 @@ def finish(run: Run) -> dict:
         **early.summary(),
         **calibration,
     }
+    state = None
+    if run.sharded:  # the single-process layout, gathered onto rank 0
+        summary["train.sharding"] = plan_table(run.net)
+        run.opt_sparse.load_state_dict(optimizer["sparse"])
+        state, optimizer = full_state(model, optimizer["dense"], run.opt_sparse) or (None, None)
     if run.rank == 0:
         summary["train.model_uri"] = save_model(
             run.wh, run.checkpoints.run, model, cfg, run.store.manifest["prepared"], summary,
-            optimizer,
+            optimizer, state,
         )  # fmt: skip
     return summary
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from recd_core.config import PipelineConfig, load_feature_set, load_pipeline_config
+from recd_core.config import PipelineConfig, Sharding, load_feature_set, load_pipeline_config
 from recd_core.errors import BadInput
 from recd_core.mlops.tracking import Tracker
 from recd_core.orchestration.graph import STAGES
@@ -128,6 +128,14 @@ class StageArgs(BaseModel):
     nproc: int = Field(
         default=1, ge=1, description="train: data-parallel processes (gloo on CPU, nccl on GPU)"
     )
+    sharding: Sharding | None = Field(
+        default=None,
+        description="train: shard the tables across the --nproc processes (TorchRec) "
+        "instead of a copy in each",
+    )
+    memory_budget_mb: int | None = Field(
+        default=None, ge=1, description="train: MB a process may hold of the sharded tables"
+    )
     epochs: int | None = Field(default=None, ge=1, description="train: passes at most")
     max_steps: int | None = Field(default=None, ge=1, description="train: steps at most")
     checkpoint_every: int | None = Field(
@@ -208,7 +216,9 @@ class StageArgs(BaseModel):
             "train": (train, {"mode": self.mode, "batch_size": self.batch_size,
                               "device": self.device, "epochs": self.epochs,
                               "max_steps": self.max_steps, "amp": self.amp or None,
-                              "checkpoint_every": self.checkpoint_every}),
+                              "checkpoint_every": self.checkpoint_every,
+                              "sharding": self.sharding,
+                              "memory_budget_mb": self.memory_budget_mb}),
             "registry": (cfg.registry, {"eval_batch_size": self.eval_batch_size}),
         }  # fmt: skip
         update = {

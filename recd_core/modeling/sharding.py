@@ -1,0 +1,394 @@
+"""Embedding tables beyond one process: the DLRM's tables as one TorchRec
+`EmbeddingCollection`, sharded across the run's processes by `DistributedModelParallel`
+(`TrainConfig.sharding`); the dense part stays data parallel (DDP, which DMP wraps it in).
+
+    rank r's part of the batch (rows r*B/N ..)          every rank
+    ┌────────────────────────────────────────┐
+    │ item-side keys: B/N rows               │── input all-to-all ──┐  ids to the ranks
+    │ user-side group keys: its U unique     │   (ids: unique rows  │  holding their rows
+    │   rows, then B/N - U empty rows        │    only)             ▼
+    └────────────────────────────────────────┘        lookups on the local shards (fused
+    per-id vectors, unique rows only  ◀── output all-to-all ──┘   row-wise Adagrad in backward)
+        │ pooled by the DLRM (mean/sum of a row's ids), a history's tokens gathered
+        ▼ (HistoryEncoder on the unique rows), expanded to samples by `inverse_indices`
+    dense layers (DDP)
+
+Why an EmbeddingCollection (one vector per id) and not a pooled EmbeddingBagCollection: the
+DLRM's tables are shared by pooled features and histories (the clicked items' history reads
+the item table token by token), and a TorchRec table belongs to one module. Why the group
+keys are padded rows and not a variable-batch KJT: TorchRec 1.8's EmbeddingCollection
+expands a variable-batch KJT's output to every sample (measured), and the history encoder
+must run on the unique rows; both carry the same ids and vectors through the all-to-alls
+(measured), the padding only adds a zero length per empty row.
+
+Optimizer: the tables train with FBGEMM's fused EXACT_ROWWISE_ADAGRAD (the update runs in
+the backward pass), the same rule as modeling/optim.py's RowWiseAdagrad. TorchRec sums a
+row's gradient over the ranks while DDP averages the dense ones; row-wise Adagrad from a
+zero accumulator does not change with the gradient's scale, so the two agree (a non-zero
+`adagrad_initial_accumulator` is refused here).
+
+States: `state_dict()` of a sharded model holds the dense weights and this rank's shards
+(`sharded.<table>.<k>`, plain tensors: early stopping and the table restarts keep them per
+rank); `full_state` gathers the single-process layout onto rank 0 (the saved model and the
+checkpoints, so evaluate, serving and warm starts need no change, and a warm start or a
+resume may use another N); `load_full_state` takes that layout back on any N.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recd_core.config import TrainConfig
+from recd_core.dedup.sparse import InverseKeyedJaggedTensor, JaggedTensor, KeyedJaggedTensor
+from recd_core.dpp.batch_store import Batch
+from recd_core.errors import BadInput
+
+
+class ShardingRefused(BadInput, ValueError):
+    """The tables cannot be placed, or the run asks for what sharded training lacks."""
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One table: its name in the EmbeddingCollection, rows, the features that look it up,
+    and its key in a single-process model's state dict."""
+
+    name: str
+    rows: int
+    features: tuple[str, ...]
+    key: str
+    init_bound: float  # uniform(-bound, bound) for a fresh table
+
+
+def table_specs(model) -> list[TableSpec]:
+    """A DLRM's tables in the order of its `sparse_parameters()` (bags, then the histories'
+    own tables), so optimizer states line up with the single-process layout."""
+    specs = []
+    for table in model.bag_tables:
+        feats = [n for n in model.sparse_names if model.table_of[n] == table]
+        feats += [n for n in model.sequence_names if model.history_table[n] == table]
+        rows = model.table_sizes[feats[0]]
+        specs.append(TableSpec(table, rows, tuple(feats), f"bags.{table}.weight", 0.05))
+    for n in model.sequence_names:
+        if model.history_table[n] is None:  # N(0, 1) in one process: the same variance
+            specs.append(TableSpec(f"h_{n}", model.table_sizes[n], (n,),
+                                   f"history.{n}.embedding.weight", 3**0.5))  # fmt: skip
+    return specs
+
+
+def check_config(cfg: TrainConfig, world: int) -> None:
+    """Refuse, in one line, what sharded training does not do (yet)."""
+    if world < 2:
+        raise ShardingRefused(f"train.sharding={cfg.sharding} needs --nproc 2 or more")
+    if cfg.cooccurrence_weight:
+        raise ShardingRefused(
+            "sharded training has no co-occurrence loss: set train.cooccurrence_weight: 0"
+        )
+    if cfg.model.members > 1:
+        raise ShardingRefused("sharded training trains one model: set train.model.members: 1")
+    if cfg.adagrad_initial_accumulator:
+        raise ShardingRefused(
+            "sharded tables' fused Adagrad starts from a zero accumulator: "
+            "set train.adagrad_initial_accumulator: 0"
+        )
+
+
+class ShardedTables(nn.Module):
+    """The DLRM's tables as one TorchRec EmbeddingCollection (built on the meta device:
+    `DistributedModelParallel` materializes each rank's shards only). `forward(batch)` ->
+    each id feature's per-id vectors, in the order of its rows' ids ([nnz, d])."""
+
+    def __init__(self, specs: list[TableSpec], dim: int):
+        super().__init__()
+        from torchrec import EmbeddingCollection, EmbeddingConfig
+
+        self.specs = specs
+        self.ec = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(name=s.name, embedding_dim=dim, num_embeddings=s.rows,
+                                feature_names=list(s.features), weight_init_min=-s.init_bound,
+                                weight_init_max=s.init_bound)
+                for s in specs
+            ],  # fmt: skip
+            device=torch.device("meta"),
+        )
+
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        out = self.ec(torchrec_input(batch))
+        return {name: jt.values() for name, jt in out.items()}
+
+    # -- this rank's shards ----------------------------------------------------------------
+    def _sharded(self) -> dict[str, list]:
+        """table -> its local shards (TorchRec ShardedTensor shards, views of the weights)."""
+        state = self.ec.state_dict()
+        return {s.name: state[f"embeddings.{s.name}.weight"].local_shards() for s in self.specs}
+
+    def local_weights(self) -> list[torch.Tensor]:
+        """This rank's shards of every table (views: writing them writes the weights)."""
+        return [sh.tensor for shards in self._sharded().values() for sh in shards]
+
+    def local_momentum(self) -> list[torch.Tensor]:
+        """The fused Adagrad's per-row accumulators of this rank's shards (views)."""
+        state = self.ec.fused_optimizer.state_dict()["state"]
+        out = []
+        for s in self.specs:
+            if f"embeddings.{s.name}.weight" in state:  # table-wise: not every rank's
+                (acc,) = state[f"embeddings.{s.name}.weight"].values()
+                out += [sh.tensor for sh in acc.local_shards()]
+        return out
+
+
+def torchrec_input(batch: Batch):
+    """The batch's id features as one TorchRec KJT of stride B: per-sample keys as they are,
+    each group's keys as its unique rows followed by empty ones (see the module)."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TrecKJT
+
+    keys, values, lengths = [], [], []
+    size = batch.size
+    if batch.kjt is not None:
+        keys += batch.kjt.keys
+        values.append(batch.kjt.values)
+        lengths.append(batch.kjt.lengths)
+    for ik in batch.groups.values():
+        pad = size - ik.num_unique
+        for name, jt in ik.unique.to_dict().items():
+            keys.append(name)
+            values.append(jt.values)
+            lengths += [jt.lengths, jt.lengths.new_zeros(pad)]
+    return TrecKJT(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+
+
+def from_torchrec(kjt) -> KeyedJaggedTensor | InverseKeyedJaggedTensor:
+    """TorchRec's KJT -> recd's: a variable-batch KJT with `inverse_indices` (one stride per
+    key, as `to_torchrec` writes an IKJT) becomes an IKJT, a plain one a KJT."""
+    keys = list(kjt.keys())
+    values, lengths = kjt.values(), kjt.lengths().to(torch.int64)
+    if kjt.variable_stride_per_key():
+        strides = kjt.stride_per_key()
+        if len(set(strides)) != 1:
+            raise BadInput(f"a variable-batch KJT with strides {strides}: one per IKJT group")
+        inverse = kjt.inverse_indices_or_none()
+        if inverse is None:
+            raise BadInput("a variable-batch KJT without inverse_indices is no IKJT")
+        inv_keys, inv = inverse
+        if list(inv_keys) != keys or not bool((inv == inv[:1]).all()):
+            raise BadInput("an IKJT's keys share one inverse_indices row; this KJT's differ")
+        unique = KeyedJaggedTensor(keys, values, lengths)
+        return InverseKeyedJaggedTensor(unique, inv[0].to(torch.int64))
+    return KeyedJaggedTensor(keys, values, lengths)
+
+
+def pooled(values: torch.Tensor, jt: JaggedTensor, mode: str) -> torch.Tensor:
+    """[rows, d]: each row's ids' vectors summed or averaged (an empty row: zeros), as
+    nn.EmbeddingBag pools them."""
+    n = jt.lengths.numel()
+    row = torch.repeat_interleave(torch.arange(n, device=values.device), jt.lengths)
+    out = values.new_zeros(n, values.shape[1]).index_add(0, row, values)
+    if mode == "mean":
+        out = out / jt.lengths.clamp(min=1).unsqueeze(1).to(values.dtype)
+    return out
+
+
+# -- placing the tables --------------------------------------------------------------------
+def shard(model, cfg: TrainConfig, world: int, device: torch.device):
+    """`model` (a DLRM built with `sharded_tables=True`) under DistributedModelParallel: its
+    tables placed by TorchRec's planner within `memory_budget_mb` per process (`auto`) or
+    as `cfg.sharding` asks; refuses in one line when no plan fits."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints, PlannerError
+
+    sharders = [EmbeddingCollectionSharder(fused_params={
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": cfg.lr_sparse,
+        "eps": 1e-10})]  # fmt: skip
+    cap = {}
+    if cfg.memory_budget_mb is not None:
+        cap = {"hbm_cap" if device.type == "cuda" else "ddr_cap": cfg.memory_budget_mb << 20}
+    topology = Topology(world_size=world, compute_device=device.type, **cap)
+    constraints = None
+    if cfg.sharding != "auto":
+        constraints = {s.name: ParameterConstraints(sharding_types=[cfg.sharding])
+                       for s in model.sharded.specs}  # fmt: skip
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+    try:
+        with _quiet_planner():
+            plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    except PlannerError as e:
+        sizes = ", ".join(f"{s.name} {s.rows:,} rows" for s in model.sharded.specs)
+        budget = f"{cfg.memory_budget_mb} MB" if cfg.memory_budget_mb else "the device's memory"
+        raise ShardingRefused(
+            f"train.sharding={cfg.sharding}: no placement of the tables ({sizes}) on {world} "
+            f"processes fits {budget} each ({_first_reason(e)})"
+        ) from None
+    return DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+
+
+def _first_reason(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    return text[:160] + ("..." if len(text) > 160 else "")
+
+
+@contextlib.contextmanager
+def _quiet_planner():
+    """TorchRec's planner logs its whole search at WARNING; a refusal says it in one line."""
+    import logging
+
+    names = ["torchrec.distributed.planner", "torchrec.distributed.planner.types",
+             "torchrec.distributed.planner.storage_reservations"]  # fmt: skip
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def plan_table(dmp) -> list[dict]:
+    """Where each table went: [{table, sharding, ranks}] (the run's summary)."""
+    rows = []
+    for module_plan in dmp.plan.plan.values():
+        for table, p in module_plan.items():
+            ranks = sorted({int(s.placement.rank()) for s in p.sharding_spec.shards}) if (
+                p.sharding_spec is not None) else p.ranks  # fmt: skip
+            rows.append({"table": table, "sharding": p.sharding_type, "ranks": ranks})
+    return rows
+
+
+# -- the single-process layout, gathered and scattered -------------------------------------
+def _shard_boxes(tables: ShardedTables) -> list[tuple[int, list, list]]:
+    """(table index, offsets, sizes) of this rank's shards, in `local_weights` order."""
+    return [
+        (i, list(sh.metadata.shard_offsets), list(sh.metadata.shard_sizes))
+        for i, s in enumerate(tables.specs)
+        for sh in tables._sharded()[s.name]
+    ]
+
+
+def full_state(model, dense_optimizer: dict, opt_sparse) -> tuple[dict, dict] | None:
+    """(model state, optimizers) in the single-process layout, on rank 0 (None elsewhere):
+    every rank sends its shards and their accumulators (`dense_optimizer`: Adam's state,
+    the same on every rank). A collective: all ranks call it."""
+    tables: ShardedTables = model.sharded
+    boxes = _shard_boxes(tables)
+    weights = [w.detach().cpu().clone() for w in tables.local_weights()]
+    accs = [a.detach().cpu().clone() for a in tables.local_momentum()]
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object((boxes, weights, accs), parts, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    dim = model.cfg.embedding_dim
+    full_w = [torch.zeros(s.rows, dim) for s in tables.specs]
+    full_acc = [torch.zeros(s.rows) for s in tables.specs]
+    for rank_boxes, rank_w, rank_acc in parts:
+        for (i, (r0, c0), (nr, nc)), w, acc in zip(rank_boxes, rank_w, rank_acc, strict=True):
+            full_w[i][r0 : r0 + nr, c0 : c0 + nc] = w
+            # a column-wise shard's accumulator is the mean over its columns: the row's
+            # accumulator is the column-weighted mean of its shards'
+            full_acc[i][r0 : r0 + nr] += acc.reshape(-1)[:nr] * (nc / dim)
+    state = {k: v.detach().cpu().clone() for k, v in model.dense_state().items()}
+    state.update({s.key: w for s, w in zip(tables.specs, full_w, strict=True)})
+    sparse = {
+        "state": {i: {"sum": acc} for i, acc in enumerate(full_acc)},
+        "param_groups": [{**opt_sparse.param_groups[0], "params": list(range(len(full_acc)))}],
+    }
+    return state, {"dense": dense_optimizer, "sparse": sparse}
+
+
+def load_full_state(model, state: dict) -> None:
+    """The single-process layout (a saved model, a warm start) into this rank's dense
+    weights and shards (`FusedTables.load_state_dict` takes the accumulators)."""
+    tables: ShardedTables = model.sharded
+    keys = {s.key for s in tables.specs}
+    missing = [s.key for s in tables.specs if s.key not in state]
+    if missing:
+        raise RuntimeError(f"the state lacks tables {missing}")
+    model.load_dense_state({k: v for k, v in state.items() if k not in keys})
+    with torch.no_grad():
+        for (i, (r0, c0), (nr, nc)), w in zip(_shard_boxes(tables), tables.local_weights(),
+                                               strict=True):  # fmt: skip
+            full = state[tables.specs[i].key]
+            if tuple(full.shape) != (tables.specs[i].rows, model.cfg.embedding_dim):
+                raise RuntimeError(f"{tables.specs[i].key}: shape {tuple(full.shape)}")
+            w.copy_(full[r0 : r0 + nr, c0 : c0 + nc])
+
+
+class FusedTables:
+    """The tables' optimizer as the training loop sees it: the update itself is fused into
+    the backward pass (TorchRec), so `step` and `zero_grad` do nothing; the state is this
+    rank's accumulators (what the table restarts and early stopping keep per rank)."""
+
+    def __init__(self, tables: ShardedTables, lr: float):
+        self.tables = tables
+        self.param_groups = [{"lr": lr, "eps": 1e-10, "initial_accumulator": 0.0}]
+
+    def step(self, closure=None):
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict:
+        accs = self.tables.local_momentum()
+        return {
+            "state": {i: {"sum": a.detach().clone()} for i, a in enumerate(accs)},
+            "param_groups": [{**self.param_groups[0], "params": list(range(len(accs)))}],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """This rank's accumulators, or the single-process layout's (one a table: a warm
+        start's, scattered to the shards)."""
+        accs = self.tables.local_momentum()
+        saved = [state["state"][i]["sum"] for i in sorted(state["state"])]
+        local = len(saved) == len(accs) and all(
+            s.numel() == a.numel() for s, a in zip(saved, accs, strict=True)
+        )
+        full = len(saved) == len(self.tables.specs) and all(
+            s.numel() == spec.rows for s, spec in zip(saved, self.tables.specs, strict=True)
+        )
+        if not (local or full):
+            raise ValueError("the state is neither this rank's shards nor the whole tables'")
+        with torch.no_grad():
+            if local:
+                for s, a in zip(saved, accs, strict=True):
+                    a.copy_(s.view_as(a))
+                return
+            for (i, (r0, _), (nr, _)), a in zip(_shard_boxes(self.tables), accs, strict=True):
+                a.view(-1)[:nr].copy_(saved[i][r0 : r0 + nr])
+
+
+# -- communication, measured ---------------------------------------------------------------
+@contextlib.contextmanager
+def counted_all_to_all():
+    """Count the bytes this rank sends to other ranks through `all_to_all_single` (what
+    TorchRec's input and output distributions use) while inside; yields a Counter by
+    dtype (int64/int32: ids and lengths; float32: vectors and their gradients)."""
+    sent: Counter = Counter()
+    original = dist.all_to_all_single
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def counting(output, input, output_split_sizes=None, input_split_sizes=None,
+                 group=None, async_op=False):  # fmt: skip
+        rows = input.shape[0] if input.dim() else 0
+        row_bytes = input[0].numel() * input.element_size() if rows else 0
+        splits = input_split_sizes or [rows // world] * world
+        sent[str(input.dtype).removeprefix("torch.")] += row_bytes * sum(
+            n for j, n in enumerate(splits) if j != rank
+        )
+        return original(output, input, output_split_sizes, input_split_sizes, group, async_op)
+
+    dist.all_to_all_single = counting
+    try:
+        yield sent
+    finally:
+        dist.all_to_all_single = original
