@@ -2,20 +2,21 @@
 with one process, resumes after SIGKILL, refuses what it cannot place; interop with
 TorchRec's KJTs."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
+from test_train import DAY, SMALL_MODEL
 
 from recd_core.config import PreprocessConfig, TrainConfig
-from recd_core.dedup.sparse import (
-    InverseKeyedJaggedTensor,
-    KeyedJaggedTensor,
-    to_torchrec,
-)
+from recd_core.dedup.sparse import InverseKeyedJaggedTensor, KeyedJaggedTensor, to_torchrec
 from recd_core.dpp.preprocess import preprocess
 from recd_core.modeling.saved import load_model, read_optimizer
 from recd_core.modeling.sharding import ShardingRefused, from_torchrec
 from recd_core.modeling.train import train
-from test_train import DAY, SMALL_MODEL
 
 SHARDED = dict(batch_size=256, epochs=2, model=SMALL_MODEL, threads=1,
                cooccurrence_weight=0.0, checkpoint_every=5)  # fmt: skip
@@ -24,7 +25,7 @@ SHARDED = dict(batch_size=256, epochs=2, model=SMALL_MODEL, threads=1,
 def _start(wh) -> str:
     """A common starting point: one step of a one-process run, saved as a model."""
     preprocess(wh, DAY, PreprocessConfig(batch_size=256))
-    s = train(wh, "2026-11-02" if False else DAY, TrainConfig(**SHARDED, max_steps=1))
+    s = train(wh, DAY, TrainConfig(**SHARDED, max_steps=1))
     return s["train.model_uri"]
 
 
@@ -53,3 +54,88 @@ def test_sharded_two_processes_end_where_one_process_does(fresh_warehouse, shard
     oa, ob = read_optimizer(one["train.model_uri"]), read_optimizer(two["train.model_uri"])
     for i, state in oa["sparse"]["state"].items():  # the tables' accumulators, gathered
         assert _relative(ob["sparse"]["state"][i]["sum"], state["sum"]) < 1e-3
+
+
+def test_from_torchrec_reads_back_what_to_torchrec_wrote():
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 7, 8, 9]),
+                            torch.tensor([2, 0, 1, 1, 2, 0]))  # fmt: skip
+    ik = InverseKeyedJaggedTensor.from_kjt(kjt)
+    back = from_torchrec(to_torchrec(ik))
+    assert isinstance(back, InverseKeyedJaggedTensor)
+    assert back.unique.equals(ik.unique) and torch.equal(back.inverse_indices, ik.inverse_indices)
+    assert back.to_kjt().equals(kjt)
+    plain = from_torchrec(to_torchrec(kjt))
+    assert isinstance(plain, KeyedJaggedTensor) and plain.equals(kjt)
+
+
+def test_sharding_refuses_what_it_cannot_do_in_one_line(fresh_warehouse):
+    preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=256))
+    for update, nproc, reason in [
+        ({}, 1, "needs --nproc 2"),
+        ({"cooccurrence_weight": 3.0}, 2, "cooccurrence_weight: 0"),
+    ]:
+        cfg = TrainConfig(**{**SHARDED, **update, "sharding": "auto"})
+        with pytest.raises(ShardingRefused, match=reason):
+            train(fresh_warehouse, DAY, cfg, nproc=nproc)
+
+
+@pytest.mark.slow
+def test_a_budget_no_placement_fits_is_refused_and_one_that_fits_is_kept(fresh_warehouse):
+    """The synthetic tables at 16 dims: ~37 MB in all, the items table ~13 MB."""
+    preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=256))
+    cfg = TrainConfig(**SHARDED, max_steps=2, sharding="auto", memory_budget_mb=8)
+    with pytest.raises(Exception, match=r"no placement of the tables .* fits 8 MB each"):
+        train(fresh_warehouse, DAY, cfg, nproc=2)
+    s = train(fresh_warehouse, DAY, cfg.model_copy(update={"memory_budget_mb": 30}), nproc=2)
+    placed = {r["table"]: r for r in s["train.sharding"]}
+    assert {r for p in placed.values() for r in p["ranks"]} == {0, 1}  # both ranks hold tables
+    assert s["train.shard_bytes_per_rank"] and max(s["train.shard_bytes_per_rank"]) < 30 << 20
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_sharded_run_then_resume_matches_an_uninterrupted_run(
+    fresh_warehouse, samples_warehouse, tmp_path
+):
+    import shutil
+
+    from recd_core.warehouse import Warehouse
+
+    other = Warehouse(shutil.copytree(samples_warehouse, tmp_path / "other"))
+    cfg = TrainConfig(**{**SHARDED, "checkpoint_every": 4}, max_steps=20, sharding="row_wise")
+    for wh in (fresh_warehouse, other):
+        preprocess(wh, DAY, PreprocessConfig(batch_size=256))
+    # rank 1 kills the whole run (every process, kill -9) right after its step-12 save: the
+    # ranks are spawned, so the hook goes in through a sitecustomize every one imports
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(textwrap.dedent(
+        """
+        import os, signal
+        from recd_core.modeling.checkpoints import Checkpoints
+        real = Checkpoints.save
+        def save_then_die(self, state):
+            path = real(self, state)
+            if state["step"] == 12 and self.part.startswith(".rank-1"):
+                os.killpg(0, signal.SIGKILL)
+            return path
+        Checkpoints.save = save_then_die
+        """
+    ))  # fmt: skip
+    script = textwrap.dedent(
+        f"""
+        from recd_core.config import TrainConfig
+        from recd_core.modeling.train import train
+        from recd_core.warehouse import Warehouse
+        cfg = TrainConfig.model_validate_json({cfg.model_dump_json()!r})
+        train(Warehouse({str(fresh_warehouse.uri)!r}), {DAY!r}, cfg, nproc=2)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": f"{hook}:{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, "-c", script], start_new_session=True, env=env)
+    assert r.returncode == -9, "the run was killed"
+    resumed = train(fresh_warehouse, DAY, cfg, nproc=2)
+    assert resumed["train.resumed_from_step"] in (8, 12) and resumed["train.steps"] == 20
+    straight = train(other, DAY, cfg, nproc=2)
+    a, b = load_model(resumed["train.model_uri"])[0], load_model(straight["train.model_uri"])[0]
+    for name, w in a.state_dict().items():
+        assert torch.equal(w, b.state_dict()[name]), name

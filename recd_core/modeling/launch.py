@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from recd_core.config import TrainConfig
+from recd_core.errors import BadInput
 
 # worker(rank, world, warehouse URI, ds, cfg, init_from, init_label) -> summary
 Worker = Callable[[int, int, str, str, TrainConfig, str | None, str | None], dict]
@@ -88,15 +89,22 @@ def launch(
             start_method="spawn",
         )
         with open(result) as f:
-            return json.load(f)
+            out = json.load(f)
+        if "refused" in out:  # a bad input every rank met (e.g. no placement of the tables)
+            raise BadInput(out["refused"])
+        return out
 
 
 def _spawned(
     rank: int, world: int, worker: Worker, result: str, wh_uri: str, ds: str, cfg_json: str,
     init_from: str | None, init_label: str | None,
 ) -> None:  # fmt: skip
-    summary = worker(rank, world, wh_uri, ds, TrainConfig.model_validate_json(cfg_json),
-                     init_from, init_label)  # fmt: skip
+    """A rank; a bad input (`BadInput`) comes back as its one line, not a traceback."""
+    try:
+        summary = worker(rank, world, wh_uri, ds, TrainConfig.model_validate_json(cfg_json),
+                         init_from, init_label)  # fmt: skip
+    except BadInput as e:
+        summary = {"refused": str(e)}
     if rank == 0:
         with open(result, "w") as f:
             json.dump(summary, f)

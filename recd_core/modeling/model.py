@@ -105,7 +105,9 @@ class HistoryEncoder(nn.Module):
         ids, mask, idx = padded(jt, self.max_len)
         n, width = ids.shape
         if vectors is not None:
-            emb = vectors[idx] if vectors.shape[0] else vectors.new_zeros(n, width, vectors.shape[1])
+            emb = (
+                vectors[idx] if vectors.shape[0] else vectors.new_zeros(n, width, vectors.shape[1])
+            )
         elif table is None:
             emb = self.embedding(ids)
         else:
@@ -203,12 +205,16 @@ class DLRM(Calibrated):
         # a history whose `table` is a bag's table (e.g. clicked items and the shown item)
         # looks its ids up there; otherwise it has a table of its own
         self.history_table = {
-            n: f"t_{features.table_of(n)}" if f"t_{features.table_of(n)}" in self.bag_tables else None
+            n: f"t_{features.table_of(n)}"
+            if f"t_{features.table_of(n)}" in self.bag_tables
+            else None
             for n in self.sequence_names
         }
         self.history = nn.ModuleDict(
             {
-                n: HistoryEncoder(features[n], cfg, sharded_tables or self.history_table[n] is not None)
+                n: HistoryEncoder(
+                    features[n], cfg, sharded_tables or self.history_table[n] is not None
+                )
                 for n in self.sequence_names
             }
         )

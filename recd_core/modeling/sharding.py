@@ -111,9 +111,14 @@ class ShardedTables(nn.Module):
         self.specs = specs
         self.ec = EmbeddingCollection(
             tables=[
-                EmbeddingConfig(name=s.name, embedding_dim=dim, num_embeddings=s.rows,
-                                feature_names=list(s.features), weight_init_min=-s.init_bound,
-                                weight_init_max=s.init_bound)
+                EmbeddingConfig(
+                    name=s.name,
+                    embedding_dim=dim,
+                    num_embeddings=s.rows,
+                    feature_names=list(s.features),
+                    weight_init_min=-s.init_bound,
+                    weight_init_max=s.init_bound,
+                )
                 for s in specs
             ],  # fmt: skip
             device=torch.device("meta"),
@@ -219,8 +224,8 @@ def shard(model, cfg: TrainConfig, world: int, device: torch.device):
                        for s in model.sharded.specs}  # fmt: skip
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
     try:
-        with _quiet_planner():
-            plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+        with _quiet_planner():  # every rank plans alike (a refusal is then every rank's)
+            plan = planner.plan(model, sharders)
     except PlannerError as e:
         sizes = ", ".join(f"{s.name} {s.rows:,} rows" for s in model.sharded.specs)
         budget = f"{cfg.memory_budget_mb} MB" if cfg.memory_budget_mb else "the device's memory"
@@ -263,6 +268,16 @@ def plan_table(dmp) -> list[dict]:
                 p.sharding_spec is not None) else p.ranks  # fmt: skip
             rows.append({"table": table, "sharding": p.sharding_type, "ranks": ranks})
     return rows
+
+
+def shard_bytes(model) -> list[int]:
+    """The bytes each rank holds of the tables (weights and accumulators). A collective."""
+    tables: ShardedTables = model.sharded
+    mine = sum(t.numel() * t.element_size()
+               for t in [*tables.local_weights(), *tables.local_momentum()])  # fmt: skip
+    out = [0] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
 
 
 # -- the single-process layout, gathered and scattered -------------------------------------

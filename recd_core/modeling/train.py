@@ -68,6 +68,7 @@ from recd_core.modeling.sharding import (
     full_state,
     plan_table,
     shard,
+    shard_bytes,
 )
 from recd_core.modeling.step import cooccurrence_term, fold_in, make_optimizers, train_step
 from recd_core.modeling.warm_start import Init, continue_optimizers, initial_state
@@ -91,6 +92,8 @@ def train(
     `init_from`: a saved model to start from (warm start) instead of a fresh init; without
     one, `init_label` may say why (it goes into `train.init_reason`)."""
     warehouse.info("batches", ds, mode=cfg.mode)  # fail early, naming the partition
+    if cfg.sharding != "none":
+        check_config(cfg, nproc)
     return launch(train_worker, nproc, warehouse.uri, ds, cfg, init_from, init_label)
 
 
@@ -355,6 +358,7 @@ def finish(run: Run) -> dict:
     state = None
     if run.sharded:  # the single-process layout, gathered onto rank 0
         summary["train.sharding"] = plan_table(run.net)
+        summary["train.shard_bytes_per_rank"] = shard_bytes(model)
         run.opt_sparse.load_state_dict(optimizer["sparse"])
         state, optimizer = full_state(model, optimizer["dense"], run.opt_sparse) or (None, None)
     if run.rank == 0:
