@@ -73,6 +73,19 @@ def test_recd_bench_writes_and_logs_its_report(tmp_path):
     # the training steps again beside a busy neighbour, threads passive and spinning
     for name in ("passive", "spinning"):
         assert result[f"bench.neighbour.train_speedup.{name}"] > 0, name
+    # the tables sharded over 2 processes: the dedup arm's all-to-alls carry unique rows
+    for sharding in ("table_wise", "row_wise"):
+        k = f"sharded.{sharding}"
+        for what in ("id_bytes_per_step", "vector_bytes_per_step"):
+            assert 0 < result[f"{k}.dedup.{what}"] < result[f"{k}.baseline.{what}"] / 2, what
+    assert result["sharded.dedup_factor_per_rank"] > 2
+    # the over-budget table: row-wise on both ranks, each holding less than the budget
+    assert result["sharded.big_table_bytes"] > result["sharded.budget_mb"] << 20
+    assert result["sharded.big_table_plan"] == "row_wise on ranks 0,1"
+    assert all(
+        b < result["sharded.budget_mb"] << 20 for b in result["sharded.table_bytes_per_rank"]
+    )
+    assert "no placement of the tables" in result["sharded.half_budget_refusal"]
     # the quality part: two warm-started days against the oracle, the first by both arms
     week = result["week"]
     assert [w["init"] for w in week] == ["scratch", "warm"]
@@ -88,6 +101,7 @@ def test_recd_bench_writes_and_logs_its_report(tmp_path):
     md = (tmp_path / "b/bench.md").read_text()
     assert "learnable bound" in md and "the features alone" in md and "Where the gap lies" in md
     assert "beside a busy neighbour, passive threads" in md
+    assert "tables sharded, 2 processes" in md and "A table past a process's budget" in md
     assert "the generator's model, learned" in md
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(result["mlflow.run_id"])

@@ -60,7 +60,24 @@ def _train_figures(wh: Warehouse, ds: str, out: Path, repeats: int = 7) -> dict:
     figures.update(peak_memory(table, cfg, str(out), device=device))
     figures.update(bench_embeddings(table, cfg, repeats=repeats))
     figures["train.model"] = cfg.model.model_dump()
+    figures.update(_sharded_figures(table, cfg, out))
     return figures
+
+
+def _sharded_figures(table, cfg, out: Path) -> dict:
+    """The tables sharded over 2 processes (bench/sharded.py), without the co-occurrence
+    loss (sharded training has none)."""
+    import pyarrow.parquet as pq
+
+    from recd_core.bench.sharded import sharded_figures
+
+    path = out / "bench_sharded.parquet"
+    pq.write_table(table.slice(0, 8 * cfg.batch_size), path)
+    try:
+        return sharded_figures(str(path), cfg.model_copy(update={"cooccurrence_weight": 0.0})
+                               .model_dump_json())  # fmt: skip
+    finally:
+        path.unlink()
 
 
 def run_bench(
@@ -225,12 +242,58 @@ def markdown(r: dict) -> str:
                 f"| peak memory | {human_bytes(r['train.peak_mem_bytes.dedup'])} | "
                 f"{human_bytes(r['train.peak_mem_bytes.baseline'])} | |"
             )
+    rows += sharded_markdown(r)
     rows += quality_markdown(r)
     if "embedding.step_ms.ours_dedup" in r:
         rows += ["", "| embedding bags only (fwd+bwd+sparse Adagrad) | step |", "|---|---|"]
         for k in ("torchrec_kjt", "torchrec_vbe", "ours_all_rows", "ours_dedup"):
             rows.append(f"| {k} | {r['embedding.step_ms.' + k]:.1f} ms |")
     return "\n".join(rows) + "\n"
+
+
+def sharded_markdown(r: dict) -> list[str]:
+    """The tables sharded over N processes: the all-to-alls' bytes and the step, dedup vs
+    baseline; the over-budget table (bench/sharded.py)."""
+    if "sharded.world" not in r:
+        return []
+    rows = [
+        "",
+        f"| tables sharded, {r['sharded.world']} processes ({r['sharded.device']}, "
+        f"B={r['sharded.batch_size']}) | ids + lengths / step | vectors + gradients / step "
+        "| step time |",
+        "|---|---|---|---|",
+    ]
+    for sharding in ("table_wise", "row_wise"):
+        k = f"sharded.{sharding}"
+        for mode in ("dedup", "baseline"):
+            rows.append(
+                f"| {sharding}, {mode} | {human_bytes(r[f'{k}.{mode}.id_bytes_per_step'])} | "
+                f"{human_bytes(r[f'{k}.{mode}.vector_bytes_per_step'])} | "
+                f"{r[f'{k}.{mode}.step_ms']:,.0f} ms |"
+            )
+        ratio = [r[f"{k}.baseline.{x}"] / r[f"{k}.dedup.{x}"]
+                 for x in ("id_bytes_per_step", "vector_bytes_per_step", "step_ms")]  # fmt: skip
+        rows.append(f"| {sharding}, baseline / dedup | {ratio[0]:.2f}x | **{ratio[1]:.2f}x** | "
+                    f"{ratio[2]:.2f}x |")  # fmt: skip
+    rows.append(
+        f"| dedup factor of a rank's slice (samples a unique user row) | "
+        f"{r['sharded.dedup_factor_per_rank']:.1f} | | |"
+    )
+    if "sharded.budget_mb" in r:
+        mb = 1 << 20
+        rows += [
+            "",
+            f"A table past a process's budget: the items table at {r['sharded.big_table_rows']:,} "
+            f"rows ({r['sharded.big_table_bytes'] / mb:,.0f} MB of weights) with "
+            f"`--memory-budget-mb {r['sharded.budget_mb']}` on {r['sharded.world']} processes: "
+            f"placed {r['sharded.big_table_plan']}; tables held per rank "
+            f"{', '.join(f'{b / mb:,.0f} MB' for b in r['sharded.table_bytes_per_rank'])}; "
+            f"peak RSS per rank {', '.join(f'{b / mb:,.0f} MB' for b in r['sharded.peak_rss_per_rank'])} "
+            f"({r['sharded.rss_before_tables'] / mb:,.0f} MB of it before the tables were placed: "
+            f"Python, torch, TorchRec, the batches, the dense layers). At half the budget: "
+            f"`{r['sharded.half_budget_refusal']}`",
+        ]
+    return rows
 
 
 def quality_markdown(r: dict) -> list[str]:

@@ -227,7 +227,11 @@ def shard(model, cfg: TrainConfig, world: int, device: torch.device):
         with _quiet_planner():  # every rank plans alike (a refusal is then every rank's)
             plan = planner.plan(model, sharders)
     except PlannerError as e:
-        sizes = ", ".join(f"{s.name} {s.rows:,} rows" for s in model.sharded.specs)
+        specs = model.sharded.specs
+        row_bytes = 4 * (cfg.model.embedding_dim + 1)  # weights and the row's accumulator
+        big = max(specs, key=lambda s: s.rows)
+        sizes = (f"{len(specs)} tables, {sum(s.rows for s in specs) * row_bytes >> 20} MB with "
+                 f"their accumulators, the largest {big.name} {big.rows * row_bytes >> 20} MB")  # fmt: skip
         budget = f"{cfg.memory_budget_mb} MB" if cfg.memory_budget_mb else "the device's memory"
         raise ShardingRefused(
             f"train.sharding={cfg.sharding}: no placement of the tables ({sizes}) on {world} "
@@ -237,8 +241,8 @@ def shard(model, cfg: TrainConfig, world: int, device: torch.device):
 
 
 def _first_reason(e: Exception) -> str:
-    text = " ".join(str(e).split())
-    return text[:160] + ("..." if len(text) > 160 else "")
+    text = " ".join(str(e).split()).split(". Possible solutions")[0]
+    return text[:120] + ("..." if len(text) > 120 else "")
 
 
 @contextlib.contextmanager
@@ -259,15 +263,15 @@ def _quiet_planner():
             lg.setLevel(level)
 
 
-def plan_table(dmp) -> list[dict]:
-    """Where each table went: [{table, sharding, ranks}] (the run's summary)."""
-    rows = []
+def plan_table(dmp) -> dict[str, str]:
+    """Where each table went: {table: "row_wise on ranks 0,1"} (the run's summary)."""
+    out = {}
     for module_plan in dmp.plan.plan.values():
         for table, p in module_plan.items():
-            ranks = sorted({int(s.placement.rank()) for s in p.sharding_spec.shards}) if (
-                p.sharding_spec is not None) else p.ranks  # fmt: skip
-            rows.append({"table": table, "sharding": p.sharding_type, "ranks": ranks})
-    return rows
+            shards = p.sharding_spec.shards if p.sharding_spec is not None else []
+            ranks = sorted({int(s.placement.rank()) for s in shards}) or p.ranks or []
+            out[table] = f"{p.sharding_type} on ranks {','.join(map(str, ranks))}"
+    return out
 
 
 def shard_bytes(model) -> list[int]:

@@ -1,0 +1,220 @@
+"""Sharded tables (`recd bench`'s training part): what TorchRec's all-to-alls carry and what
+a step costs, dedup vs baseline, with the tables sharded across N processes (gloo on CPU,
+nccl on CUDA), and a table larger than a process's memory budget.
+
+communication   each rank sends, per step, through `all_to_all_single` (counted by
+                modeling/sharding.py's `counted_all_to_all`): ids and lengths (the input
+                distribution) and vectors (the output distribution, forward, and their
+                gradients, backward). Both modes train their own copy of one model on the
+                same batches, each rank its slice; the dedup arm sends a group's unique
+                rows, the baseline every sample's. Beside it the batches' dedup factor
+                (samples a unique user row) over the ranks' slices.
+over budget     the items table enlarged until it alone exceeds `budget_mb` (its ids stay
+                the day's), placed by the planner within the budget (`auto`) on N
+                processes, a few steps; each rank's table bytes, its resident set before
+                the tables were placed (the runtime, the batches, the dense layers) and its
+                peak. The same budget at half size: the one-line refusal.
+
+Run as a module it writes the figures of one part as JSON (a fresh process per part, as
+each spawns its ranks):
+    python -m recd_core.bench.sharded comm|budget SAMPLES.parquet CFG_JSON OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SHARDINGS = ("table_wise", "row_wise")
+
+
+def sharded_figures(table_path: str, cfg_json: str, budget_mb: int = 400) -> dict:
+    """Both parts, each in a fresh process (see the module)."""
+    figures = {}
+    for part, arg in (("comm", cfg_json), ("budget", str(budget_mb))):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = f"{tmp}/figures.json"
+            cmd = [sys.executable, "-m", __name__, part, table_path, arg, out]
+            r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if r.returncode != 0:
+                raise RuntimeError(f"sharded bench ({part}) failed: {r.stderr.strip()[-800:]}")
+            with open(out) as f:
+                figures |= json.load(f)
+    return figures
+
+
+def _spawn(fn, nproc: int, *args) -> dict:
+    import torch.multiprocessing as mp
+
+    from recd_core.modeling.launch import _free_port
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(_free_port())
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/rank0.json"
+        mp.start_processes(fn, args=(nproc, out, *args), nprocs=nproc, start_method="spawn")
+        with open(out) as f:
+            return json.load(f)
+
+
+def _rank_setup(rank: int, world: int):
+    import warnings
+
+    import torch
+
+    from recd_core.modeling.launch import join_process_group, resolve_device
+    from recd_core.runtime import cpu_budget
+
+    warnings.filterwarnings("ignore")
+    device = join_process_group(rank, world, resolve_device("auto"))
+    if device.type == "cpu":
+        torch.set_num_threads(max(cpu_budget() // world, 1))
+    return device
+
+
+def _comm_rank(rank: int, world: int, out: str, table_path: str, cfg_json: str,
+               steps: int = 5) -> None:  # fmt: skip
+    import pyarrow.parquet as pq
+    import torch
+    import torch.distributed as dist
+
+    from recd_core.bench.training import _batches
+    from recd_core.config import TrainConfig
+    from recd_core.modeling.model import DLRM
+    from recd_core.modeling.sharding import counted_all_to_all, shard
+    from recd_core.modeling.step import make_optimizers, train_step
+
+    device = _rank_setup(rank, world)
+    cfg = TrainConfig.model_validate_json(cfg_json)
+    table = pq.read_table(table_path)
+    features, _, dedup, base = _batches(table, cfg, steps + 1, torch.device("cpu"))
+    parts = {
+        "dedup": [b.part(rank, world).to(device) for b in dedup],
+        "baseline": [b.part(rank, world).to(device) for b in base],
+    }
+    factors = [b.size / ik.num_unique for b in parts["dedup"] for ik in b.groups.values()]
+    figures: dict = {"sharded.world": world, "sharded.device": str(device),
+                     "sharded.batch_size": cfg.batch_size,
+                     "sharded.dedup_factor_per_rank": statistics.mean(factors)}  # fmt: skip
+    for sharding in SHARDINGS:
+        c = cfg.model_copy(update={"sharding": sharding})
+        for mode, batches in parts.items():
+            model = DLRM(features, c.model, sharded_tables=True)
+            net = shard(model, c, world, device)
+            opt_dense, _ = make_optimizers(net.module, c, sparse=False)
+            none = _NoSparse()
+            train_step(net, batches[0], opt_dense, none, False)  # warm-up
+            times, sent = [], []
+            for b in batches[1:]:
+                dist.barrier()
+                with counted_all_to_all() as counter:
+                    t0 = time.perf_counter()
+                    train_step(net, b, opt_dense, none, False)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    times.append(time.perf_counter() - t0)
+                sent.append(counter)
+            key = f"sharded.{sharding}.{mode}"
+            ids = [sum(v for k, v in s.items() if k.startswith("int")) for s in sent]
+            vectors = [sum(v for k, v in s.items() if not k.startswith("int")) for s in sent]
+            mine = torch.tensor([statistics.mean(ids), statistics.mean(vectors),
+                                 statistics.median(times)], dtype=torch.float64)  # fmt: skip
+            total = mine.clone()
+            dist.all_reduce(total)  # bytes: every rank's sum; time: the ranks' mean
+            figures[f"{key}.id_bytes_per_step"] = float(total[0])
+            figures[f"{key}.vector_bytes_per_step"] = float(total[1])
+            figures[f"{key}.step_ms"] = 1000 * float(total[2]) / world
+            del net, model
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(figures, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _rss() -> int:
+    """This process's resident set now (bytes)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+class _NoSparse:
+    """The sharded tables' optimizer is fused into the backward pass."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def step(self) -> None:
+        return None
+
+
+def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
+                 steps: int = 3) -> None:  # fmt: skip
+    import pyarrow.parquet as pq
+    import torch
+    import torch.distributed as dist
+
+    from recd_core.bench.training import _batches
+    from recd_core.config import TrainConfig
+    from recd_core.modeling.launch import peak_mem
+    from recd_core.modeling.model import DLRM
+    from recd_core.modeling.sharding import ShardingRefused, plan_table, shard, shard_bytes
+    from recd_core.modeling.step import make_optimizers, train_step
+
+    device = _rank_setup(rank, world)
+    budget_mb = int(budget)
+    cfg = TrainConfig(batch_size=1024, cooccurrence_weight=0.0, sharding="auto",
+                      memory_budget_mb=budget_mb)  # fmt: skip
+    table = pq.read_table(table_path)
+    features, _, dedup, _ = _batches(table, cfg, steps, torch.device("cpu"))
+    # the items table alone past the budget: 1.25 x the budget's bytes (weights, fp32)
+    big = int(1.25 * (budget_mb << 20) / (4 * cfg.model.embedding_dim))
+    item_table = features.table_of(features.item_key)
+    features = features.model_copy(update={"features": [
+        f.model_copy(update={"table_size": big})
+        if f.kind != "dense" and features.table_of(f.name) == item_table else f
+        for f in features.features]})  # fmt: skip
+    model = DLRM(features, cfg.model, sharded_tables=True)  # the tables on the meta device
+    before = _rss()  # the runtime (python, torch, torchrec), the batches, the dense layers
+    net = shard(model, cfg, world, device)
+    opt_dense, _ = make_optimizers(net.module, cfg, sparse=False)
+    for b in dedup:
+        train_step(net, b.part(rank, world).to(device), opt_dense, _NoSparse(), False)
+    peak = torch.tensor([float(peak_mem(device))])
+    peaks = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(peaks, peak)
+    held = shard_bytes(net.module)
+    plan = plan_table(net)[f"t_{item_table}"]
+    refused = ""
+    try:
+        shard(DLRM(features, cfg.model, sharded_tables=True),
+              cfg.model_copy(update={"memory_budget_mb": budget_mb // 2}), world, device)  # fmt: skip
+    except ShardingRefused as e:
+        refused = str(e)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({
+                "sharded.budget_mb": budget_mb,
+                "sharded.big_table_rows": big,
+                "sharded.big_table_bytes": big * 4 * cfg.model.embedding_dim,
+                "sharded.big_table_plan": plan,
+                "sharded.table_bytes_per_rank": held,
+                "sharded.peak_rss_per_rank": [int(p) for p in peaks],
+                "sharded.rss_before_tables": before,
+                "sharded.half_budget_refusal": refused,
+            }, f)  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    part, table_path, arg, out_path = sys.argv[1:5]
+    fn = _comm_rank if part == "comm" else _budget_rank
+    figures = _spawn(fn, 2, table_path, arg)
+    with open(out_path, "w") as f:
+        json.dump(figures, f)
