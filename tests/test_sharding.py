@@ -14,6 +14,7 @@ from test_train import DAY, SMALL_MODEL
 from recd_core.config import PreprocessConfig, TrainConfig
 from recd_core.dedup.sparse import InverseKeyedJaggedTensor, KeyedJaggedTensor, to_torchrec
 from recd_core.dpp.preprocess import preprocess
+from recd_core.errors import BadInput
 from recd_core.modeling.saved import load_model, read_optimizer
 from recd_core.modeling.sharding import ShardingRefused, from_torchrec
 from recd_core.modeling.train import train
@@ -44,6 +45,9 @@ def test_sharded_two_processes_end_where_one_process_does(fresh_warehouse, shard
     assert two["train.world_size"] == 2 and two["train.steps"] == one["train.steps"]
     assert {v.split()[0] for v in two["train.sharding"].values()} == {sharding}
     assert two["train.val_ne"] == pytest.approx(one["train.val_ne"], rel=1e-4)
+    # torchrec.metrics, each rank on its slice, agree with recd's own on the chosen state
+    assert two["train.val_ne_torchrec"] == pytest.approx(two["train.val_ne"], rel=1e-4)
+    assert two["train.val_auc_torchrec"] == pytest.approx(two["train.val_auc"], abs=1e-4)
     assert two["train.val_ne_calibrated"] == pytest.approx(one["train.val_ne_calibrated"], rel=1e-4)
     a, _ = load_model(one["train.model_uri"])
     b, _ = load_model(two["train.model_uri"])  # the usual model.pt + model.json
@@ -133,6 +137,9 @@ def test_sigkill_of_a_sharded_run_then_resume_matches_an_uninterrupted_run(
     env = {**os.environ, "PYTHONPATH": f"{hook}:{os.environ.get('PYTHONPATH', '')}"}
     r = subprocess.run([sys.executable, "-c", script], start_new_session=True, env=env)
     assert r.returncode == -9, "the run was killed"
+    # its checkpoints are two processes' parts: three cannot resume them, and say so
+    with pytest.raises(BadInput, match="checkpoints from 2 processes: resume with --nproc 2"):
+        train(fresh_warehouse, DAY, cfg, nproc=3)
     resumed = train(fresh_warehouse, DAY, cfg, nproc=2)
     assert resumed["train.resumed_from_step"] in (8, 12) and resumed["train.steps"] == 20
     straight = train(other, DAY, cfg, nproc=2)

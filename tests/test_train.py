@@ -291,7 +291,7 @@ def test_each_pass_restarts_the_tables_from_where_the_run_started(fresh_warehous
     seen = []
     real_step = training.train_step
 
-    def recording(model, batch, opt_dense, opt_sparse, amp, aux=None):
+    def recording(model, batch, opt_dense, opt_sparse, amp, aux=None, scale=1.0):
         seen.append(
             (
                 [p.detach().clone() for p in model.sparse_parameters()],
@@ -300,7 +300,7 @@ def test_each_pass_restarts_the_tables_from_where_the_run_started(fresh_warehous
                 opt_dense.param_groups[0]["lr"],
             )
         )
-        return real_step(model, batch, opt_dense, opt_sparse, amp, aux)
+        return real_step(model, batch, opt_dense, opt_sparse, amp, aux, scale)
 
     monkeypatch.setattr(training, "train_step", recording)
     cfg = TrainConfig(batch_size=256, epochs=2, pass_patience=1, model=SMALL_MODEL,

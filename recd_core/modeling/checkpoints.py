@@ -66,6 +66,16 @@ class Checkpoints:
         mine = re.compile(rf"step-\d{{8}}{re.escape(self.part)}\.pt")
         return sorted(i.path for i in infos if mine.fullmatch(i.base_name))
 
+    def others(self) -> list[str]:
+        """Checkpoints of this run written by another number of processes (a sharded run's
+        parts are its processes' own: resuming needs the same number)."""
+        if self.wh.fs.get_file_info(self.dir).type != pafs.FileType.Directory:
+            return []
+        theirs = re.compile(r"step-\d{8}(\.rank-\d+-of-\d+)?\.pt")
+        infos = self.wh.fs.get_file_info(pafs.FileSelector(self.dir))
+        mine = set(self.list())
+        return sorted(i.path for i in infos if theirs.fullmatch(i.base_name) and i.path not in mine)
+
     def path(self, step: int) -> str:
         return f"{self.dir}/step-{step:08d}{self.part}.pt"
 

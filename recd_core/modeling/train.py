@@ -69,6 +69,7 @@ from recd_core.modeling.sharding import (
     plan_table,
     shard,
     shard_bytes,
+    torchrec_validation,
 )
 from recd_core.modeling.step import cooccurrence_term, fold_in, make_optimizers, train_step
 from recd_core.modeling.warm_start import Init, continue_optimizers, initial_state
@@ -233,6 +234,12 @@ def setup(
     part = f".rank-{rank}-of-{world}" if sharded else ""
     checkpoints = Checkpoints(wh, name, cfg.keep_checkpoints, part)
     step = 0
+    if sharded and not checkpoints.list() and checkpoints.others():
+        found = checkpoints.others()[-1].rsplit(".rank-", 1)[-1].split("-of-")[-1][:-3]
+        raise ShardingRefused(
+            f"{checkpoints.dir} holds this run's checkpoints from {found} processes: resume "
+            f"with --nproc {found}, or delete them to start afresh with {world}"
+        )
     state = checkpoints.latest(_common_step(checkpoints) if sharded else None)
     if state is not None:
         model.load_state_dict(state["model"])
@@ -267,9 +274,9 @@ def _sharded_model(
     single-process layout by a run of any N, are scattered to the shards."""
     features = store.model_features
     model = DLRM(features, cfg.model, sharded_tables=True)
-    for name, child in model.named_children():  # the dense part; DMP places the tables
-        if name != "sharded":
-            child.to(device)
+    tables, model.sharded = model.sharded, None  # the dense part to the device;
+    model.to(device)
+    model.sharded = tables  # DMP places the tables' shards
     net = shard(model, cfg, world, device)
     model = net.module
     init = initial_state(init_from, features, cfg, init_label)
@@ -324,6 +331,9 @@ def finish(run: Run) -> dict:
     if early.best_state is not None and early.best_step != run.step:
         model.load_state_dict(early.best_state)
         optimizer = early.best_optimizer
+    checked = {}
+    if run.sharded and len(valid):  # the chosen state by torchrec.metrics, over the ranks
+        checked = torchrec_validation(model, valid, run.device)
     calibration = calibrate(model, valid, run.device) if cfg.calibrate and len(valid) else {}
     folded = 0
     if cfg.fold_in_validation and len(valid):
@@ -353,6 +363,7 @@ def finish(run: Run) -> dict:
         "train.lr_dense": run.opt_dense.param_groups[0]["lr"],
         "train.folded_in_samples": folded,
         **early.summary(),
+        **checked,
         **calibration,
     }
     state = None
