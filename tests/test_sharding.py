@@ -146,3 +146,19 @@ def test_sigkill_of_a_sharded_run_then_resume_matches_an_uninterrupted_run(
     a, b = load_model(resumed["train.model_uri"])[0], load_model(straight["train.model_uri"])[0]
     for name, w in a.state_dict().items():
         assert torch.equal(w, b.state_dict()[name]), name
+
+
+@pytest.mark.slow
+def test_recd_train_refuses_a_budget_too_small_in_one_line_with_exit_2(fresh_warehouse, tmp_path):
+    from pathlib import Path
+
+    preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=256))
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(TrainConfig(**SHARDED).model_dump_json())  # JSON is YAML
+    exe = Path(sys.executable).parent / "recd"
+    r = subprocess.run([exe, "train", "--warehouse", fresh_warehouse.uri, "--ds", DAY,
+                        "--train-config", cfg, "--nproc", "2", "--sharding", "auto",
+                        "--memory-budget-mb", "8"], capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().count("\n") == 0, r.stderr
+    assert "no placement of the tables (14 tables, 37 MB" in r.stderr and "8 MB each" in r.stderr

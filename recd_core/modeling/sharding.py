@@ -37,6 +37,8 @@ resume may use another N); `load_full_state` takes that layout back on any N.
 from __future__ import annotations
 
 import contextlib
+import logging
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -215,21 +217,36 @@ def shard(model, cfg: TrainConfig, world: int, device: torch.device):
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-    from torchrec.distributed.planner.types import ParameterConstraints, PlannerError
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.storage_reservations import (
+        FixedPercentageStorageReservation,
+    )
+    from torchrec.distributed.planner.types import (
+        KernelConfig,
+        ParameterConstraints,
+        PlannerError,
+        TopologyFactory,
+        TrainerConfig,
+    )
 
     sharders = [EmbeddingCollectionSharder(fused_params={
         "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": cfg.lr_sparse,
         "eps": 1e-10})]  # fmt: skip
     cap = {}
     if cfg.memory_budget_mb is not None:
-        cap = {"hbm_cap" if device.type == "cuda" else "ddr_cap": cfg.memory_budget_mb << 20}
-    topology = Topology(world_size=world, compute_device=device.type, **cap)
+        cap = {f"{'hbm' if device.type == 'cuda' else 'ddr'}_cap_bytes": cfg.memory_budget_mb << 20}
+    topology = TopologyFactory.create_topology(
+        trainer_config=TrainerConfig(world_size=world, **cap),
+        kernel_config=KernelConfig(compute_device=device.type),
+    )
     constraints = None
     if cfg.sharding != "auto":
         constraints = {s.name: ParameterConstraints(sharding_types=[cfg.sharding])
                        for s in model.sharded.specs}  # fmt: skip
-    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+    # the budget is the tables' (and their input and output buffers', as TorchRec estimates
+    # them): nothing of it is held back for the dense part
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints,
+                                       storage_reservation=FixedPercentageStorageReservation(0.0))  # fmt: skip
     try:
         with _quiet_planner():  # every rank plans alike (a refusal is then every rank's)
             plan = planner.plan(model, sharders)
@@ -244,7 +261,12 @@ def shard(model, cfg: TrainConfig, world: int, device: torch.device):
             f"train.sharding={cfg.sharding}: no placement of the tables ({sizes}) on {world} "
             f"processes fits {budget} each ({_first_reason(e)})"
         ) from None
-    return DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+    # TorchRec's sharded modules ask torch.fx whether they are traced on every forward, and
+    # torch warns each process once that the question is ambiguous: not the user's concern
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    with warnings.catch_warnings():  # DMP builds its DDP with an argument torch deprecates
+        warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")
+        return DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
 
 
 def _first_reason(e: Exception) -> str:
@@ -255,8 +277,6 @@ def _first_reason(e: Exception) -> str:
 @contextlib.contextmanager
 def _quiet_planner():
     """TorchRec's planner logs its whole search at WARNING; a refusal says it in one line."""
-    import logging
-
     names = ["torchrec.distributed.planner", "torchrec.distributed.planner.types",
              "torchrec.distributed.planner.storage_reservations"]  # fmt: skip
     loggers = [logging.getLogger(n) for n in names]
