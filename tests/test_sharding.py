@@ -60,6 +60,18 @@ def test_sharded_two_processes_end_where_one_process_does(fresh_warehouse, shard
         assert _relative(ob["sparse"]["state"][i]["sum"], state["sum"]) < 1e-3
 
 
+@pytest.mark.slow
+def test_sharded_training_with_the_cooccurrence_loss_ends_near_one_process(fresh_warehouse):
+    """The loss's negatives are drawn from each rank's slice instead of the whole batch:
+    the same objective, other draws; the chosen state's validation NE stays close."""
+    start = _start(fresh_warehouse)
+    cfg = TrainConfig(**{**SHARDED, "cooccurrence_weight": 3.0}, seed=1)
+    one = train(fresh_warehouse, DAY, cfg, init_from=start)
+    two = train(fresh_warehouse, DAY, cfg.model_copy(update={"sharding": "row_wise"}), nproc=2,
+                init_from=start)  # fmt: skip
+    assert two["train.val_ne"] == pytest.approx(one["train.val_ne"], rel=1e-3)
+
+
 def test_from_torchrec_reads_back_what_to_torchrec_wrote():
     kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 7, 8, 9]),
                             torch.tensor([2, 0, 1, 1, 2, 0]))  # fmt: skip
@@ -76,7 +88,7 @@ def test_sharding_refuses_what_it_cannot_do_in_one_line(fresh_warehouse):
     preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=256))
     for update, nproc, reason in [
         ({}, 1, "needs --nproc 2"),
-        ({"cooccurrence_weight": 3.0}, 2, "cooccurrence_weight: 0"),
+        ({"model": SMALL_MODEL.model_copy(update={"members": 3})}, 2, "members: 1"),
     ]:
         cfg = TrainConfig(**{**SHARDED, **update, "sharding": "auto"})
         with pytest.raises(ShardingRefused, match=reason):

@@ -554,6 +554,15 @@ def test_the_list_cooccurrence_loss_equals_a_direct_computation():
         weight += c
     assert float(got_weight) == weight
     assert float(got_sum) == pytest.approx(total, rel=1e-5)
+    # a sharded model's way (the rows' ids looked up already, a drawn negative's vector where
+    # it first appears): the same loss and the same gradient on the table
+    t1, t2 = table.clone().requires_grad_(), table.clone().requires_grad_()
+    a = feature_loss(t1, jt, counts, 5, torch.Generator().manual_seed(1))[0]
+    b = feature_loss(None, jt, counts, 5, torch.Generator().manual_seed(1), t2[jt.values])[0]
+    a.backward()
+    b.backward()
+    assert float(b) == pytest.approx(float(a), rel=1e-6)
+    assert torch.allclose(t1.grad.to_dense(), t2.grad, atol=1e-6)
 
 
 def test_the_calibration_fit_recovers_a_known_slope_and_offset_and_never_reverses_a_ranking():

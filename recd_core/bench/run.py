@@ -65,8 +65,7 @@ def _train_figures(wh: Warehouse, ds: str, out: Path, repeats: int = 7) -> dict:
 
 
 def _sharded_figures(table, cfg, out: Path) -> dict:
-    """The tables sharded over 2 processes (bench/sharded.py), without the co-occurrence
-    loss (sharded training has none)."""
+    """The tables sharded over 2 processes (bench/sharded.py)."""
     import pyarrow.parquet as pq
 
     from recd_core.bench.sharded import sharded_figures
@@ -74,8 +73,7 @@ def _sharded_figures(table, cfg, out: Path) -> dict:
     path = out / "bench_sharded.parquet"
     pq.write_table(table.slice(0, 8 * cfg.batch_size), path)
     try:
-        return sharded_figures(str(path), cfg.model_copy(update={"cooccurrence_weight": 0.0})
-                               .model_dump_json())  # fmt: skip
+        return sharded_figures(str(path), cfg.model_dump_json())
     finally:
         path.unlink()
 

@@ -87,7 +87,7 @@ def _comm_rank(rank: int, world: int, out: str, table_path: str, cfg_json: str,
     from recd_core.config import TrainConfig
     from recd_core.modeling.model import DLRM
     from recd_core.modeling.sharding import counted_all_to_all, shard
-    from recd_core.modeling.step import make_optimizers, train_step
+    from recd_core.modeling.step import cooccurrence_term, make_optimizers, train_step
 
     device = _rank_setup(rank, world)
     cfg = TrainConfig.model_validate_json(cfg_json)
@@ -108,13 +108,15 @@ def _comm_rank(rank: int, world: int, out: str, table_path: str, cfg_json: str,
             net = shard(model, c, world, device)
             opt_dense, _ = make_optimizers(net.module, c, sparse=False)
             none = _NoSparse()
-            train_step(net, batches[0], opt_dense, none, False)  # warm-up
+            train_step(net, batches[0], opt_dense, none, False,
+                       cooccurrence_term(net.module, c, 0))  # warm-up  # fmt: skip
             times, sent = [], []
-            for b in batches[1:]:
+            for k, b in enumerate(batches[1:], 1):
+                aux = cooccurrence_term(net.module, c, k)
                 dist.barrier()
                 with counted_all_to_all() as counter:
                     t0 = time.perf_counter()
-                    train_step(net, b, opt_dense, none, False)
+                    train_step(net, b, opt_dense, none, False, aux)
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     times.append(time.perf_counter() - t0)
@@ -164,12 +166,11 @@ def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
     from recd_core.modeling.launch import peak_mem
     from recd_core.modeling.model import DLRM
     from recd_core.modeling.sharding import ShardingRefused, plan_table, shard, shard_bytes
-    from recd_core.modeling.step import make_optimizers, train_step
+    from recd_core.modeling.step import cooccurrence_term, make_optimizers, train_step
 
     device = _rank_setup(rank, world)
     budget_mb = int(budget)
-    cfg = TrainConfig(batch_size=1024, cooccurrence_weight=0.0, sharding="auto",
-                      memory_budget_mb=budget_mb)  # fmt: skip
+    cfg = TrainConfig(batch_size=1024, sharding="auto", memory_budget_mb=budget_mb)
     table = pq.read_table(table_path)
     features, _, dedup, _ = _batches(table, cfg, steps, torch.device("cpu"))
     # the items table alone past the budget: 1.25 x the budget's bytes (weights, fp32)
@@ -183,8 +184,9 @@ def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
     before = _rss()  # the runtime (python, torch, torchrec), the batches, the dense layers
     net = shard(model, cfg, world, device)
     opt_dense, _ = make_optimizers(net.module, cfg, sparse=False)
-    for b in dedup:
-        train_step(net, b.part(rank, world).to(device), opt_dense, _NoSparse(), False)
+    for k, b in enumerate(dedup):
+        aux = cooccurrence_term(net.module, cfg, k)
+        train_step(net, b.part(rank, world).to(device), opt_dense, _NoSparse(), False, aux)
     peak = torch.tensor([float(peak_mem(device))])
     peaks = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(peaks, peak)

@@ -75,14 +75,26 @@ def _negatives(values: torch.Tensor, k: int, generator: torch.Generator) -> torc
     return pool[pick]
 
 
+def _first_positions(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Where each of `ids` (all among `values`) first appears in `values`."""
+    pool, inverse = torch.unique(values, return_inverse=True)
+    order = torch.arange(values.numel(), device=values.device)
+    first = torch.full_like(pool, values.numel()).scatter_reduce(0, inverse, order, "amin")
+    return first[torch.searchsorted(pool, ids)]
+
+
 def feature_loss(
-    table: torch.Tensor,
+    table: torch.Tensor | None,
     jt: JaggedTensor,
     counts: torch.Tensor,
     negatives: int,
     generator: torch.Generator,
+    vectors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(sum of the weighted per-row losses, sum of the weights) for one feature's rows."""
+    """(sum of the weighted per-row losses, sum of the weights) for one feature's rows.
+    `vectors`: the rows' ids already looked up ([nnz, d], a sharded model's, whose tables
+    are not in this process) in place of `table`: a drawn negative is one of the rows' ids,
+    so its vector is where it first appears."""
     lengths = jt.lengths
     n_rows = lengths.numel()
     rows_ok = lengths >= 2
@@ -93,16 +105,20 @@ def feature_loss(
     row = torch.repeat_interleave(torch.arange(n_rows, device=device), lengths)
     pos_in_row = torch.arange(values.numel(), device=device) - jt.offsets[:-1][row]
     half = pos_in_row % 2
-    emb = F.embedding(values, table, sparse=True)  # [M, d]
+    emb = F.embedding(values, table, sparse=True) if vectors is None else vectors  # [M, d]
     seg = 2 * row + half
-    sums = torch.zeros(2 * n_rows, table.shape[1], device=device, dtype=emb.dtype)
+    sums = torch.zeros(2 * n_rows, emb.shape[1], device=device, dtype=emb.dtype)
     sums = sums.index_add(0, seg, emb)
     sizes = torch.bincount(seg, minlength=2 * n_rows).clamp(min=1).to(emb.dtype)
     context = sums / sizes.unsqueeze(1)  # [2R, d]: each half-row's mean
     other = 2 * row + (1 - half)  # the half a member is scored against
     pos = (context[other] * emb).sum(1)  # [M]
     neg_ids = _negatives(values, negatives, generator)
-    neg_logits = context @ F.embedding(neg_ids, table, sparse=True).T  # [2R, K]
+    if vectors is None:
+        neg_emb = F.embedding(neg_ids, table, sparse=True)
+    else:
+        neg_emb = vectors[_first_positions(values, neg_ids)]
+    neg_logits = context @ neg_emb.T  # [2R, K]
     neg_lse = torch.logsumexp(neg_logits, 1)[other]  # [M]
     # a drawn id equal to the member scores what the member does (same context, same
     # vector): the softmax over (member, negatives) is then the negatives' alone
@@ -133,8 +149,10 @@ def rows_loss(
     them (the training bench times it on the rows alone)."""
     losses = []
     for name, jt, counts in rows:
-        table = model.table_for(name)
-        part = feature_loss(table, jt, counts, negatives, generator)
+        if model.sharded is not None:  # the vectors the step's forward looked up
+            part = feature_loss(None, jt, counts, negatives, generator, model.looked_up[name])
+        else:
+            part = feature_loss(model.table_for(name), jt, counts, negatives, generator)
         if part is not None:
             losses.append(part[0] / part[1].clamp(min=1))
     return torch.stack(losses).mean() if losses else None

@@ -219,6 +219,9 @@ class DLRM(Calibrated):
             }
         )
         self.sharded = None
+        # a sharded model's per-id vectors of the batch it embedded last (feature -> [nnz, d]):
+        # the co-occurrence loss reads its lists there, the tables being looked up once a step
+        self.looked_up: dict[str, torch.Tensor] = {}
         if sharded_tables:
             from recd_core.modeling.sharding import ShardedTables, table_specs
 
@@ -363,6 +366,7 @@ class DLRM(Calibrated):
                   for n, jt in ik.unique.to_dict().items()]  # fmt: skip
         self._check_ids(per_sample + [(n, jt) for n, jt, _ in unique])
         vectors = self.sharded(batch) if self.sharded is not None else {}
+        self.looked_up = vectors
         for name, jt in per_sample:
             out[name] = self._embed(name, jt, tokens, vectors=vectors.get(name))
         for name, jt, inverse in unique:

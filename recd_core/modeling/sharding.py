@@ -95,10 +95,6 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         )
     if world < 2:
         raise ShardingRefused(f"train.sharding={cfg.sharding} needs --nproc 2 or more")
-    if cfg.cooccurrence_weight:
-        raise ShardingRefused(
-            "sharded training has no co-occurrence loss: set train.cooccurrence_weight: 0"
-        )
     if cfg.model.members > 1:
         raise ShardingRefused("sharded training trains one model: set train.model.members: 1")
     if cfg.adagrad_initial_accumulator:
