@@ -387,6 +387,9 @@ class TrainConfig(_Strict):
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     amp: bool = False  # bf16 autocast on CUDA
+    # training processes on this machine (gloo on CPU, nccl on CUDA: one GPU each): data
+    # parallel, or with `sharding` model parallel tables (`--nproc` on the command)
+    nproc: int = Field(default=1, ge=1)
     # with several processes: "none" replicates every table in every process (data
     # parallel); otherwise the tables are sharded across the processes through TorchRec
     # (modeling/sharding.py), placed by its planner (`auto`) or table-, row- or column-wise,

@@ -87,7 +87,7 @@ def test_from_torchrec_reads_back_what_to_torchrec_wrote():
 def test_sharding_refuses_what_it_cannot_do_in_one_line(fresh_warehouse):
     preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=256))
     for update, nproc, reason in [
-        ({}, 1, "needs --nproc 2"),
+        ({}, 1, r"needs 2 or more processes \(train.nproc, --nproc\)"),
         ({"model": SMALL_MODEL.model_copy(update={"members": 3})}, 2, "members: 1"),
     ]:
         cfg = TrainConfig(**{**SHARDED, **update, "sharding": "auto"})

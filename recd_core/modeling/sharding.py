@@ -94,7 +94,9 @@ def check_config(cfg: TrainConfig, world: int) -> None:
             "fbgemm-gpu-cpu==1.8.0 (or the project's `torchrec` extra)"
         )
     if world < 2:
-        raise ShardingRefused(f"train.sharding={cfg.sharding} needs --nproc 2 or more")
+        raise ShardingRefused(
+            f"train.sharding={cfg.sharding} needs 2 or more processes (train.nproc, --nproc)"
+        )
     if cfg.model.members > 1:
         raise ShardingRefused("sharded training trains one model: set train.model.members: 1")
     if cfg.adagrad_initial_accumulator:

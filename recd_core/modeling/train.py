@@ -85,14 +85,16 @@ def train(
     warehouse: Warehouse,
     ds: str,
     cfg: TrainConfig,
-    nproc: int = 1,
+    nproc: int | None = None,
     init_from: str | None = None,
     init_label: str | None = None,
 ) -> dict:
     """Train (resuming from the run's latest checkpoint); returns rank 0's summary.
-    `init_from`: a saved model to start from (warm start) instead of a fresh init; without
-    one, `init_label` may say why (it goes into `train.init_reason`)."""
+    `nproc`: processes (default: `cfg.nproc`). `init_from`: a saved model to start from
+    (warm start) instead of a fresh init; without one, `init_label` may say why (it goes
+    into `train.init_reason`)."""
     warehouse.info("batches", ds, mode=cfg.mode)  # fail early, naming the partition
+    nproc = cfg.nproc if nproc is None else nproc
     if cfg.sharding != "none":
         check_config(cfg, nproc)
     return launch(train_worker, nproc, warehouse.uri, ds, cfg, init_from, init_label)

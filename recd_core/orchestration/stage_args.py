@@ -125,8 +125,8 @@ class StageArgs(BaseModel):
     device: Literal["auto", "cpu", "cuda"] | None = Field(
         default=None, description="train: where to train (auto: CUDA where there is one)"
     )
-    nproc: int = Field(
-        default=1, ge=1, description="train: data-parallel processes (gloo on CPU, nccl on GPU)"
+    nproc: int | None = Field(
+        default=None, ge=1, description="train: processes (gloo on CPU, nccl on GPU)"
     )
     sharding: Sharding | None = Field(
         default=None,
@@ -217,7 +217,7 @@ class StageArgs(BaseModel):
                               "device": self.device, "epochs": self.epochs,
                               "max_steps": self.max_steps, "amp": self.amp or None,
                               "checkpoint_every": self.checkpoint_every,
-                              "sharding": self.sharding,
+                              "nproc": self.nproc, "sharding": self.sharding,
                               "memory_budget_mb": self.memory_budget_mb}),
             "registry": (cfg.registry, {"eval_batch_size": self.eval_batch_size}),
         }  # fmt: skip

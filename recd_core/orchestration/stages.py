@@ -162,8 +162,8 @@ def _train(args: StageArgs, advance: Advance) -> dict:
     key = lineage_key(store.model_features, tc.model.for_samples(store.samples()))
     resolved = init_model(args.tracker(), start, cfg.registry.model_name, args.ds, key)
     with resolved as (init_dir, label):
-        out = _per_day(args, lambda day: train(wh, day, tc, nproc=args.nproc,
-                                               init_from=init_dir, init_label=label))  # fmt: skip
+        out = _per_day(args, lambda day: train(wh, day, tc, init_from=init_dir,
+                                               init_label=label))  # fmt: skip
     uris = [s["train.model_uri"] for s in (out["days"].values() if "days" in out else [out])]
     return {**out, "train.model_uris": ";".join(uris)}
 
