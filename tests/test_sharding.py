@@ -127,14 +127,15 @@ def test_sigkill_of_a_sharded_run_then_resume_matches_an_uninterrupted_run(
     (hook / "sitecustomize.py").write_text(textwrap.dedent(
         """
         import os, signal
-        from recd_core.modeling.checkpoints import Checkpoints
-        real = Checkpoints.save
+        import torch.distributed as dist
+        from recd_core.modeling.checkpoints import ShardedCheckpoints
+        real = ShardedCheckpoints.save
         def save_then_die(self, state):
             path = real(self, state)
-            if state["step"] == 12 and self.part.startswith(".rank-1"):
+            if state["step"] == 12 and dist.get_rank() == 1:
                 os.killpg(0, signal.SIGKILL)
             return path
-        Checkpoints.save = save_then_die
+        ShardedCheckpoints.save = save_then_die
         """
     ))  # fmt: skip
     script = textwrap.dedent(
@@ -149,15 +150,28 @@ def test_sigkill_of_a_sharded_run_then_resume_matches_an_uninterrupted_run(
     env = {**os.environ, "PYTHONPATH": f"{hook}:{os.environ.get('PYTHONPATH', '')}"}
     r = subprocess.run([sys.executable, "-c", script], start_new_session=True, env=env)
     assert r.returncode == -9, "the run was killed"
-    # its checkpoints are two processes' parts: three cannot resume them, and say so
-    with pytest.raises(BadInput, match="checkpoints from 2 processes: resume with --nproc 2"):
-        train(fresh_warehouse, DAY, cfg, nproc=3)
+    from pathlib import Path
+
+    assert sorted(p.name for p in Path(fresh_warehouse.root, "checkpoints").glob("*/*")) == [
+        "step-00000008.dcp", "step-00000012.dcp"]  # fmt: skip
+    # the same checkpoint resumed by three processes: DCP reshards the tables
+    three = Warehouse(shutil.copytree(Path(fresh_warehouse.root), tmp_path / "three"))
     resumed = train(fresh_warehouse, DAY, cfg, nproc=2)
-    assert resumed["train.resumed_from_step"] in (8, 12) and resumed["train.steps"] == 20
+    assert resumed["train.resumed_from_step"] == 12 and resumed["train.steps"] == 20
     straight = train(other, DAY, cfg, nproc=2)
     a, b = load_model(resumed["train.model_uri"])[0], load_model(straight["train.model_uri"])[0]
     for name, w in a.state_dict().items():
         assert torch.equal(w, b.state_dict()[name]), name
+    # a damaged shard file: one line naming the checkpoint and what to do
+    broken = Warehouse(shutil.copytree(Path(three.root), tmp_path / "broken"))
+    (shard,) = Path(broken.root, "checkpoints").glob("*/step-00000012.dcp/__1_0.distcp")
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(BadInput, match=r"step-00000012.dcp is corrupt .* delete it to resume"):
+        train(broken, DAY, cfg, nproc=2)
+    by_three = train(three, DAY, cfg, nproc=3)
+    assert by_three["train.resumed_from_step"] == 12 and by_three["train.world_size"] == 3
+    c = load_model(by_three["train.model_uri"])[0].state_dict()
+    assert max(_relative(c[k].float(), w.float()) for k, w in b.state_dict().items()) < 1e-4
 
 
 @pytest.mark.slow

@@ -367,6 +367,114 @@ def load_full_state(model, state: dict) -> None:
             w.copy_(full[r0 : r0 + nr, c0 : c0 + nc])
 
 
+# -- checkpoints through torch.distributed.checkpoint (modeling/checkpoints.py) -------------
+def _live(tables: ShardedTables) -> dict[str, dict]:
+    """Each table's live ShardedTensors: {"weights": name -> weights, "accumulators": name
+    -> accumulators} (a table-wise rank without the table has no accumulators for it)."""
+    weights = tables.ec.state_dict()
+    optim = tables.ec.fused_optimizer.state_dict()["state"]
+    out: dict[str, dict] = {"weights": {}, "accumulators": {}}
+    for s in tables.specs:
+        key = f"embeddings.{s.name}.weight"
+        out["weights"][s.name] = weights[key]
+        if key in optim:
+            (out["accumulators"][s.name],) = optim[key].values()
+    return out
+
+
+def _wrapped(live: dict, flat: list[torch.Tensor]) -> dict:
+    """This rank's shards (`flat`, in `local_weights` order) as ShardedTensors laid out as
+    `live`'s (a table's shards in the order of its local shards)."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    out, k = {}, 0
+    for name, st in live.items():
+        shards = st.local_shards()
+        mine = [Shard(flat[k + j], sh.metadata) for j, sh in enumerate(shards)]
+        k += len(shards)
+        out[name] = ShardedTensor._init_from_local_shards_and_global_metadata(mine, st.metadata())
+    if k != len(flat):
+        raise ValueError(f"{len(flat)} shards for {k} local shards of the tables")
+    return out
+
+
+def _local(sharded: dict) -> list[torch.Tensor]:
+    return [sh.tensor for st in sharded.values() for sh in st.local_shards()]
+
+
+def to_dcp(tables: ShardedTables, state: dict, to_bytes) -> dict:
+    """The loop's checkpoint state (`checkpoint_state`, this rank's shards as plain
+    tensors) as DCP saves it: the tables' shards as ShardedTensors, the rest as one tensor
+    of bytes (the same on every rank: DCP keeps one copy)."""
+    live = _live(tables)
+    model, optimizer = state["model"], state["optimizer"]
+    shards = [model[f"sharded.{k}"] for k in range(len(tables.local_weights()))]
+    accs = [optimizer["sparse"]["state"][k]["sum"] for k in sorted(optimizer["sparse"]["state"])]
+    out = {"weights": _wrapped(live["weights"], shards),
+           "accumulators": _wrapped(live["accumulators"], accs)}  # fmt: skip
+    early = dict(state["early"])
+    best, best_opt = early.pop("best_state", None), early.pop("best_optimizer", None)
+    if best is not None:
+        out["best_weights"] = _wrapped(
+            live["weights"], [best[f"sharded.{k}"] for k in range(len(shards))]
+        )
+        best_accs = best_opt["sparse"]["state"]
+        out["best_accumulators"] = _wrapped(live["accumulators"],
+                                            [best_accs[k]["sum"] for k in sorted(best_accs)])  # fmt: skip
+        early["best_dense"] = {k: v for k, v in best.items() if not k.startswith("sharded.")}
+        early["best_optimizer_dense"] = best_opt["dense"]
+    rest = {
+        "model": {k: v for k, v in model.items() if not k.startswith("sharded.")},
+        "optimizer_dense": optimizer["dense"],
+        "sparse_groups": optimizer["sparse"]["param_groups"],
+        "step": state["step"],
+        "config": state["config"],
+        "early": early,
+    }
+    out["rest"] = torch.frombuffer(bytearray(to_bytes(rest)), dtype=torch.uint8)
+    return out
+
+
+def dcp_target(tables: ShardedTables, metadata) -> dict:
+    """What DCP loads a checkpoint into: this run's placement (any N), empty."""
+    live = _live(tables)
+
+    def empty(part: dict) -> dict:
+        return _wrapped(part, [torch.empty_like(t) for t in _local(part)])
+
+    out = {"weights": empty(live["weights"]), "accumulators": empty(live["accumulators"])}
+    if any(k.startswith("best_weights.") for k in metadata.state_dict_metadata):
+        out["best_weights"] = empty(live["weights"])
+        out["best_accumulators"] = empty(live["accumulators"])
+    out["rest"] = torch.empty(tuple(metadata.state_dict_metadata["rest"].size), dtype=torch.uint8)
+    return out
+
+
+def from_dcp(tables: ShardedTables, loaded: dict, from_bytes) -> dict:
+    """A loaded `dcp_target` back in the loop's layout (`checkpoint_state`'s)."""
+    rest = from_bytes(loaded["rest"].numpy().tobytes())
+
+    def model_state(dense: dict, part: dict) -> dict:
+        return {**dense, **{f"sharded.{k}": t for k, t in enumerate(_local(part))}}
+
+    def sparse(part: dict) -> dict:
+        return {"state": {k: {"sum": t} for k, t in enumerate(_local(part))},
+                "param_groups": rest["sparse_groups"]}  # fmt: skip
+
+    early = dict(rest["early"])
+    if "best_weights" in loaded:
+        early["best_state"] = model_state(early.pop("best_dense"), loaded["best_weights"])
+        early["best_optimizer"] = {"dense": early.pop("best_optimizer_dense"),
+                                   "sparse": sparse(loaded["best_accumulators"])}  # fmt: skip
+    return {
+        "model": model_state(rest["model"], loaded["weights"]),
+        "optimizer": {"dense": rest["optimizer_dense"], "sparse": sparse(loaded["accumulators"])},
+        "step": rest["step"],
+        "config": rest["config"],
+        "early": early,
+    }
+
+
 class FusedTables:
     """The tables' optimizer as the training loop sees it: the update itself is fused into
     the backward pass (TorchRec), so `step` and `zero_grad` do nothing; the state is this

@@ -43,14 +43,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from recd_core.config import TrainConfig
 from recd_core.dpp.batch_store import BatchStore
 from recd_core.errors import BadInput, first_line
 from recd_core.modeling.calibration import calibrate
-from recd_core.modeling.checkpoints import Checkpoints, batches_id, checkpoint_state, run_name
+from recd_core.modeling.checkpoints import (
+    Checkpoints,
+    ShardedCheckpoints,
+    batches_id,
+    checkpoint_state,
+    run_name,
+)
 from recd_core.modeling.early_stopping import EarlyStopping, TableStart, on_cpu
 from recd_core.modeling.launch import (
     join_process_group,
@@ -132,7 +137,7 @@ class Run:
     init: Init
     restart: TableStart | None  # where each pass's tables start, when they restart
     early: EarlyStopping
-    checkpoints: Checkpoints
+    checkpoints: Checkpoints | ShardedCheckpoints
     per_epoch: int  # steps a pass (every rank takes as many)
     total: int  # steps at most
     sharded: bool = False  # tables sharded (modeling/sharding.py): a rank takes a batch's slice
@@ -233,16 +238,10 @@ def setup(
     name = run_name(ds, cfg, batches_id(wh, ds, cfg.mode) + (init.uri or ""))
     patience = cfg.pass_patience if restart is not None else cfg.patience
     early = EarlyStopping(patience, per_pass=restart is not None)
-    part = f".rank-{rank}-of-{world}" if sharded else ""
-    checkpoints = Checkpoints(wh, name, cfg.keep_checkpoints, part)
+    checkpoints = (ShardedCheckpoints(wh, name, cfg.keep_checkpoints, model.sharded) if sharded
+                   else Checkpoints(wh, name, cfg.keep_checkpoints))  # fmt: skip
     step = 0
-    if sharded and not checkpoints.list() and checkpoints.others():
-        found = checkpoints.others()[-1].rsplit(".rank-", 1)[-1].split("-of-")[-1][:-3]
-        raise ShardingRefused(
-            f"{checkpoints.dir} holds this run's checkpoints from {found} processes: resume "
-            f"with --nproc {found}, or delete them to start afresh with {world}"
-        )
-    state = checkpoints.latest(_common_step(checkpoints) if sharded else None)
+    state = checkpoints.latest()
     if state is not None:
         model.load_state_dict(state["model"])
         opt_dense.load_state_dict(state["optimizer"]["dense"])
@@ -292,16 +291,6 @@ def _sharded_model(
         model.init_output_bias(store.click_rate())
     model.reset_calibration()
     return model, net, init
-
-
-def _common_step(checkpoints: Checkpoints) -> int | None:
-    """The newest checkpoint step every rank of a sharded run has (a kill between two
-    ranks' saves leaves one rank a step ahead), None when some rank has none."""
-    steps = checkpoints.steps()
-    newest = torch.tensor([steps[-1] if steps else -1])
-    dist.all_reduce(newest, op=dist.ReduceOp.MIN)
-    step = int(newest)
-    return step if step >= 0 and step in steps else None
 
 
 def _initial_model(
