@@ -85,8 +85,7 @@ def _comm_rank(rank: int, world: int, out: str, table_path: str, cfg_json: str,
 
     from recd_core.bench.training import _batches
     from recd_core.config import TrainConfig
-    from recd_core.modeling.model import DLRM
-    from recd_core.modeling.sharding import counted_all_to_all, shard
+    from recd_core.modeling.sharding import ShardedDLRM, counted_all_to_all, shard
     from recd_core.modeling.step import cooccurrence_term, make_optimizers, train_step
 
     device = _rank_setup(rank, world)
@@ -104,7 +103,7 @@ def _comm_rank(rank: int, world: int, out: str, table_path: str, cfg_json: str,
     for sharding in SHARDINGS:
         c = cfg.model_copy(update={"sharding": sharding})
         for mode, batches in parts.items():
-            model = DLRM(features, c.model, sharded_tables=True)
+            model = ShardedDLRM(features, c.model)
             net = shard(model, c, world, device)
             opt_dense, _ = make_optimizers(net.module, c, sparse=False)
             none = _NoSparse()
@@ -164,8 +163,13 @@ def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
     from recd_core.bench.training import _batches
     from recd_core.config import TrainConfig
     from recd_core.modeling.launch import peak_mem
-    from recd_core.modeling.model import DLRM
-    from recd_core.modeling.sharding import ShardingRefused, plan_table, shard, shard_bytes
+    from recd_core.modeling.sharding import (
+        ShardedDLRM,
+        ShardingRefused,
+        plan_table,
+        shard,
+        shard_bytes,
+    )
     from recd_core.modeling.step import cooccurrence_term, make_optimizers, train_step
 
     device = _rank_setup(rank, world)
@@ -180,7 +184,7 @@ def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
         f.model_copy(update={"table_size": big})
         if f.kind != "dense" and features.table_of(f.name) == item_table else f
         for f in features.features]})  # fmt: skip
-    model = DLRM(features, cfg.model, sharded_tables=True)  # the tables on the meta device
+    model = ShardedDLRM(features, cfg.model)  # the tables on the meta device
     before = _rss()  # the runtime (python, torch, torchrec), the batches, the dense layers
     net = shard(model, cfg, world, device)
     opt_dense, _ = make_optimizers(net.module, cfg, sparse=False)
@@ -194,7 +198,7 @@ def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
     plan = plan_table(net)[f"t_{item_table}"]
     refused = ""
     try:
-        shard(DLRM(features, cfg.model, sharded_tables=True),
+        shard(ShardedDLRM(features, cfg.model),
               cfg.model_copy(update={"memory_budget_mb": budget_mb // 2}), world, device)  # fmt: skip
     except ShardingRefused as e:
         refused = str(e)

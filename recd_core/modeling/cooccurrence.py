@@ -149,8 +149,9 @@ def rows_loss(
     them (the training bench times it on the rows alone)."""
     losses = []
     for name, jt, counts in rows:
-        if model.sharded is not None:  # the vectors the step's forward looked up
-            part = feature_loss(None, jt, counts, negatives, generator, model.looked_up[name])
+        looked_up = getattr(model, "looked_up", {})  # a sharded model's, from the forward
+        if name in looked_up:
+            part = feature_loss(None, jt, counts, negatives, generator, looked_up[name])
         else:
             part = feature_loss(model.table_for(name), jt, counts, negatives, generator)
         if part is not None:

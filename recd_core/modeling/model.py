@@ -71,6 +71,17 @@ def padded(jt: JaggedTensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor, 
     return torch.where(mask, ids, torch.zeros_like(ids)), mask, idx
 
 
+def pooled(values: torch.Tensor, jt: JaggedTensor, mode: str) -> torch.Tensor:
+    """[rows, d]: each row's ids' vectors (`values`, [nnz, d]) summed or averaged (an empty
+    row: zeros), as nn.EmbeddingBag pools them."""
+    n = jt.lengths.numel()
+    row = torch.repeat_interleave(torch.arange(n, device=values.device), jt.lengths)
+    out = values.new_zeros(n, values.shape[1]).index_add(0, row, values)
+    if mode == "mean":
+        out = out / jt.lengths.clamp(min=1).unsqueeze(1).to(values.dtype)
+    return out
+
+
 class HistoryEncoder(nn.Module):
     """User history -> one vector: id embeddings + positions, `layers` transformer encoder
     layers, then attention pooling with a learned query. A learned null token is always
@@ -162,11 +173,11 @@ class Calibrated(nn.Module):
 
 
 class DLRM(Calibrated):
-    """`sharded_tables`: the tables live in a TorchRec EmbeddingCollection
-    (modeling/sharding.py) that looks every id feature up at once; the model keeps its
-    dense part and pools the looked-up vectors itself."""
+    """`tables=False`: no tables of its own; a subclass looks the ids' vectors up
+    (`lookup`) and the model pools them itself (sharding.ShardedDLRM: TorchRec's sharded
+    tables)."""
 
-    def __init__(self, features: FeatureSet, cfg: ModelConfig, sharded_tables: bool = False):
+    def __init__(self, features: FeatureSet, cfg: ModelConfig, tables: bool = True):
         super().__init__()
         self.features, self.cfg = features, cfg
         d = cfg.embedding_dim
@@ -197,7 +208,7 @@ class DLRM(Calibrated):
         self.table_of = {n: f"t_{features.table_of(n)}" for n in self.sparse_names}
         self.bag_tables = list(dict.fromkeys(self.table_of.values()))
         self.bags = nn.ModuleDict()
-        for n in self.sparse_names if not sharded_tables else []:
+        for n in self.sparse_names if tables else []:
             if self.table_of[n] not in self.bags:
                 bag = nn.EmbeddingBag(features[n].table_size, d, mode=cfg.pooling, sparse=True)
                 nn.init.uniform_(bag.weight, -0.05, 0.05)
@@ -212,20 +223,10 @@ class DLRM(Calibrated):
         }
         self.history = nn.ModuleDict(
             {
-                n: HistoryEncoder(
-                    features[n], cfg, sharded_tables or self.history_table[n] is not None
-                )
+                n: HistoryEncoder(features[n], cfg, not tables or self.history_table[n] is not None)
                 for n in self.sequence_names
             }
         )
-        self.sharded = None
-        # a sharded model's per-id vectors of the batch it embedded last (feature -> [nnz, d]):
-        # the co-occurrence loss reads its lists there, the tables being looked up once a step
-        self.looked_up: dict[str, torch.Tensor] = {}
-        if sharded_tables:
-            from recd_core.modeling.sharding import ShardedTables, table_specs
-
-            self.sharded = ShardedTables(table_specs(self), d)
         self.targeted = self.sequence_names if cfg.target_attention else []
         n_dense = len(self.bottoms)
         self.order = [*self.sparse_names, *self.sequence_names]
@@ -250,9 +251,6 @@ class DLRM(Calibrated):
             self.top[-1].bias.fill_(float(np.log(p / (1 - p))))
 
     def sparse_parameters(self) -> list[nn.Parameter]:
-        """The tables (a sharded model: this rank's shards, views of the weights)."""
-        if self.sharded is not None:
-            return self.sharded.local_weights()
         return [b.weight for b in self.bags.values()] + [
             h.embedding.weight for h in self.history.values() if h.embedding is not None
         ]
@@ -265,57 +263,13 @@ class DLRM(Calibrated):
         return self.bags[key].weight
 
     def dense_parameters(self) -> list[nn.Parameter]:
-        if self.sharded is not None:
-            return [p for n, p in self.named_parameters() if not n.startswith("sharded.")]
         sparse = {id(p) for p in self.sparse_parameters()}
         return [p for p in self.parameters() if id(p) not in sparse]
 
-    # a sharded model's state: the dense part, and this rank's shards as plain tensors
-    # (`sharded.<k>`); modeling/sharding.py gathers and scatters the single-process layout
-    def dense_state(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in super().state_dict().items() if not k.startswith("sharded.")}
-
-    def load_dense_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Everything but the sharded tables, strictly (their own loading hooks want the
-        whole sharded state, so they are left out of the walk)."""
-        children = dict(self.named_children())
-        children.pop("sharded", None)
-        own = dict(self.named_parameters(recurse=False)) | {
-            k: b for k, b in self.named_buffers(recurse=False)
-            if k not in self._non_persistent_buffers_set
-        }  # fmt: skip
-        unexpected = [k for k in state if k.split(".")[0] not in children and k not in own]
-        missing = [k for k in own if k not in state]
-        if missing or unexpected:
-            raise RuntimeError(f"missing keys {missing[:4]}, unexpected keys {unexpected[:4]}")
-        for name, child in children.items():
-            child.load_state_dict({k[len(name) + 1 :]: v for k, v in state.items()
-                                   if k.startswith(name + ".")})  # fmt: skip
-        with torch.no_grad():
-            for k, t in own.items():
-                t.copy_(state[k])
-
-    def state_dict(self, *args, **kwargs):
-        if self.sharded is None or args or kwargs:
-            return super().state_dict(*args, **kwargs)
-        shards = {f"sharded.{k}": w.detach() for k, w in enumerate(self.sharded.local_weights())}
-        return {**self.dense_state(), **shards}
-
-    def load_state_dict(self, state, strict: bool = True, assign: bool = False):
-        if self.sharded is None:
-            return super().load_state_dict(state, strict=strict, assign=assign)
-        if any(spec.key in state for spec in self.sharded.specs):  # the single-process layout
-            from recd_core.modeling.sharding import load_full_state
-
-            return load_full_state(self, state)
-        shards = self.sharded.local_weights()
-        if any(f"sharded.{k}" not in state for k in range(len(shards))):
-            raise RuntimeError("the state holds no shards of this rank (a sharded model's own)")
-        self.load_dense_state({k: v for k, v in state.items() if not k.startswith("sharded.")})
-        with torch.no_grad():
-            for k, w in enumerate(shards):
-                w.copy_(state[f"sharded.{k}"])
-        return None
+    def lookup(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Each id feature's vectors, looked up elsewhere (feature -> [nnz, d]); {}: the
+        model's own tables look them up."""
+        return {}
 
     def _check_ids(self, features: list[tuple[str, JaggedTensor]]) -> None:
         """Every feature's ids within its table (an out-of-range id would read another
@@ -337,11 +291,9 @@ class DLRM(Calibrated):
         """[rows, d] for one feature; a history also leaves its tokens (expanded to samples
         by `inverse` when the rows are a group's unique rows) for target attention. The
         caller has checked the ids (`_check_ids`). `vectors`: the ids' vectors, looked up
-        by the sharded tables."""
+        elsewhere (`lookup`)."""
         if name not in self.history:
             if vectors is not None:
-                from recd_core.modeling.sharding import pooled
-
                 return pooled(vectors, jt, self.cfg.pooling)
             return self.bags[self.table_of[name]](jt.values, jt.offsets[:-1])
         shared = self.history_table[name]
@@ -365,8 +317,7 @@ class DLRM(Calibrated):
         unique = [(n, jt, ik.inverse_indices) for ik in batch.groups.values()
                   for n, jt in ik.unique.to_dict().items()]  # fmt: skip
         self._check_ids(per_sample + [(n, jt) for n, jt, _ in unique])
-        vectors = self.sharded(batch) if self.sharded is not None else {}
-        self.looked_up = vectors
+        vectors = self.lookup(batch)
         for name, jt in per_sample:
             out[name] = self._embed(name, jt, tokens, vectors=vectors.get(name))
         for name, jt, inverse in unique:

@@ -46,10 +46,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recd_core.config import TrainConfig
-from recd_core.dedup.sparse import InverseKeyedJaggedTensor, JaggedTensor, KeyedJaggedTensor
+from recd_core.config import FeatureSet, ModelConfig, TrainConfig
+from recd_core.dedup.sparse import InverseKeyedJaggedTensor, KeyedJaggedTensor
 from recd_core.dpp.batch_store import Batch
 from recd_core.errors import BadInput
+from recd_core.modeling.model import DLRM
 
 
 class ShardingRefused(BadInput, ValueError):
@@ -156,6 +157,73 @@ class ShardedTables(nn.Module):
         return out
 
 
+class ShardedDLRM(DLRM):
+    """The DLRM with its tables in `ShardedTables` (one lookup a step for every id feature)
+    and its dense part as usual. Its `state_dict()` is the dense weights and this rank's
+    shards (`sharded.<k>`, plain tensors: what early stopping and the table restarts keep
+    per rank); `load_state_dict` takes that, or the single-process layout (a saved model, a
+    warm start), scattered to the shards."""
+
+    def __init__(self, features: FeatureSet, cfg: ModelConfig):
+        super().__init__(features, cfg, tables=False)
+        self.sharded = ShardedTables(table_specs(self), cfg.embedding_dim)
+        # the per-id vectors of the batch embedded last (feature -> [nnz, d]): the
+        # co-occurrence loss reads its lists there, the tables being looked up once a step
+        self.looked_up: dict[str, torch.Tensor] = {}
+
+    def lookup(self, batch: Batch) -> dict[str, torch.Tensor]:
+        self.looked_up = self.sharded(batch)
+        return self.looked_up
+
+    def sparse_parameters(self) -> list[torch.Tensor]:
+        """This rank's shards (views of the weights)."""
+        return self.sharded.local_weights()
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        return [p for n, p in self.named_parameters() if not n.startswith("sharded.")]
+
+    def dense_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in super().state_dict().items() if not k.startswith("sharded.")}
+
+    def load_dense_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Everything but the tables, strictly (TorchRec's loading hooks want the whole
+        sharded state, so the tables are left out of the walk)."""
+        children = dict(self.named_children())
+        children.pop("sharded")
+        own = dict(self.named_parameters(recurse=False)) | {
+            k: b for k, b in self.named_buffers(recurse=False)
+            if k not in self._non_persistent_buffers_set
+        }  # fmt: skip
+        unexpected = [k for k in state if k.split(".")[0] not in children and k not in own]
+        missing = [k for k in own if k not in state]
+        if missing or unexpected:
+            raise RuntimeError(f"missing keys {missing[:4]}, unexpected keys {unexpected[:4]}")
+        for name, child in children.items():
+            child.load_state_dict({k[len(name) + 1 :]: v for k, v in state.items()
+                                   if k.startswith(name + ".")})  # fmt: skip
+        with torch.no_grad():
+            for k, t in own.items():
+                t.copy_(state[k])
+
+    def state_dict(self, *args, **kwargs):
+        if args or kwargs:  # a module walk (DMP, DDP): the usual
+            return super().state_dict(*args, **kwargs)
+        shards = {f"sharded.{k}": w.detach() for k, w in enumerate(self.sharded.local_weights())}
+        return {**self.dense_state(), **shards}
+
+    def load_state_dict(self, state, strict: bool = True, assign: bool = False):
+        if any(spec.key in state for spec in self.sharded.specs):  # the single-process layout
+            return load_full_state(self, state)
+        shards = self.sharded.local_weights()
+        if any(f"sharded.{k}" not in state for k in range(len(shards))):
+            raise RuntimeError("the state holds no shards of this rank (a sharded model's own)")
+        self.load_dense_state({k: v for k, v in state.items() if not k.startswith("sharded.")})
+        with torch.no_grad():
+            for k, w in enumerate(shards):
+                w.copy_(state[f"sharded.{k}"])
+        return None
+
+
 def torchrec_input(batch: Batch):
     """The batch's id features as one TorchRec KJT of stride B: per-sample keys as they are,
     each group's keys as its unique rows followed by empty ones (see the module)."""
@@ -196,20 +264,9 @@ def from_torchrec(kjt) -> KeyedJaggedTensor | InverseKeyedJaggedTensor:
     return KeyedJaggedTensor(keys, values, lengths)
 
 
-def pooled(values: torch.Tensor, jt: JaggedTensor, mode: str) -> torch.Tensor:
-    """[rows, d]: each row's ids' vectors summed or averaged (an empty row: zeros), as
-    nn.EmbeddingBag pools them."""
-    n = jt.lengths.numel()
-    row = torch.repeat_interleave(torch.arange(n, device=values.device), jt.lengths)
-    out = values.new_zeros(n, values.shape[1]).index_add(0, row, values)
-    if mode == "mean":
-        out = out / jt.lengths.clamp(min=1).unsqueeze(1).to(values.dtype)
-    return out
-
-
 # -- placing the tables --------------------------------------------------------------------
 def shard(model, cfg: TrainConfig, world: int, device: torch.device):
-    """`model` (a DLRM built with `sharded_tables=True`) under DistributedModelParallel: its
+    """`model` (a `ShardedDLRM`) under DistributedModelParallel: its
     tables placed by TorchRec's planner within `memory_budget_mb` per process (`auto`) or
     as `cfg.sharding` asks; refuses in one line when no plan fits."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType

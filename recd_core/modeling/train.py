@@ -64,10 +64,11 @@ from recd_core.modeling.launch import (
     peak_mem,
     resolve_device,
 )
-from recd_core.modeling.model import DLRM, Model, build_model
+from recd_core.modeling.model import Model, build_model
 from recd_core.modeling.saved import save_model
 from recd_core.modeling.sharding import (
     FusedTables,
+    ShardedDLRM,
     ShardingRefused,
     check_config,
     full_state,
@@ -274,7 +275,7 @@ def _sharded_model(
     DistributedModelParallel wrapper, the init). A warm start's weights, saved in the
     single-process layout by a run of any N, are scattered to the shards."""
     features = store.model_features
-    model = DLRM(features, cfg.model, sharded_tables=True)
+    model = ShardedDLRM(features, cfg.model)
     tables, model.sharded = model.sharded, None  # the dense part to the device;
     model.to(device)
     model.sharded = tables  # DMP places the tables' shards
