@@ -27,11 +27,13 @@ row's gradient over the ranks while DDP averages the dense ones; row-wise Adagra
 zero accumulator does not change with the gradient's scale, so the two agree (a non-zero
 `adagrad_initial_accumulator` is refused here).
 
-States: `state_dict()` of a sharded model holds the dense weights and this rank's shards
-(`sharded.<table>.<k>`, plain tensors: early stopping and the table restarts keep them per
-rank); `full_state` gathers the single-process layout onto rank 0 (the saved model and the
-checkpoints, so evaluate, serving and warm starts need no change, and a warm start or a
-resume may use another N); `load_full_state` takes that layout back on any N.
+States: a `ShardedDLRM`'s `state_dict()` holds the dense weights and this rank's shards
+(`sharded.<k>`, plain tensors: early stopping and the table restarts keep them per rank);
+`full_state` gathers the single-process layout onto rank 0 (the saved model: evaluate,
+serving and warm starts need no change, and a warm start may use another N);
+`load_full_state` scatters it back on any N. Checkpoints go through
+torch.distributed.checkpoint (`to_dcp` / `dcp_target` / `from_dcp`, used by
+checkpoints.ShardedCheckpoints), which reshards: a resume may use another N too.
 """
 
 from __future__ import annotations
