@@ -188,3 +188,17 @@ def test_recd_train_refuses_a_budget_too_small_in_one_line_with_exit_2(fresh_war
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().count("\n") == 0, r.stderr
     assert "no placement of the tables (14 tables, 37 MB" in r.stderr and "8 MB each" in r.stderr
+
+
+@pytest.mark.slow
+def test_a_warm_start_whose_weights_do_not_fit_trains_sharded_from_scratch(fresh_warehouse):
+    from pathlib import Path
+
+    start = _start(fresh_warehouse)
+    weights = torch.load(Path(start, "model.pt"), weights_only=True)
+    weights["bags.t_items.weight"] = weights["bags.t_items.weight"][:10]  # another table size
+    torch.save(weights, Path(start, "model.pt"))
+    cfg = TrainConfig(**SHARDED, max_steps=2, sharding="row_wise", seed=1)
+    s = train(fresh_warehouse, DAY, cfg, nproc=2, init_from=start)
+    assert s["train.init_from"] == "" and "weights do not fit this model" in s["train.init_reason"]
+    assert s["train.steps"] == 2

@@ -69,7 +69,6 @@ from recd_core.modeling.saved import save_model
 from recd_core.modeling.sharding import (
     FusedTables,
     ShardedDLRM,
-    ShardingRefused,
     check_config,
     full_state,
     plan_table,
@@ -275,20 +274,25 @@ def _sharded_model(
     DistributedModelParallel wrapper, the init). A warm start's weights, saved in the
     single-process layout by a run of any N, are scattered to the shards."""
     features = store.model_features
-    model = ShardedDLRM(features, cfg.model)
-    tables, model.sharded = model.sharded, None  # the dense part to the device;
-    model.to(device)
-    model.sharded = tables  # DMP places the tables' shards
-    net = shard(model, cfg, world, device)
-    model = net.module
+
+    def build():
+        model = ShardedDLRM(features, cfg.model)
+        tables, model.sharded = model.sharded, None  # the dense part to the device;
+        model.to(device)
+        model.sharded = tables  # DMP places the tables' shards
+        net = shard(model, cfg, world, device)
+        return net.module, net
+
+    model, net = build()
     init = initial_state(init_from, features, cfg, init_label)
     if init.state is not None:
         try:
             model.load_state_dict(init.state)
-        except RuntimeError as e:
+        except RuntimeError as e:  # saved by another version of the model code
             reason = f"from scratch: the saved weights do not fit this model ({first_line(e, 120)})"
-            raise ShardingRefused(f"{init.uri}: {reason}") from None
-    else:
+            init = Init(None, None, reason)
+            model, net = build()  # the load may have written part of it
+    if init.state is None:
         model.init_output_bias(store.click_rate())
     model.reset_calibration()
     return model, net, init
