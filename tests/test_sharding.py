@@ -202,3 +202,64 @@ def test_a_warm_start_whose_weights_do_not_fit_trains_sharded_from_scratch(fresh
     s = train(fresh_warehouse, DAY, cfg, nproc=2, init_from=start)
     assert s["train.init_from"] == "" and "weights do not fit this model" in s["train.init_reason"]
     assert s["train.steps"] == 2
+
+
+def _vbe_rank(rank: int, world: int, port: str, out: str) -> None:
+    """One rank of the VBE probe below: the same group sent as a variable-batch KJT and as
+    recd sends it (unique rows, then empty ones), with the all-to-alls' bytes counted."""
+    import json
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from recd_core.dpp.batch_store import Batch
+    from recd_core.modeling.sharding import ShardedTables, TableSpec, counted_all_to_all, shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    specs = [TableSpec("t_u", 50, ("u",), "bags.t_u.weight", 0.05),
+             TableSpec("t_h", 100, ("h",), "bags.t_h.weight", 0.05)]  # fmt: skip
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sharded = ShardedTables(specs, 8)
+
+    net = shard(Holder(), TrainConfig(sharding="row_wise"), world, torch.device("cpu"))
+    unique = KeyedJaggedTensor(["u", "h"], torch.tensor([3, 40, 7, 8, 90]),
+                               torch.tensor([1, 1, 2, 1]))  # 2 unique rows  # fmt: skip
+    group = InverseKeyedJaggedTensor(unique, torch.tensor([0, 0, 0, 1, 1, 1]))
+    batch = Batch(torch.zeros(6, 0), None, torch.zeros(6), {"user": group})
+    with counted_all_to_all() as padded_bytes:
+        padded = net.module.sharded(batch)
+    with counted_all_to_all() as vbe_bytes:
+        vbe = net.module.sharded.ec(to_torchrec(group))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"padded_rows": {k: v.shape[0] for k, v in padded.items()},
+                       "vbe_rows": {k: v.values().shape[0] for k, v in vbe.items()},
+                       "padded_bytes": dict(padded_bytes), "vbe_bytes": dict(vbe_bytes)}, f)  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_variable_batch_kjt_comes_back_per_sample_and_padded_unique_rows_do_not(tmp_path):
+    """Why the sharded tables take a group's unique rows padded with empty ones: TorchRec's
+    EmbeddingCollection expands a variable-batch KJT's output to every sample, while the
+    same ids as padded rows come back once; the all-to-alls carry the same vectors."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from recd_core.modeling.launch import _free_port
+
+    out = tmp_path / "probe.json"
+    mp.start_processes(_vbe_rank, args=(2, str(_free_port()), str(out)), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    probe = json.loads(out.read_text())
+    assert probe["padded_rows"] == {"u": 2, "h": 3}  # the unique rows' ids
+    assert probe["vbe_rows"] == {"u": 6, "h": 9}  # every sample's
+    # the same vectors each way; the padding adds a zero length (int64) a padding row and key
+    assert probe["padded_bytes"]["float32"] == probe["vbe_bytes"]["float32"]
+    assert probe["padded_bytes"]["int64"] - probe["vbe_bytes"]["int64"] == 8 * (6 - 2) * 2

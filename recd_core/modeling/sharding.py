@@ -18,8 +18,8 @@ DLRM's tables are shared by pooled features and histories (the clicked items' hi
 the item table token by token), and a TorchRec table belongs to one module. Why the group
 keys are padded rows and not a variable-batch KJT: TorchRec 1.8's EmbeddingCollection
 expands a variable-batch KJT's output to every sample (measured), and the history encoder
-must run on the unique rows; both carry the same ids and vectors through the all-to-alls
-(measured), the padding only adds a zero length per empty row.
+must run on the unique rows; both carry the same vectors through the all-to-alls, the
+padding adds a zero length (8 bytes) a padding row and key to the ids' (tested).
 
 Optimizer: the tables train with FBGEMM's fused EXACT_ROWWISE_ADAGRAD (the update runs in
 the backward pass), the same rule as modeling/optim.py's RowWiseAdagrad. TorchRec sums a
