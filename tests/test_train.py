@@ -561,7 +561,7 @@ def test_the_list_cooccurrence_loss_equals_a_direct_computation():
     b = feature_loss(None, jt, counts, 5, torch.Generator().manual_seed(1), t2[jt.values])[0]
     a.backward()
     b.backward()
-    assert float(b) == pytest.approx(float(a), rel=1e-6)
+    assert b.item() == pytest.approx(a.item(), rel=1e-6)
     assert torch.allclose(t1.grad.to_dense(), t2.grad, atol=1e-6)
 
 
