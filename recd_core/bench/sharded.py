@@ -85,7 +85,12 @@ def _comm_rank(rank: int, world: int, out: str, table_path: str, cfg_json: str,
 
     from recd_core.bench.training import _batches
     from recd_core.config import TrainConfig
-    from recd_core.modeling.sharding import ShardedDLRM, counted_all_to_all, shard
+    from recd_core.modeling.sharding import (
+        FusedTables,
+        ShardedDLRM,
+        counted_all_to_all,
+        shard,
+    )
     from recd_core.modeling.step import cooccurrence_term, make_optimizers, train_step
 
     device = _rank_setup(rank, world)
@@ -106,7 +111,7 @@ def _comm_rank(rank: int, world: int, out: str, table_path: str, cfg_json: str,
             model = ShardedDLRM(features, c.model)
             net = shard(model, c, world, device)
             opt_dense, _ = make_optimizers(net.module, c, sparse=False)
-            none = _NoSparse()
+            none = FusedTables(net.module.sharded, c.lr_sparse)  # its step is in the backward
             train_step(net, batches[0], opt_dense, none, False,
                        cooccurrence_term(net.module, c, 0))  # warm-up  # fmt: skip
             times, sent = [], []
@@ -144,16 +149,6 @@ def _rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-class _NoSparse:
-    """The sharded tables' optimizer is fused into the backward pass."""
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return None
-
-    def step(self) -> None:
-        return None
-
-
 def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
                  steps: int = 3) -> None:  # fmt: skip
     import pyarrow.parquet as pq
@@ -164,6 +159,7 @@ def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
     from recd_core.config import TrainConfig
     from recd_core.modeling.launch import peak_mem
     from recd_core.modeling.sharding import (
+        FusedTables,
         ShardedDLRM,
         ShardingRefused,
         plan_table,
@@ -188,9 +184,10 @@ def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
     before = _rss()  # the runtime (python, torch, torchrec), the batches, the dense layers
     net = shard(model, cfg, world, device)
     opt_dense, _ = make_optimizers(net.module, cfg, sparse=False)
+    fused = FusedTables(net.module.sharded, cfg.lr_sparse)  # its step is in the backward
     for k, b in enumerate(dedup):
         aux = cooccurrence_term(net.module, cfg, k)
-        train_step(net, b.part(rank, world).to(device), opt_dense, _NoSparse(), False, aux)
+        train_step(net, b.part(rank, world).to(device), opt_dense, fused, False, aux)
     peak = torch.tensor([float(peak_mem(device))])
     peaks = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(peaks, peak)

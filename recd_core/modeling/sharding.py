@@ -139,24 +139,28 @@ class ShardedTables(nn.Module):
         return {name: jt.values() for name, jt in out.items()}
 
     # -- this rank's shards ----------------------------------------------------------------
-    def _sharded(self) -> dict[str, list]:
-        """table -> its local shards (TorchRec ShardedTensor shards, views of the weights)."""
-        state = self.ec.state_dict()
-        return {s.name: state[f"embeddings.{s.name}.weight"].local_shards() for s in self.specs}
+    def live(self) -> dict[str, dict]:
+        """Each table's live ShardedTensors, in `specs` order: {"weights": name -> weights,
+        "accumulators": name -> the fused Adagrad's per-row accumulators} (a table-wise rank
+        without the table has no accumulators for it). Their local shards are views:
+        writing them writes the tables."""
+        weights = self.ec.state_dict()
+        optim = self.ec.fused_optimizer.state_dict()["state"]
+        out: dict[str, dict] = {"weights": {}, "accumulators": {}}
+        for s in self.specs:
+            key = f"embeddings.{s.name}.weight"
+            out["weights"][s.name] = weights[key]
+            if key in optim:
+                (out["accumulators"][s.name],) = optim[key].values()
+        return out
 
     def local_weights(self) -> list[torch.Tensor]:
         """This rank's shards of every table (views: writing them writes the weights)."""
-        return [sh.tensor for shards in self._sharded().values() for sh in shards]
+        return _local(self.live()["weights"])
 
     def local_momentum(self) -> list[torch.Tensor]:
-        """The fused Adagrad's per-row accumulators of this rank's shards (views)."""
-        state = self.ec.fused_optimizer.state_dict()["state"]
-        out = []
-        for s in self.specs:
-            if f"embeddings.{s.name}.weight" in state:  # table-wise: not every rank's
-                (acc,) = state[f"embeddings.{s.name}.weight"].values()
-                out += [sh.tensor for sh in acc.local_shards()]
-        return out
+        """The per-row accumulators of this rank's shards (views)."""
+        return _local(self.live()["accumulators"])
 
 
 class ShardedDLRM(DLRM):
@@ -371,10 +375,11 @@ def shard_bytes(model) -> list[int]:
 # -- the single-process layout, gathered and scattered -------------------------------------
 def _shard_boxes(tables: ShardedTables) -> list[tuple[int, list, list]]:
     """(table index, offsets, sizes) of this rank's shards, in `local_weights` order."""
+    weights = tables.live()["weights"]
     return [
         (i, list(sh.metadata.shard_offsets), list(sh.metadata.shard_sizes))
         for i, s in enumerate(tables.specs)
-        for sh in tables._sharded()[s.name]
+        for sh in weights[s.name].local_shards()
     ]
 
 
@@ -427,20 +432,6 @@ def load_full_state(model, state: dict) -> None:
 
 
 # -- checkpoints through torch.distributed.checkpoint (modeling/checkpoints.py) -------------
-def _live(tables: ShardedTables) -> dict[str, dict]:
-    """Each table's live ShardedTensors: {"weights": name -> weights, "accumulators": name
-    -> accumulators} (a table-wise rank without the table has no accumulators for it)."""
-    weights = tables.ec.state_dict()
-    optim = tables.ec.fused_optimizer.state_dict()["state"]
-    out: dict[str, dict] = {"weights": {}, "accumulators": {}}
-    for s in tables.specs:
-        key = f"embeddings.{s.name}.weight"
-        out["weights"][s.name] = weights[key]
-        if key in optim:
-            (out["accumulators"][s.name],) = optim[key].values()
-    return out
-
-
 def _wrapped(live: dict, flat: list[torch.Tensor]) -> dict:
     """This rank's shards (`flat`, in `local_weights` order) as ShardedTensors laid out as
     `live`'s (a table's shards in the order of its local shards)."""
@@ -465,9 +456,9 @@ def to_dcp(tables: ShardedTables, state: dict, to_bytes) -> dict:
     """The loop's checkpoint state (`checkpoint_state`, this rank's shards as plain
     tensors) as DCP saves it: the tables' shards as ShardedTensors, the rest as one tensor
     of bytes (the same on every rank: DCP keeps one copy)."""
-    live = _live(tables)
+    live = tables.live()
     model, optimizer = state["model"], state["optimizer"]
-    shards = [model[f"sharded.{k}"] for k in range(len(tables.local_weights()))]
+    shards = [model[f"sharded.{k}"] for k in range(len(_local(live["weights"])))]
     accs = [optimizer["sparse"]["state"][k]["sum"] for k in sorted(optimizer["sparse"]["state"])]
     out = {"weights": _wrapped(live["weights"], shards),
            "accumulators": _wrapped(live["accumulators"], accs)}  # fmt: skip
@@ -496,7 +487,7 @@ def to_dcp(tables: ShardedTables, state: dict, to_bytes) -> dict:
 
 def dcp_target(tables: ShardedTables, metadata) -> dict:
     """What DCP loads a checkpoint into: this run's placement (any N), empty."""
-    live = _live(tables)
+    live = tables.live()
 
     def empty(part: dict) -> dict:
         return _wrapped(part, [torch.empty_like(t) for t in _local(part)])

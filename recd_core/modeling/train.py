@@ -39,6 +39,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -167,14 +168,13 @@ def fit(run: Run) -> None:
             run.restart.restore(model, run.opt_sparse)
             for group in run.opt_dense.param_groups:  # saved with the optimizer: kept on resume
                 group["lr"] *= cfg.lr_dense_pass_decay
-        scale = 1.0
+        order, scale = epoch_order(len(run.store), cfg.seed, epoch), 1.0
         if run.sharded:  # every rank the same batch, its slice of it
-            whole = run.store[int(epoch_order(len(run.store), cfg.seed, epoch)[k])]
+            whole = run.store[int(order[k])]
             batch = whole.part(run.rank, run.world).to(run.device)
             scale = run.world * batch.size / whole.size
         else:
-            b = int(epoch_order(len(run.store), cfg.seed, epoch)[run.rank :: run.world][k])
-            batch = run.store[b].to(run.device)
+            batch = run.store[int(order[run.rank :: run.world][k])].to(run.device)
         aux = cooccurrence_term(model, cfg, run.step)
         loss = train_step(run.net, batch, run.opt_dense, run.opt_sparse, amp, aux, scale)
         run.losses.append(loss)
@@ -273,38 +273,30 @@ def _sharded_model(
     """The DLRM with its tables sharded (modeling/sharding.py): (the model, its
     DistributedModelParallel wrapper, the init). A warm start's weights, saved in the
     single-process layout by a run of any N, are scattered to the shards."""
-    features = store.model_features
+    nets = []
 
-    def build():
-        model = ShardedDLRM(features, cfg.model)
+    def build() -> ShardedDLRM:
+        model = ShardedDLRM(store.model_features, cfg.model)
         tables, model.sharded = model.sharded, None  # the dense part to the device;
         model.to(device)
         model.sharded = tables  # DMP places the tables' shards
-        net = shard(model, cfg, world, device)
-        return net.module, net
+        nets.append(shard(model, cfg, world, device))
+        return nets[-1].module
 
-    model, net = build()
-    init = initial_state(init_from, features, cfg, init_label)
-    if init.state is not None:
-        try:
-            model.load_state_dict(init.state)
-        except RuntimeError as e:  # saved by another version of the model code
-            reason = f"from scratch: the saved weights do not fit this model ({first_line(e, 120)})"
-            init = Init(None, None, reason)
-            model, net = build()  # the load may have written part of it
-    if init.state is None:
-        model.init_output_bias(store.click_rate())
-    model.reset_calibration()
-    return model, net, init
+    model, init = _initial_model(store, cfg, init_from, init_label, build)
+    return model, nets[-1], init
 
 
 def _initial_model(
-    store: BatchStore, cfg: TrainConfig, init_from: str | None, init_label: str | None
-) -> tuple[Model, Init]:
+    store: BatchStore, cfg: TrainConfig, init_from: str | None, init_label: str | None,
+    build: Callable[[], Model] | None = None,
+) -> tuple[Model, Init]:  # fmt: skip
     """The model at its starting point (warm start or scratch), uncalibrated: training
-    fits the raw logit, and a warm start's calibration is fitted again."""
+    fits the raw logit, and a warm start's calibration is fitted again. `build`: a fresh
+    model (default: `build_model` of the config)."""
     features = store.model_features
-    model = build_model(features, cfg.model)
+    build = build or (lambda: build_model(features, cfg.model))
+    model = build()
     init = initial_state(init_from, features, cfg, init_label)
     if init.state is not None:
         try:
@@ -312,7 +304,7 @@ def _initial_model(
         except RuntimeError as e:  # saved by another version of the model code
             reason = f"from scratch: the saved weights do not fit this model ({first_line(e, 120)})"
             init = Init(None, None, reason)
-            model = build_model(features, cfg.model)
+            model = build()  # the load may have written part of it
     if init.state is None:
         model.init_output_bias(store.click_rate())
     model.reset_calibration()
