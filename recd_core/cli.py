@@ -322,6 +322,47 @@ def bench_cmd(
     _run(ctx, "bench", summary or out / "bench.json", body)
 
 
+@app.command("status")
+def status_cmd(
+    ctx: typer.Context,
+    warehouse: WarehouseOpt = "data/default/warehouse",
+    ds: Annotated[str, typer.Option(help="the day: YYYY-MM-DD")] = "",
+    config: ConfigOpt = None,
+    summary: SummaryOpt = None,
+):
+    """Every partition of a day and the models trained on it: write id, what it was built
+    from, and whether it is fresh, stale (an input rewritten since, the config's feature set
+    differs) or unknown (no lineage recorded); lineage.py says how it is judged."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from recd_core.lineage import status
+    from recd_core.warehouse import Warehouse, validate_ds
+
+    def body():
+        validate_ds(ds)
+        rows = status(Warehouse(warehouse), ds, _pipeline(config).features if config else None)
+        table = Table(title=f"recd status {ds}", title_justify="left")
+        for col in ("partition", "write id", "written", "rows", "built from", "state"):
+            table.add_column(col, overflow="fold")
+        colour = {"fresh": "green", "stale": "red", "damaged": "red", "unknown": "yellow"}
+        for r in rows:
+            built = ", ".join([*(f"{k} @{v}" for k, v in (r.get("inputs") or {}).items()),
+                               *([f"logs {r['logs']}"] if r.get("logs") else [])])  # fmt: skip
+            state = f"[{colour[r['state']]}]{r['state']}[/]" + (f": {r['why']}" if r["why"] else "")
+            table.add_row(r["partition"], str(r.get("write_id") or "-"),
+                          str(r.get("written_at") or "-"), f"{r.get('rows') or 0:,}",
+                          built or "-", state)  # fmt: skip
+        Console(stderr=True, width=max(console.width, 160)).print(table)
+        counts = {s: sum(r["state"] == s for r in rows)
+                  for s in ("fresh", "stale", "unknown", "damaged")}  # fmt: skip
+        # the rows by partition: in the --summary JSON, not printed twice
+        return {**{f"status.{k}": v for k, v in counts.items()},
+                "partitions": {r["partition"]: r for r in rows}}  # fmt: skip
+
+    _run(ctx, "status", summary, body)
+
+
 def main() -> None:
     # Adagrad rebuilds sparse gradients internally and torch warns about invariant checks.
     warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")

@@ -8,6 +8,7 @@
     <root>/<table>/_staging/…   partitions being written (ignored by Hive discovery: '_' prefix)
     <root>/<table>/_trash/…     the previous version during a swap
     <root>/<table>/_locks/…     one lock file per partition (local warehouses)
+    <root>/<table>/_pins/…      one version of a partition held for a reader (`pinned`)
 
 A partition may be stored **normalized**: columns that repeat over runs of rows (a session's
 user-side features) are kept once per run in a side file beside each data file, and the data
@@ -40,6 +41,15 @@ A failure or crash before the commit leaves the live partition as it was; its
 leftovers are removed by the next write. Re-writing a partition replaces it: no duplicates,
 whatever the number of runs.
 
+A stage that reads a partition in pieces (DPP's splits, generate's spill tasks, in other
+processes too) reads one version of it for its whole run: `pinned` reads the manifest once
+and, on a local warehouse, hard-links the files it lists into `_pins/<partition>-<id>/`
+(held by the reader's `_reader.lock`), so a rewrite committed meanwhile neither mixes into
+the read nor deletes what it reads; every read of the partition through that `Warehouse`
+(and through `adopt`, in a worker process) goes to the pin. A dead reader's pin is removed
+by the next write. On object stores the pinned manifest's files stay through the next
+commit (it deletes only the files of the version before the one it replaces).
+
 Concurrent writers of one partition (an operator re-running a day while the scheduler does)
 both end cleanly on a local warehouse: each writes its own staging directory, and the short
 steps that touch shared state (removing dead writers' staging, recovery, the swap) run under
@@ -58,6 +68,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -74,6 +85,7 @@ from recd_core.leftovers import held, hold
 
 MANIFEST = "_manifest.json"
 WRITER_LOCK = "_writer.lock"  # inside a staging directory, held (flock) by its live writer
+READER_LOCK = "_reader.lock"  # inside a pin directory, held (flock) by its live reader
 
 
 class PartitionNotFound(BadInput, FileNotFoundError):
@@ -220,6 +232,8 @@ class Warehouse:
         self.root = self.root.rstrip("/")
         self.renames_atomically = self.fs.type_name in ("local", "hdfs")
         self.locks = self.fs.type_name == "local"  # flock works on local files only
+        # partitions read at one version (`pinned`, `adopt`): name -> (directory, manifest)
+        self._pins: dict[str, tuple[str, dict]] = {}
         try:
             self.fs.create_dir(self.root, recursive=True)
         except OSError as e:  # a file in the way, no permission: the user's to fix
@@ -292,6 +306,7 @@ class Warehouse:
                 for old in self._children(f"{self.root}/{table}/_staging"):
                     if old.path.startswith(prefix + "-") and not self._writer_alive(old.path):
                         self.fs.delete_dir(old.path)
+                self._sweep_pins(table, ds, keys)
                 self.fs.create_dir(staging, recursive=True)
                 owner = self._hold_writer_lock(staging)
         except PermissionError as e:  # a read-only warehouse: the user's to fix, not retried
@@ -376,23 +391,96 @@ class Warehouse:
     def _commit_by_manifest(self, staging: str, live: str) -> None:
         with self.fs.open_input_stream(f"{staging}/{MANIFEST}") as f:
             files = _stored_files(json.loads(f.read()))
+        replaced: list[str] = []  # the version a pinned reader may still be reading
+        with (
+            contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError),
+            self.fs.open_input_stream(f"{live}/{MANIFEST}") as f,
+        ):
+            replaced = _stored_files(json.loads(f.read()))
         for name in files:
             self.fs.copy_file(f"{staging}/{name}", f"{live}/{name}")
         self.fs.copy_file(f"{staging}/{MANIFEST}", f"{live}/{MANIFEST}")  # the commit point
-        keep = {*files, MANIFEST}
+        keep = {*files, *replaced, MANIFEST}
         for old in self._children(live):
             if old.base_name not in keep:
                 self.fs.delete_file(old.path)
         self.fs.delete_dir(staging)
 
+    # -- pins: one version for a whole read -------------------------------------------------
+    @contextlib.contextmanager
+    def pinned(self, table: str, ds: str, **keys: str) -> Iterator[dict]:
+        """Read one version of the partition inside the block, however the reading is split
+        (module doc); yields its manifest. Nested pins of the same partition share one."""
+        name = self._rel(table, ds, keys)
+        if name in self._pins:
+            yield self._pins[name][1]
+            return
+        self.recover(table, ds, **keys)
+        pin, fd = None, None
+        with self._partition_lock(table, ds, keys, shared=True):
+            m = self._manifest(table, ds, keys)
+            base = self.partition_path(table, ds, **keys)
+            if self.locks:
+                pin = f"{self._side_dir(table, '_pins', ds, keys)}-{uuid.uuid4().hex[:12]}"
+                try:
+                    os.makedirs(pin)
+                    fd = hold(f"{pin}/{READER_LOCK}")
+                    for n in (*_stored_files(m), MANIFEST):
+                        os.link(f"{base}/{n}", f"{pin}/{n}")
+                    base = pin
+                except OSError:  # a read-only warehouse: no writer to pin against
+                    fd = self._unpin(pin, fd)
+                    pin = None
+        self._pins[name] = (base, m)
+        try:
+            yield m
+        finally:
+            del self._pins[name]
+            self._unpin(pin, fd)
+
+    @staticmethod
+    def _unpin(pin: str | None, fd: int | None) -> None:
+        if fd is not None:
+            os.close(fd)
+        if pin is not None:
+            shutil.rmtree(pin, ignore_errors=True)
+
+    def pin_token(self, table: str, ds: str, **keys: str) -> tuple[str, str, dict]:
+        """A pinned partition as a worker process adopts it (`adopt`)."""
+        name = self._rel(table, ds, keys)
+        return (name, *self._pins[name])
+
+    def adopt(self, token: tuple[str, str, dict] | None) -> Warehouse:
+        """Read a partition pinned by another process (its `pin_token`) at that version."""
+        if token is not None:
+            self._pins[token[0]] = (token[1], token[2])
+        return self
+
+    def _sweep_pins(self, table: str, ds: str, keys: dict[str, str]) -> None:
+        """Remove pins of this partition whose reader died (its lock no longer held)."""
+        prefix = self._side_dir(table, "_pins", ds, keys)
+        for old in self._children(f"{self.root}/{table}/_pins"):
+            if old.path.startswith(prefix + "-") and not held(f"{old.path}/{READER_LOCK}"):
+                shutil.rmtree(old.path, ignore_errors=True)
+
+    def _base(self, table: str, ds: str, keys: dict[str, str]) -> str:
+        """Where the partition's files are read from: its pin, else the live partition."""
+        pin = self._pins.get(self._rel(table, ds, keys))
+        return pin[0] if pin else self.partition_path(table, ds, **keys)
+
     # -- reading ----------------------------------------------------------------------------
     def exists(self, table: str, ds: str, **keys: str) -> bool:
         """A partition exists once committed: its manifest is there."""
+        if self._rel(table, ds, keys) in self._pins:
+            return True
         self.recover(table, ds, **keys)
         manifest = f"{self.partition_path(table, ds, **keys)}/{MANIFEST}"
         return self.fs.get_file_info(manifest).type == pafs.FileType.File
 
     def manifest(self, table: str, ds: str, **keys: str) -> dict:
+        pin = self._pins.get(self._rel(table, ds, keys))
+        if pin:
+            return pin[1]
         self.recover(table, ds, **keys)
         return self._manifest(table, ds, keys)
 
@@ -451,12 +539,14 @@ class Warehouse:
                                    f"{want:08x}): rerun the stage that writes it")  # fmt: skip
 
     def files(self, table: str, ds: str, **keys: str) -> list[str]:
-        base = self.partition_path(table, ds, **keys)
-        return [f"{base}/{name}" for name in self.manifest(table, ds, **keys)["files"]]
+        m = self.manifest(table, ds, **keys)
+        base = self._base(table, ds, keys)
+        return [f"{base}/{name}" for name in m["files"]]
 
     def stored_files(self, table: str, ds: str, **keys: str) -> list[str]:
         """Every file of the partition: its data files and, normalized, their side files."""
-        base = self.partition_path(table, ds, **keys)
+        self.manifest(table, ds, **keys)
+        base = self._base(table, ds, keys)
         return [f"{base}/{name}" for name in _stored_files(self.manifest(table, ds, **keys))]
 
     def info(self, table: str, ds: str, **keys: str) -> PartitionInfo:
@@ -469,11 +559,15 @@ class Warehouse:
         """The partition's rows in write order (file by file, as listed in the manifest); one
         version, even while another process re-writes the partition (local warehouses).
         A normalized partition's rows come back whole."""
-        self.recover(table, ds, **keys)
-        base = self.partition_path(table, ds, **keys)
-        with self._partition_lock(table, ds, keys, shared=True):
-            m = self._manifest(table, ds, keys)
-            parts = [self._file(base, name, m).read(columns) for name in m["files"]]
+        pin = self._pins.get(self._rel(table, ds, keys))
+        if pin:
+            parts = [self._file(pin[0], name, pin[1]).read(columns) for name in pin[1]["files"]]
+        else:
+            self.recover(table, ds, **keys)
+            base = self.partition_path(table, ds, **keys)
+            with self._partition_lock(table, ds, keys, shared=True):
+                m = self._manifest(table, ds, keys)
+                parts = [self._file(base, name, m).read(columns) for name in m["files"]]
         if not parts:
             raise PartitionNotFound(f"partition {self._rel(table, ds, keys)} holds no files")
         return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
@@ -482,8 +576,8 @@ class Warehouse:
         return _StoredFile(self.fs, base, name, manifest.get("normalized"))
 
     def _files(self, table: str, ds: str, keys: dict[str, str]) -> list[_StoredFile]:
-        base = self.partition_path(table, ds, **keys)
         m = self.manifest(table, ds, **keys)
+        base = self._base(table, ds, keys)
         return [self._file(base, name, m) for name in m["files"]]
 
     def read_schema(self, table: str, ds: str, **keys: str) -> pa.Schema:

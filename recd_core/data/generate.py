@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 from recd_core.config import FeatureSet, GenerateConfig
 from recd_core.dedup.unique import batch_factors, combine_hashes, row_hashes, unique_sessions
 from recd_core.leftovers import owned_tempdir
+from recd_core.lineage import record, require_features, require_fresh, stored_features
 from recd_core.schema import SIDE_ROW, feature_set_of, sessions_checked
 from recd_core.warehouse import Warehouse, open_parquet, read_batches
 
@@ -398,6 +399,29 @@ def generate(
     cfg: GenerateConfig,
     layouts: tuple[str, ...] = ("clustered",),
     progress=None,
+    features: FeatureSet | None = None,
+) -> dict:
+    """Write `samples/layout=<L>/ds=<ds>` for each layout from one version of the day's
+    events (pinned for the whole stage), refused when they are stale or, given the
+    config's `features`, were built with another feature set (lineage.py); each layout's
+    manifest records what it was built from."""
+    name = warehouse.partition_name("events", ds)
+    with warehouse.pinned("events", ds):
+        inputs = require_fresh(warehouse, "generate", [name])
+        stored = stored_features(warehouse, name)
+        if features is not None:
+            require_features(name, stored, features, "generate")
+        lineage = record("generate", inputs, cfg, stored)
+        return _generate(warehouse, ds, cfg, layouts, progress, lineage)
+
+
+def _generate(
+    warehouse: Warehouse,
+    ds: str,
+    cfg: GenerateConfig,
+    layouts: tuple[str, ...],
+    progress,
+    lineage: dict,
 ) -> dict:
     """Write `samples/layout=<L>/ds=<ds>` for each layout; return the summary.
 
@@ -430,6 +454,8 @@ def generate(
             writing = (contextlib.nullcontext() if layout == "bound"  # measured, not written
                        else warehouse.writing("samples", ds, layout=layout))  # fmt: skip
             with writing as w:
+                if w is not None:
+                    w.extra["lineage"] = lineage
                 normalize = (layout == "clustered" and cfg.normalize_sessions
                              and sessions_checked(schema))  # fmt: skip
                 files = _write_layout(warehouse, ds, order, layout, w, cfg, schema, bucket,

@@ -9,7 +9,9 @@ Checks run on whole Arrow columns, never a Python loop over rows:
   label      0 or 1
   lists      no null elements, length <= max_length
   dense      finite; dim > 1 lists of exactly `dim` values
-  unique     event_id appears once per day (a redelivered event is quarantined)
+  unique     event_id appears once per day (a repeat is quarantined), and not in the
+             events published on the `dedup_window_days` days before (a redelivery,
+             quarantined naming the day it was first published on)
   day        ts within the partition's day, give or take the tolerances (`ts_before_day_s`,
              `ts_after_day_s`); rows inside them but off the day are kept and counted
   sessions   user-side values equal the session's first event's (`check_sessions`)
@@ -51,15 +53,14 @@ from recd_core.data.sources import (
     read_json_lines,
     read_parquet_events,
     rows_as_json,
+    sniff,
 )
 from recd_core.dedup.unique import group_hashes
 from recd_core.errors import GateFailed
+from recd_core.lineage import logs_digest, record
 from recd_core.schema import events_schema, mark_sessions_checked
 from recd_core.warehouse import Warehouse, validate_ds
 
-EVENT_SUFFIXES = tuple(
-    f"{stem}{z}" for stem in (".jsonl", ".json", ".ndjson") for z in ("", ".gz", ".zst")
-) + (".parquet",)
 DAY_MS = 86_400_000
 
 
@@ -365,6 +366,54 @@ def duplicate_events(parts: list[_Part]) -> dict[int, _Drop]:
     return drops
 
 
+def redelivered_events(parts: list[_Part], drops: dict[int, _Drop],
+                       published: dict[str, np.ndarray]) -> int:  # fmt: skip
+    """Add to `drops` every event already published on an earlier day (`published`: each
+    such day's event ids, sorted); how many there were."""
+    found = 0
+    for day in sorted(published, reverse=True):  # the latest publication first
+        ids = published[day]
+        if not ids.size:
+            continue
+        for k, part in enumerate(parts):
+            pos = np.searchsorted(ids, part.event_id)
+            hit = np.flatnonzero(ids[np.minimum(pos, ids.size - 1)] == part.event_id)
+            d = drops.setdefault(k, _Drop([], [], []))
+            taken = set(d.rows)
+            for r in hit.tolist():  # a loop over the redelivered rows only
+                if r in taken:
+                    continue
+                d.rows.append(r)
+                d.fields.append("event_id")
+                d.reasons.append(f"redelivered: event_id {part.event_id[r]} was published "
+                                 f"on ds={day}")  # fmt: skip
+                found += 1
+            if not d.rows:
+                del drops[k]
+    return found
+
+
+def published_ids(warehouse: Warehouse, ds: str, days: int) -> tuple[dict[str, np.ndarray],
+                                                                    dict[str, str]]:  # fmt: skip
+    """The event ids published on each of the `days` days before `ds` that has events
+    (sorted), and those partitions' write ids (the events partition's inputs)."""
+    import datetime as dt
+
+    from recd_core.lineage import write_ids
+
+    first = dt.date.fromisoformat(ds)
+    before = [(first - dt.timedelta(days=k)).isoformat() for k in range(1, days + 1)]
+    ids, inputs = {}, {}
+    for day in before:
+        if not warehouse.exists("events", day):
+            continue
+        with warehouse.pinned("events", day):
+            inputs.update(write_ids(warehouse, "events", [day]))
+            col = warehouse.read("events", day, columns=["event_id"])["event_id"]
+            ids[day] = np.sort(np.asarray(col, np.int64))
+    return ids, inputs
+
+
 def inconsistent_sessions(
     parts: list[_Part], dropped: dict[int, _Drop]
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -405,27 +454,37 @@ def _positions(parts: list[_Part]) -> tuple[np.ndarray, np.ndarray]:
     return part_of, row_of
 
 
-def list_source_files(source: Path, suffixes: tuple[str, ...]) -> tuple[list[Path], dict[str, str]]:
-    """The source's files, in name order, and the ones refused with why: a file is read only
-    where it lies inside the source directory, so a symlink that leads out of it (to
-    `/etc/passwd`, `/proc/self/environ`, another day) is named and never opened."""
+def list_source_files(source: Path) -> tuple[list[Path], dict[str, str], dict[str, str]]:
+    """The source's files, in name order; the ones refused, with why; the ones ignored, with
+    why. Every file is named: a file is read where it lies inside the source directory and
+    its content is JSON lines or Parquet (`sources.sniff`: any name, any case, rotated
+    suffixes); a symlink that leads out of it (to `/etc/passwd`, another day) or a file of
+    another format is refused (a quarantine record each: it counts toward the gate);
+    hidden and marker files (`.x`, `_SUCCESS`) are ignored, and named in the summary."""
     if not source.exists():
         raise SourceError(f"source not found: {source}")
     if source.is_file():
-        return [source], {}
+        return [source], {}, {}
     root = source.resolve()
-    files, refused = [], {}
+    files, refused, ignored = [], {}, {}
     for p in sorted(source.rglob("*")):
         rel = p.relative_to(source)
-        if any(part.startswith((".", "_")) for part in rel.parts) or not p.name.endswith(suffixes):
+        if any(part.startswith((".", "_")) for part in rel.parts):
+            if p.is_file():
+                ignored[path_text(p)] = "a hidden or marker file ('.' or '_'): not read"
             continue
         if not p.resolve().is_relative_to(root):
             refused[path_text(p)] = "a symlink that leads out of the source directory: not read"
         elif p.is_file():
-            files.append(p)
+            kind, why = sniff(p)
+            if kind is None:
+                refused[path_text(p)] = f"{why}: not read"
+            else:
+                files.append(p)
     if not files and not refused:
-        raise SourceError(f"no input files ({', '.join(suffixes)}) under {source}")
-    return files, refused
+        raise SourceError(f"no input files (JSON lines, gzip or zstd of them, or Parquet) "
+                          f"under {source}")  # fmt: skip
+    return files, refused, ignored
 
 
 def _parse(
@@ -437,7 +496,7 @@ def _parse(
     file's events file (its name; None when the rows are left to the caller). A file
     refused as a whole comes back as no rows and one quarantine record saying why."""
     try:
-        if path.name.endswith(".parquet"):
+        if sniff(path)[0] == "parquet":
             parsed, rejects = read_parquet_events(path, schema, limits)
         else:
             shared = [f.name for f in features.by_side("user")]  # a session's: parsed once
@@ -498,7 +557,8 @@ def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.S
     """The file count, the bytes to read, and an iterator of (parsed and validated rows,
     their rejects, their user-side hashes, a re-reader of raw lines, the events file the
     parsing thread wrote them to with `sink(index, table)`, if given) per source file, in
-    file order (after the files refused before reading: links out of the source)."""
+    file order (after the files refused before reading: links out of the source, other
+    formats), and the files ignored (hidden, markers) with why."""
     if cfg.format == "movielens":
         from recd_core.data.movielens import read_movielens
 
@@ -506,8 +566,8 @@ def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.S
         parsed, bad = validate(parsed, features)
         rejects.extend(bad)
         user = user_hashes(parsed.table, user_cols)
-        return nfiles, bytes_in, iter([(parsed, rejects, user, parsed.raw, None)])
-    files, refused = list_source_files(source, EVENT_SUFFIXES)
+        return nfiles, bytes_in, iter([(parsed, rejects, user, parsed.raw, None)]), {}
+    files, refused, ignored = list_source_files(source)
     limits = ReadLimits(cfg.max_file_mb << 20, cfg.max_expansion_ratio)
     args = [(p, schema, features, user_cols, limits, window) for p in files]
     if cfg.engine == "ray":
@@ -525,13 +585,14 @@ def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.S
             for path, (parsed, rejects, user, file) in zip(files, parsed_files, strict=True):
                 if progress:
                     progress(path.name, 1)
-                text = not path.name.endswith(".parquet")
+                text = sniff(path)[0] != "parquet"
                 raw = functools.partial(raw_lines, path, limits) if text else None
                 yield parsed, rejects, user, raw, file
         finally:  # a failure downstream: the parsing threads finish before staging goes
             getattr(parsed_files, "close", lambda: None)()
 
-    return len(files) + len(refused), sum(p.stat().st_size for p in files), with_raw()
+    nbytes = sum(p.stat().st_size for p in files)
+    return len(files) + len(refused), nbytes, with_raw(), ignored
 
 
 def ingest(
@@ -560,10 +621,14 @@ def ingest(
     schema = mark_sessions_checked(base_schema) if cfg.check_sessions else base_schema
     user_cols = [f.name for f in features.by_side("user")] if cfg.check_sessions else []
     rejects, parts, shared_lines, out_of_day, refused = Rejects(), [], 0, 0, {}
+    window_days = cfg.dedup_window_days if cfg.format == "events" else 0
+    published, inputs = published_ids(warehouse, ds, window_days)
+    lineage = record("ingest", inputs, _shaping(cfg, write), features, logs_digest(source))
     with warehouse.writing("events", ds) as w:
+        w.extra["lineage"] = lineage
         sink = functools.partial(_write_events, w, schema, file_options)
         window = DayWindow.of(ds, cfg) if cfg.format == "events" else None
-        nfiles, bytes_in, stream = _sources(source, features, cfg, base_schema, user_cols,
+        nfiles, bytes_in, stream, ignored = _sources(source, features, cfg, base_schema, user_cols,
                                             window, progress, sink)  # fmt: skip
         try:
             for parsed, bad, user, raw, file in stream:
@@ -583,6 +648,7 @@ def ingest(
         finally:
             getattr(stream, "close", lambda: None)()
         drops = duplicate_events(parts)
+        redelivered = redelivered_events(parts, drops, published)
         if cfg.check_sessions:
             bad_rows, refs = inconsistent_sessions(parts, drops)
             _blame(parts, bad_rows, refs, drops, w, user_cols)
@@ -596,6 +662,7 @@ def ingest(
         rows_in = rows_ok + rows_q
         seconds = time.perf_counter() - t0
         with warehouse.writing("quarantine", ds) as q:
+            q.extra["lineage"] = lineage
             q.write(quarantine.replace_schema_metadata({b"recd.ds": ds.encode()}), **options)
         fraction = rows_q / rows_in if rows_in else 0.0
         summary = {
@@ -615,6 +682,11 @@ def ingest(
             # links out of the source directory
             "ingest.files_refused": len(refused),
             "ingest.refused_files": refused,
+            # hidden and marker files (`.x`, `_SUCCESS`): named, not read
+            "ingest.ignored_files": ignored,
+            # events already published on one of the dedup_window_days before (quarantined)
+            "ingest.rows_redelivered": redelivered,
+            "ingest.inputs": inputs,
             "ingest.seconds": seconds,
             "ingest.published": False,
             "ingest.top_reasons": top_reasons(quarantine),
@@ -632,6 +704,14 @@ def ingest(
     summary["ingest.published"] = True
     summary["ingest.events_bytes"] = w.info.bytes
     return summary
+
+
+def _shaping(cfg: IngestConfig, write: ParquetWrite | None) -> dict:
+    """The ingest settings that shape the events (lineage's config digest)."""
+    from recd_core.lineage import _EXECUTION
+
+    return {"ingest": cfg.model_dump(mode="json", exclude=_EXECUTION),
+            "write": (write or ParquetWrite()).model_dump(mode="json")}  # fmt: skip
 
 
 def _scalar_columns(schema: pa.Schema) -> list[str]:

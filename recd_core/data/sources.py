@@ -14,6 +14,7 @@ is caught by counting rows.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -266,6 +267,57 @@ def _unzstd(data: bytes, limits: ReadLimits) -> tuple[bytes, str | None]:
     except (OSError, pa.ArrowException) as e:
         return b"".join(out), f"zstd stream corrupt or truncated: {first_line(e, 120)}"
     return b"".join(out), None
+
+
+SNIFF_BYTES = 64 << 10  # the head of a file (decompressed) that decides how it is read
+
+
+def sniff(path: Path) -> tuple[str | None, str]:
+    """How a source file is read, from its content and not its name (`.JSONL.GZ`, a rotated
+    `events.jsonl.gz.1`, a `.log` of JSON lines all read): ("parquet", "") for a Parquet
+    file (`PAR1` at both ends), ("jsonl", "") for text whose head holds a JSON object line
+    (plain, gzip or zstd, recognized by their magic bytes) or an empty file; (None, why)
+    for anything else, which ingest refuses and names."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(SNIFF_BYTES)
+            tail = b""
+            if size >= 8:
+                f.seek(size - 4)
+                tail = f.read(4)
+    except OSError as e:
+        raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
+    if head[:4] == b"PAR1" and tail == b"PAR1":
+        return "parquet", ""
+    kind = "gzip" if head[:2] == GZIP_MAGIC else "zstd" if head[:4] == ZSTD_MAGIC else ""
+    text = head
+    if kind:
+        try:
+            text = _head_of(head, kind)
+        except (zlib.error, OSError, pa.ArrowException) as e:
+            return None, f"a {kind} file that does not decompress ({first_line(e, 80)})"
+    text = text.removeprefix(b"\xef\xbb\xbf")
+    if not text.strip():
+        return "jsonl", ""  # empty: no rows
+    if any(line.strip().startswith(b"{") for line in text.split(b"\n")[:64]):
+        return "jsonl", ""
+    what = f"{kind} of " if kind else ""
+    if head[:4] == b"PAR1":
+        return None, "a Parquet file without its footer (cut short?)"
+    return None, (f"not a recognized format ({what}neither JSON lines nor Parquet: "
+                  f"starts with {text[:16]!r})")  # fmt: skip
+
+
+def _head_of(data: bytes, kind: str) -> bytes:
+    """The first bytes of a compressed head (what decompresses of it)."""
+    if kind == "gzip":
+        return zlib.decompressobj(wbits=31).decompress(data, SNIFF_BYTES)
+    with pa.CompressedInputStream(pa.BufferReader(data), "zstd") as stream:
+        out = b""
+        with contextlib.suppress(OSError, pa.ArrowException):  # a head cut mid-frame
+            out = stream.read(SNIFF_BYTES)
+        return out
 
 
 def _bad_utf8_lines(lines: Lines) -> np.ndarray:

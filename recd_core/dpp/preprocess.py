@@ -58,6 +58,7 @@ from recd_core.dpp.transforms import (
     transform_ids,
 )
 from recd_core.errors import BadInput
+from recd_core.lineage import record, require_features, require_fresh, stored_features
 from recd_core.schema import SIDE_ROW, events_schema, feature_set_of, sessions_checked
 from recd_core.warehouse import Warehouse
 
@@ -374,13 +375,14 @@ def process_split(
     out_path: str,
     valid_path: str | None = None,
     valid_rows: np.ndarray | None = None,
+    pin: tuple | None = None,
 ) -> dict:
     """Transform rows [lo, hi) into one shard file, and the split's validation rows
     (`valid_rows`: a mask over [lo, hi)) into `valid_path` (runs in a worker: local pool or
-    Ray)."""
+    Ray), reading the samples at the version the stage pinned (`pin`)."""
     t0 = time.perf_counter()
     prep = Prepared.from_json(prep_json)
-    wh = Warehouse(wh_uri)
+    wh = Warehouse(wh_uri).adopt(pin)
     rows, side = read_split(wh, ds, lo, hi, prep)
     mask = np.zeros(rows.num_rows, bool)
     if valid_path is not None and valid_rows is not None:
@@ -467,8 +469,29 @@ def preprocess(
     cfg: PreprocessConfig,
     stats_from: str | None = None,
     progress=None,
+    features: FeatureSet | None = None,
 ) -> dict:
-    """Run DPP for one day; returns the summary (`dpp.*`)."""
+    """Run DPP for one day from one version of its samples (pinned for the whole stage,
+    however the splits are spread), refused when they are stale or, given the config's
+    `features`, were built with another feature set (lineage.py); returns the summary
+    (`dpp.*`)."""
+    name = warehouse.partition_name("samples", ds, layout="clustered")
+    with warehouse.pinned("samples", ds, layout="clustered"):
+        reads = [name]
+        if stats_from:
+            reads.append(warehouse.partition_name("batches", stats_from, mode=cfg.mode))
+        inputs = require_fresh(warehouse, "preprocess", reads)
+        stored = stored_features(warehouse, name)
+        if features is not None:
+            require_features(name, stored, features, "preprocess")
+        lineage = record("preprocess", inputs, cfg, stored)
+        return _preprocess(warehouse, ds, cfg, stats_from, progress, lineage)
+
+
+def _preprocess(
+    warehouse: Warehouse, ds: str, cfg: PreprocessConfig, stats_from: str | None, progress,
+    lineage: dict,
+) -> dict:  # fmt: skip
     t0 = time.perf_counter()
     info = warehouse.info("samples", ds, layout="clustered")
     raw = check_samples_schema(warehouse, ds)
@@ -511,6 +534,7 @@ def preprocess(
                 p,
                 v,
                 None if valid is None else valid[lo:hi],
+                warehouse.pin_token("samples", ds, layout="clustered"),
             )
             for (lo, hi), p, v in zip(splits, paths, valid_paths, strict=True)
         ]
@@ -539,6 +563,7 @@ def preprocess(
                 "samples": valid_samples,
             },
             "prepared": json.loads(prep.to_json()),
+            "lineage": lineage,
         }
     seconds = time.perf_counter() - t0
     work = sum(r["seconds"] for r in results)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from recd_core import metrics
+from recd_core.errors import BadInput
+from recd_core.lineage import StaleInput, require_fresh, staleness
 from recd_core.warehouse import Warehouse
 
 
@@ -53,14 +55,46 @@ class StreamingMetrics:
         }
 
 
-def evaluate(warehouse: Warehouse, model_uri: str, ds: str, batch_size: int = 4096) -> dict:
-    """Score `samples/layout=clustered/ds=D` with the model saved at `model_uri`."""
+class EvaluationLeak(BadInput):
+    """The evaluation day is one the model trained on, or not after its last training day:
+    its figures would be in-sample, not what tomorrow's traffic meets."""
+
+
+def evaluate(
+    warehouse: Warehouse, model_uri: str, ds: str, batch_size: int = 4096,
+    trained_on: str | None = None,
+) -> dict:  # fmt: skip
+    """Score `samples/layout=clustered/ds=D` with the model saved at `model_uri`. Refused
+    (exit 2, one line): a day not after the model's last training day (its warm starts'
+    included); a `trained_on` day the model did not train on; stale samples, or a model
+    whose batches were rebuilt since it trained (lineage.py)."""
     from recd_core.modeling.saved import load_model
+    from recd_core.modeling.warm_start import trained_days
 
     t0 = time.perf_counter()
     model, meta = load_model(model_uri)
+    days = trained_days(meta)
+    if trained_on is not None and days and trained_on not in days:
+        raise EvaluationLeak(f"evaluate: {model_uri} was not trained on --ds {trained_on} "
+                             f"(it trained on {_span(days)}): name the model of that day")  # fmt: skip
+    if days and ds <= days[-1]:
+        raise EvaluationLeak(
+            f"evaluate: {model_uri} trained on {_span(days)}; scoring it on {ds}, not after "
+            f"its last training day, would score rows it learned from: give an --eval-ds "
+            f"after {days[-1]}"
+        )
+    lineage = meta.get("lineage")
+    if lineage and model_uri.startswith(warehouse.uri.rstrip("/") + "/models/"):
+        found = staleness(warehouse, f"models/{model_uri.rsplit('/models/', 1)[1]}", lineage)
+        if found:
+            raise StaleInput(found.line("evaluate"))
     out = score_day(warehouse, model, meta, ds, batch_size)
-    return {**out, "eval.model_uri": model_uri, "eval.seconds": time.perf_counter() - t0}
+    return {**out, "eval.model_uri": model_uri, "eval.seconds": time.perf_counter() - t0,
+            "eval.trained_days": _span(days)}  # fmt: skip
+
+
+def _span(days: list[str]) -> str:
+    return days[0] if len(days) == 1 else f"{days[0]}..{days[-1]} ({len(days)} days)"
 
 
 def batch_logits(model, batches, device="cpu", raw: bool = False):
@@ -95,8 +129,12 @@ def score_day(warehouse: Warehouse, model, meta: dict, ds: str, batch_size: int 
     from recd_core.modeling.saved import batches_of
 
     t0 = time.perf_counter()
-    table = warehouse.read("samples", ds, layout="clustered")
+    name = warehouse.partition_name("samples", ds, layout="clustered")
+    with warehouse.pinned("samples", ds, layout="clustered"):
+        inputs = require_fresh(warehouse, "evaluate", [name])
+        table = warehouse.read("samples", ds, layout="clustered")
     return {
+        "eval.inputs": inputs,
         **score_batches(model, batches_of(meta, table, batch_size)),
         "eval.ds": ds,
         "eval.trained_on": meta["summary"].get("train.run"),

@@ -126,9 +126,11 @@ def save_model(
     summary: dict,
     optimizer: dict | None = None,
     state: dict | None = None,
+    lineage: dict | None = None,
 ) -> str:
     """`state`: the weights to save when they are not `model.state_dict()` (a sharded
-    run's, gathered into the single-process layout)."""
+    run's, gathered into the single-process layout); `lineage`: what it was built from
+    (lineage.py), with the days it trained on."""
     base = f"{wh.root}/models/{run}"
     state = model.state_dict() if state is None else state
     write_bytes(wh, f"{base}/model.pt", torch_bytes({k: v.cpu() for k, v in state.items()}))
@@ -139,6 +141,7 @@ def save_model(
         "train": cfg.model_dump(mode="json"),
         "prepared": prepared,  # DPP's transforms, statistics and dedup groups: score with these
         "summary": {k: v for k, v in summary.items() if k != "train.model_uri"},
+        **({"lineage": lineage} if lineage else {}),
     }
     write_bytes(wh, f"{base}/model.json", json.dumps(meta, indent=1).encode())
     return f"{wh.uri.rstrip('/')}/models/{run}"

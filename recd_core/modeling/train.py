@@ -46,14 +46,14 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from recd_core.config import TrainConfig
+from recd_core.config import FeatureSet, TrainConfig
 from recd_core.dpp.batch_store import BatchStore
 from recd_core.errors import BadInput, first_line
+from recd_core.lineage import record, require_features, require_fresh, stored_features, write_ids
 from recd_core.modeling.calibration import calibrate
 from recd_core.modeling.checkpoints import (
     Checkpoints,
     ShardedCheckpoints,
-    batches_id,
     checkpoint_state,
     run_name,
 )
@@ -94,12 +94,18 @@ def train(
     nproc: int | None = None,
     init_from: str | None = None,
     init_label: str | None = None,
+    features: FeatureSet | None = None,
 ) -> dict:
     """Train (resuming from the run's latest checkpoint); returns rank 0's summary.
     `nproc`: processes (default: `cfg.nproc`). `init_from`: a saved model to start from
     (warm start) instead of a fresh init; without one, `init_label` may say why (it goes
-    into `train.init_reason`)."""
+    into `train.init_reason`). Stale batches, or batches built with another feature set
+    than the config's `features`, are refused (lineage.py)."""
     warehouse.info("batches", ds, mode=cfg.mode)  # fail early, naming the partition
+    name = warehouse.partition_name("batches", ds, mode=cfg.mode)
+    require_fresh(warehouse, "train", [name])
+    if features is not None:
+        require_features(name, stored_features(warehouse, name), features, "train")
     nproc = cfg.nproc if nproc is None else nproc
     if cfg.sharding != "none":
         check_config(cfg, nproc)
@@ -142,6 +148,13 @@ class Run:
     per_epoch: int  # steps a pass (every rank takes as many)
     total: int  # steps at most
     sharded: bool = False  # tables sharded (modeling/sharding.py): a rank takes a batch's slice
+    lineage: dict = field(default_factory=dict)  # what the model is built from (lineage.py)
+    validation: str = "ok"  # whether the validation slice chooses states (validation_use)
+
+    @property
+    def validating(self) -> bool:
+        return self.validation == "ok"
+
     step: int = 0
     resumed_at: int = 0
     samples: int = 0
@@ -159,7 +172,7 @@ def fit(run: Run) -> None:
     cfg, model, valid, early = run.cfg, run.model, run.valid, run.early
     amp = cfg.amp and run.device.type == "cuda"
     every = max(1, run.per_epoch // cfg.validations_per_epoch)
-    if len(valid) and run.step == 0:
+    if run.validating and run.step == 0:
         early.update(0, validate(model, valid, run.device), model, run.optimizers())
     while run.step < run.total and not early.stop:
         t0 = time.perf_counter()
@@ -185,9 +198,10 @@ def fit(run: Run) -> None:
         run.seconds += time.perf_counter() - t0
         early.losses.append([run.step, loss])
         step, pass_end = run.step, run.step % run.per_epoch == 0
-        if len(valid) and (step % every == 0 or step == run.total or (early.per_pass and pass_end)):
+        if run.validating and (step % every == 0 or step == run.total
+                               or (early.per_pass and pass_end)):  # fmt: skip
             early.update(step, validate(model, valid, run.device), model, run.optimizers())
-        if len(valid) and pass_end:
+        if run.validating and pass_end:
             early.pass_done(step - run.per_epoch)
         save = step % cfg.checkpoint_every == 0 or step == run.total or early.stop
         if save and (run.rank == 0 or run.sharded):  # sharded: every rank its own part
@@ -207,7 +221,9 @@ def setup(
     # Adagrad rebuilds sparse gradients internally; torch warns about invariant checks.
     warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
     wh = Warehouse(wh_uri)
-    store = BatchStore(wh, ds, cfg.mode)
+    with wh.pinned("batches", ds, mode=cfg.mode) as manifest:  # one version: both splits
+        store = BatchStore(wh, ds, cfg.mode)
+        valid = BatchStore(wh, ds, cfg.mode, split="validation")
     asked = store.manifest.get("batch_size_asked", store.manifest["batch_size"])
     if asked != cfg.batch_size:
         raise BatchMismatch(
@@ -216,6 +232,10 @@ def setup(
             f"re-run `recd preprocess --batch-size {cfg.batch_size}` or train with that size"
         )
     days = add_window(wh, store, ds, cfg)
+    inputs = {
+        **write_ids(wh, "batches", days[:-1], mode=cfg.mode),
+        wh.partition_name("batches", ds, mode=cfg.mode): str(manifest.get("write_id")),
+    }
     # the shape a day of this size trains (one model past `members_up_to_samples`)
     cfg = cfg.model_copy(update={"model": cfg.model.for_samples(store.samples())})
     sharded = cfg.sharding != "none"
@@ -235,7 +255,7 @@ def setup(
     restart = None
     if cfg.restart_tables and cfg.epochs > 1:
         restart = TableStart.capture(model, opt_sparse)
-    name = run_name(ds, cfg, batches_id(wh, ds, cfg.mode) + (init.uri or ""))
+    name = run_name(ds, cfg, str(manifest.get("write_id", "")) + (init.uri or ""))
     patience = cfg.pass_patience if restart is not None else cfg.patience
     early = EarlyStopping(patience, per_pass=restart is not None)
     checkpoints = (ShardedCheckpoints(wh, name, cfg.keep_checkpoints, model.sharded) if sharded
@@ -259,11 +279,30 @@ def setup(
     total = per_epoch * cfg.epochs
     if cfg.max_steps:
         total = min(total, cfg.max_steps)
+    validation = validation_use(valid)
+    lineage = record("train", inputs, cfg, (manifest.get("lineage") or {}).get("features"))
+    lineage["trained_days"] = sorted({*init.trained_days, *days})
     return Run(
-        cfg, rank, world, device, wh, store, BatchStore(wh, ds, cfg.mode, split="validation"),
-        days, model, net, opt_dense, opt_sparse, init, restart, early, checkpoints, per_epoch,
-        total, step=step, resumed_at=step, sharded=sharded,
+        cfg, rank, world, device, wh, store, valid, days, model, net, opt_dense, opt_sparse,
+        init, restart, early, checkpoints, per_epoch, total, step=step, resumed_at=step,
+        sharded=sharded, lineage=lineage, validation=validation,
     )  # fmt: skip
+
+
+def validation_use(valid: BatchStore) -> str:
+    """Whether the validation slice can choose states and calibrate: "ok"; "none" (no
+    slice); or why not: a slice of one class (a day without clicks, one session) has an
+    NE of 0 or of thousands and no AUC, so it chooses nothing. Then training runs its
+    `epochs` passes, as without a slice, and is not calibrated; the fold-in still runs."""
+    if not len(valid):
+        return "none"
+    rate = valid.click_rate()
+    if 0 < rate < 1:
+        return "ok"
+    rows = sum(valid.record(i).num_rows for i in range(len(valid)))
+    what = "no clicks" if rate == 0 else "only clicks"
+    return (f"one class ({what} in its {rows} rows): no state chosen, not calibrated; "
+            "the configured passes trained")  # fmt: skip
 
 
 def _sharded_model(
@@ -320,9 +359,9 @@ def finish(run: Run) -> dict:
         model.load_state_dict(early.best_state)
         optimizer = early.best_optimizer
     checked = {}
-    if run.sharded and len(valid):  # the chosen state by torchrec.metrics, over the ranks
+    if run.sharded and run.validating:  # the chosen state by torchrec.metrics, over the ranks
         checked = torchrec_validation(model, valid, run.device)
-    calibration = calibrate(model, valid, run.device) if cfg.calibrate and len(valid) else {}
+    calibration = calibrate(model, valid, run.device) if cfg.calibrate and run.validating else {}
     folded = 0
     if cfg.fold_in_validation and len(valid):
         run.opt_sparse.load_state_dict(on_cpu(optimizer["sparse"]))
@@ -350,6 +389,7 @@ def finish(run: Run) -> dict:
         "train.init_reason": run.init.reason,
         "train.lr_dense": run.opt_dense.param_groups[0]["lr"],
         "train.folded_in_samples": folded,
+        "train.validation": run.validation,
         **early.summary(),
         **checked,
         **calibration,
@@ -363,7 +403,7 @@ def finish(run: Run) -> dict:
     if run.rank == 0:
         summary["train.model_uri"] = save_model(
             run.wh, run.checkpoints.run, model, cfg, run.store.manifest["prepared"], summary,
-            optimizer, state,
+            optimizer, state, run.lineage,
         )  # fmt: skip
     return summary
 

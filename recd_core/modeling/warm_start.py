@@ -30,6 +30,7 @@ class Init:
     uri: str | None
     reason: str
     optimizer: dict | None = None
+    trained_days: tuple[str, ...] = ()  # the days the saved model had trained on
 
 
 def initial_state(
@@ -62,7 +63,15 @@ def initial_state(
         return Init(None, None, f"from scratch: the model config changed ({', '.join(changed)})")
     name = label or init_from
     state = torch_load(weights, where, "model")
-    return Init(state, name, f"warm start from {name}", read_optimizer(init_from))
+    return Init(state, name, f"warm start from {name}", read_optimizer(init_from),
+                tuple(trained_days(meta)))  # fmt: skip
+
+
+def trained_days(meta: dict) -> list[str]:
+    """The days a saved model trained on, its warm starts' included (model.json's lineage;
+    a model saved before lineage was recorded: its own run's days)."""
+    days = (meta.get("lineage") or {}).get("trained_days")
+    return sorted(days if days is not None else meta.get("summary", {}).get("train.days", []))
 
 
 def continue_optimizers(opt_dense, opt_sparse, saved: dict) -> None:

@@ -12,20 +12,22 @@ upstream stage's summary (`Pull`). A `Task` places a stage in a graph: its id, t
 runs for, fixed arguments, the tasks it waits for, and the tasks whose summaries it merges
 (compare, finish). The evaluation day is prepared by tasks of its own (`ingest_eval`,
 `generate_eval`: the same stages on the run's evaluation days, `days_of`), beside the
-training day's work; synth writes every day of the run at once (the users' click
+training day's work, after the training day's ingest: an evaluation day's events are
+checked against the training day's (a redelivered event is quarantined, so no row is both
+trained on and scored); synth writes every day of the run at once (the users' click
 histories carry over into the evaluation day).
 
     daily (`DAILY`, one arm, registered):
 
         start → synth → ingest → generate → preprocess → train → evaluate → register → finish
-                      └ ingest_eval → generate_eval ──────────────┘
+                               └ ingest_eval → generate_eval ─────┘
 
     comparison (`COMPARISON`, both arms on the same samples, a quality gate):
 
                                         ┌ preprocess_dedup → train_dedup → evaluate_dedup ┐
         start → synth → ingest → generate                                                 compare → finish
-                     │                  └ preprocess_baseline → …        → evaluate_baseline ┘
-                     └ ingest_eval → generate_eval (→ both evaluates)
+                              │         └ preprocess_baseline → …        → evaluate_baseline ┘
+                              └ ingest_eval → generate_eval (→ both evaluates)
 """
 
 from __future__ import annotations
@@ -199,7 +201,7 @@ def pipeline_graph(arms: tuple[str, ...], register: bool, compare: bool, name: s
     evaluation = (("days_of", "evaluation"),)
     tasks = [Task("start", "start"), Task("synth", "synth", ("start",), fixed=(("days_of", "run"),)),
              Task("ingest", "ingest", ("synth",)), Task("generate", "generate", ("ingest",)),
-             Task("ingest_eval", "ingest", ("synth",), fixed=evaluation),
+             Task("ingest_eval", "ingest", ("ingest",), fixed=evaluation),
              Task("generate_eval", "generate", ("ingest_eval",), fixed=evaluation)]  # fmt: skip
     ends = []
     for arm in arms:

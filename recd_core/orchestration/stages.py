@@ -123,7 +123,7 @@ def _generate(args: StageArgs, advance: Advance) -> dict:
 
     def one(day: str) -> dict:
         layouts = _layouts(args.layout or ("both" if day in training else "clustered"))
-        s = generate(wh, day, cfg.generate, layouts, advance)
+        s = generate(wh, day, cfg.generate, layouts, advance, cfg.features)
         per_layout = s.pop("layouts", {layouts[0]: s})  # one layout: its figures at the top
         for arm, layout in ARM_LAYOUT.items():
             if layout in per_layout:
@@ -140,7 +140,12 @@ def _preprocess(args: StageArgs, advance: Advance) -> dict:
     return _per_day(
         args,
         lambda day: preprocess(
-            wh, day, cfg.preprocess, stats_from=args.stats_from, progress=advance
+            wh,
+            day,
+            cfg.preprocess,
+            stats_from=args.stats_from,
+            progress=advance,
+            features=cfg.features,
         ),
     )
 
@@ -162,8 +167,8 @@ def _train(args: StageArgs, advance: Advance) -> dict:
     key = lineage_key(store.model_features, tc.model.for_samples(store.samples()))
     resolved = init_model(args.tracker(), start, cfg.registry.model_name, args.ds, key)
     with resolved as (init_dir, label):
-        out = _per_day(args, lambda day: train(wh, day, tc, init_from=init_dir,
-                                               init_label=label))  # fmt: skip
+        out = _per_day(args, lambda day: train(wh, day, tc, init_from=init_dir, init_label=label,
+                                               features=cfg.features))  # fmt: skip
     uris = [s["train.model_uri"] for s in (out["days"].values() if "days" in out else [out])]
     return {**out, "train.model_uris": ";".join(uris)}
 
@@ -183,7 +188,9 @@ def _evaluate(args: StageArgs, advance: Advance) -> dict:
 
     def one(day: str) -> dict:
         try:
-            scored = evaluate(wh, uris[day], args.eval_day(day), cfg.registry.eval_batch_size)
+            scored = evaluate(
+                wh, uris[day], args.eval_day(day), cfg.registry.eval_batch_size, trained_on=day
+            )
         except PartitionNotFound:
             raise
         except FileNotFoundError as e:
@@ -206,7 +213,9 @@ def _register(args: StageArgs, advance: Advance) -> dict:
     cfg, wh = args.pipeline_config(), args.store()
     eval_ds, uri = args.eval_day(args.training_days()[-1]), args.model_uri.split(";")[-1]
     # scored here again (seconds), so the stage needs only the train stage's outputs
-    scored = evaluate(wh, uri, eval_ds, cfg.registry.eval_batch_size)
+    scored = evaluate(
+        wh, uri, eval_ds, cfg.registry.eval_batch_size, trained_on=args.training_days()[-1]
+    )
     return register_and_promote(tracker, wh, uri, args.register_run_id, eval_ds, scored,
                                 cfg.registry)  # fmt: skip
 
@@ -370,9 +379,9 @@ def _record_model(record, args: StageArgs, stage, summary: dict) -> dict:
 def stage_inputs(args: StageArgs, stage) -> list[dict]:
     """The warehouse partitions a per-arm stage read, for its MLflow record: a model's
     stages (evaluate, register) the evaluation days' samples, the others (DPP, train) their
-    arm's data of the training days (train: its batches; DPP: its samples layout)."""
-    import hashlib
-
+    arm's data of the training days (train: its batches; DPP: its samples layout). Each
+    dataset's digest is the partition's write id (lineage.py): the run names the exact
+    version it read."""
     wh = args.store()
     scoring = "models" in stage.reads
     days = [args.eval_day(d) for d in args.training_days()] if scoring else args.training_days()
@@ -384,9 +393,8 @@ def stage_inputs(args: StageArgs, stage) -> list[dict]:
         if not wh.exists(table, day, **keys):
             continue
         m = wh.manifest(table, day, **keys)
-        digest = hashlib.sha256(json.dumps(m, sort_keys=True, default=str).encode()).hexdigest()
         out.append({"name": wh.partition_name(table, day, **keys), "uri": wh.partition_uri(table, day, **keys),
-                    "digest": digest[:16], "rows": m["rows"],
+                    "digest": str(m.get("write_id")), "rows": m["rows"],
                     "context": "evaluation" if scoring else "training"})  # fmt: skip
     return out
 

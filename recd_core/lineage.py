@@ -1,0 +1,342 @@
+"""Lineage: every partition knows what it was built from, and every stage checks it.
+
+Each stage that writes a partition records in its manifest (and a model in its
+model.json) what it was built from:
+
+    "lineage": {
+      "stage":    "generate",                       the stage that wrote it
+      "inputs":   {"events/ds=2026-11-01": "3f1c…"}, each input partition's write id
+      "logs":     {"path": …, "digest": …, "files": n}   ingest: the raw files it read
+      "features": {"user_id": "9a0b…", …},          a digest per feature of the config's
+                                                    feature set (what shaped the rows)
+      "config":   "c41d…",                          a digest of the stage's config fields
+                                                    that shape its output (not engines,
+                                                    workers or threads)
+      "code":     "0.1.0+5e2a…"                     recd's version and a digest of its source
+    }
+
+A partition is **stale** when one of its inputs was rewritten since (its write id moved),
+when an input is itself stale (transitively), or when the raw logs an events partition was
+ingested from changed since. Before a stage reads a partition it calls `require_fresh`: a
+stale input is refused in one line (exit 2) naming the partition, why, and the stage to
+re-run; `recd run` and the DAGs re-run every stage of a day in order, so what they rebuild
+is fresh. A partition written before lineage was recorded, or by hand, is "unknown": read,
+and shown as such by `recd status`. An input that is gone (retention) does not make its
+outputs stale. The code version is recorded and shown, not judged: new code does not make
+yesterday's rows wrong.
+
+The config's feature set is checked against the stored one (`require_features`): a stage
+run with a config whose features differ from what the partition was built with is refused
+naming the features, never silently run on the stored ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from recd_core.config import FeatureSet
+from recd_core.errors import BadInput
+from recd_core.warehouse import PartitionDamaged, Warehouse
+
+# the stage that writes each table (the pipeline's graph declares it; `status` and the
+# refusals name it)
+WRITTEN_BY = {"events": "ingest", "quarantine": "ingest", "samples": "generate",
+              "batches": "preprocess", "models": "train"}  # fmt: skip
+
+
+class StaleInput(BadInput):
+    """An input partition is stale (rewritten upstream since it was built): re-run the stage
+    the message names; a retry of this one cannot help."""
+
+
+class FeaturesDiffer(BadInput):
+    """The config's feature set is not the one a stored partition was built with."""
+
+
+def digest(obj) -> str:
+    """A short, stable digest of a JSON-able object."""
+    text = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@functools.cache
+def code_version() -> str:
+    """recd's version and a digest of its source files (an image without git has them)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = version("recd")
+    except PackageNotFoundError:
+        v = "0"
+    h = hashlib.sha256()
+    root = Path(__file__).parent
+    for p in sorted(root.rglob("*.py")):
+        h.update(p.relative_to(root).as_posix().encode())
+        h.update(p.read_bytes())
+    return f"{v}+{h.hexdigest()[:10]}"
+
+
+def feature_digests(features: FeatureSet) -> dict[str, str]:
+    """A digest per feature (its whole spec), and the set's keys under `_keys`."""
+    out = {f.name: digest(f.model_dump(mode="json")) for f in features.features}
+    out["_keys"] = digest([features.name, features.user_key, features.item_key])
+    return out
+
+
+def record(stage: str, inputs: dict[str, str], config=None,
+           features: FeatureSet | dict | None = None, logs: dict | None = None) -> dict:  # fmt: skip
+    """The `lineage` entry of a partition `stage` writes: `inputs` {partition: write id},
+    `config` the fields that shaped it (a pydantic model or a dict), `features` the feature
+    set its rows follow (or the digests its input recorded: carried down from ingest),
+    `logs` (ingest) the raw files read (`logs_digest`)."""
+    if config is not None and hasattr(config, "model_dump"):
+        config = config.model_dump(mode="json", exclude=_EXECUTION)
+    out = {"stage": stage, "inputs": dict(inputs), "code": code_version()}
+    if config is not None:
+        out["config"] = digest(config)
+    if features is not None:
+        out["features"] = features if isinstance(features, dict) else feature_digests(features)
+    if logs is not None:
+        out["logs"] = logs
+    return out
+
+
+# fields that say how a stage runs, not what it writes
+_EXECUTION = {"engine", "workers", "executor", "threads", "device", "nproc", "spill_dir",
+              "memory_budget_mb", "max_file_mb", "max_expansion_ratio", "checkpoint_every",
+              "keep_checkpoints", "timeout_minutes", "max_quarantine_fraction"}  # fmt: skip
+
+
+def write_ids(wh: Warehouse, table: str, days: list[str], **keys: str) -> dict[str, str]:
+    """{partition: write id} of `table`'s partitions on `days` that exist (inputs to record)."""
+    return {
+        wh.partition_name(table, d, **keys): str(wh.manifest(table, d, **keys).get("write_id"))
+        for d in days
+        if wh.exists(table, d, **keys)
+    }
+
+
+def logs_digest(source: str | Path) -> dict:
+    """What ingest read, as a digest of each file's name, size and modification time: late
+    files, a redelivery or a rewrite change it."""
+    p = Path(source)
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+    stats = [(f.relative_to(p).as_posix() if f != p else f.name, f.stat().st_size,
+              f.stat().st_mtime_ns) for f in files]  # fmt: skip
+    return {"path": str(p.resolve()), "digest": digest(stats), "files": len(stats)}
+
+
+def parse_name(name: str) -> tuple[str, str, dict[str, str]]:
+    """`samples/layout=clustered/ds=D` as ("samples", "D", {"layout": "clustered"})."""
+    parts = name.split("/")
+    keys = dict(p.split("=", 1) for p in parts[1:-1])
+    return parts[0], parts[-1].removeprefix("ds="), keys
+
+
+@dataclass(frozen=True)
+class Stale:
+    """Why a partition is stale: `root` is the partition to rebuild first (its `stage`),
+    `reason` what changed under it; `via` the stale partitions between (downstream order)."""
+
+    partition: str
+    root: str
+    reason: str
+    via: tuple[str, ...] = ()
+
+    @property
+    def stage(self) -> str:
+        return WRITTEN_BY.get(parse_name(self.root)[0], "the stage that writes it")
+
+    def line(self, reader: str | None = None) -> str:
+        ds = parse_name(self.root)[1][:10]  # a model's run name starts with its day
+        chain = f" (built on {' <- '.join(self.via)})" if self.via else ""
+        who = f"{reader}: " if reader else ""
+        if self.root == self.partition:
+            what = f"{self.partition} is stale: {self.reason}"
+        else:
+            what = f"{self.partition} is stale{chain}: {self.root}: {self.reason}"
+        return (f"{who}{what}: rerun `recd {self.stage} --ds {ds}` and the stages after it "
+                "(or `recd run`)")  # fmt: skip
+
+
+def lineage_of(wh: Warehouse, name: str) -> dict | None:
+    """A partition's recorded lineage (None: not recorded, or no such partition)."""
+    table, ds, keys = parse_name(name)
+    if not wh.exists(table, ds, **keys):
+        return None
+    return wh.manifest(table, ds, **keys).get("lineage")
+
+
+def staleness(wh: Warehouse, name: str, lineage: dict | None = None,
+              _memo: dict | None = None) -> Stale | None:  # fmt: skip
+    """Why partition `name` (or what `lineage` describes, e.g. a model) is stale; None when
+    fresh or unknown. Walks the inputs upstream (a few manifests)."""
+    memo = {} if _memo is None else _memo
+    if lineage is None:
+        if name in memo:
+            return memo[name]
+        lineage = lineage_of(wh, name)
+    found = None
+    if lineage:
+        found = _own_staleness(wh, name, lineage)
+        for inp, wid in (lineage.get("inputs") or {}).items():
+            if found:
+                break
+            table, ds, keys = parse_name(inp)
+            if not wh.exists(table, ds, **keys):
+                continue  # gone: retention, not a change
+            now = str(wh.manifest(table, ds, **keys).get("write_id"))
+            if now != wid:
+                found = Stale(name, name, f"built from {inp} write {wid}, rewritten since "
+                                          f"(now {now})")  # fmt: skip
+                break
+            up = staleness(wh, inp, None, memo)
+            if up:
+                found = Stale(name, up.root, up.reason, (inp, *up.via))
+    memo[name] = found
+    return found
+
+
+def _own_staleness(wh: Warehouse, name: str, lineage: dict) -> Stale | None:
+    """Stale for what the partition read outside the warehouse: ingest's raw logs."""
+    logs = lineage.get("logs")
+    if not logs or not Path(logs["path"]).exists():
+        return None  # logs mounted elsewhere (a pod), or retired: nothing to compare
+    now = logs_digest(logs["path"])
+    if now["digest"] == logs["digest"]:
+        return None
+    files = now["files"] - logs["files"]
+    more = f" ({files:+d} files)" if files else ""
+    return Stale(name, name, f"its logs in {logs['path']} changed since it was ingested{more}")
+
+
+def require_fresh(wh: Warehouse, reader: str, names: list[str]) -> dict[str, str]:
+    """Refuse (StaleInput, exit 2) when any of the partitions `names` that `reader` is about
+    to read is stale; their write ids, for the reader's own lineage."""
+    memo: dict = {}
+    for name in names:
+        found = staleness(wh, name, None, memo)
+        if found:
+            raise StaleInput(found.line(reader))
+    out = {}
+    for name in names:
+        table, ds, keys = parse_name(name)
+        out[name] = str(wh.manifest(table, ds, **keys).get("write_id"))
+    return out
+
+
+def require_features(name: str, stored: FeatureSet | dict | None, config: FeatureSet,
+                     reader: str) -> None:  # fmt: skip
+    """Refuse (FeaturesDiffer) a config whose feature set is not the one partition `name`
+    was built with (`stored`: the feature set, or its recorded digests), naming the
+    features that differ."""
+    if stored is None:
+        return
+    theirs = stored if isinstance(stored, dict) else feature_digests(stored)
+    ours = feature_digests(config)
+    if theirs == ours:
+        return
+    dropped = [n for n in theirs if n not in ours and n != "_keys"]
+    added = [n for n in ours if n not in theirs and n != "_keys"]
+    changed = [n for n in ours if n in theirs and ours[n] != theirs[n] and n != "_keys"]
+    words = [*(f"{n!r} not in the config" for n in dropped),
+             *(f"{n!r} not in the stored data" for n in added),
+             *(f"{n!r} defined differently" for n in changed)]  # fmt: skip
+    if ours.get("_keys") != theirs.get("_keys"):
+        words.append("the feature set's name or user/item keys differ")
+    shown = "; ".join(words[:5]) + (f"; and {len(words) - 5} more" if len(words) > 5 else "")
+    _, ds, _ = parse_name(name)
+    raise FeaturesDiffer(
+        f"{reader}: the config's feature set is not the one {name} was built with ({shown}): "
+        f"rerun `recd ingest --ds {ds}` and the stages after it with this config "
+        "(or `recd run`), or use the config it was built with"
+    )
+
+
+def stored_features(wh: Warehouse, name: str) -> dict | None:
+    """The feature digests partition `name` was built with (None: not recorded)."""
+    lineage = lineage_of(wh, name)
+    return (lineage or {}).get("features")
+
+
+DAY_TABLES = ("events", "quarantine", "samples", "batches")
+
+
+def status(wh: Warehouse, ds: str, features: FeatureSet | None = None) -> list[dict]:
+    """Every partition of day `ds` and every model trained on it, upstream first, as rows:
+    `partition`, `write_id`, `written_at`, `rows`, `inputs` ({partition: write id}),
+    `state` (fresh, stale, unknown: no lineage recorded, damaged) and `why`. With the
+    config's `features`, a partition built with another feature set is marked so."""
+    import datetime as dt
+
+    rows, memo = [], {}
+    for table in DAY_TABLES:
+        for keys in wh.keys_on(table, ds):
+            name = wh.partition_name(table, ds, **keys)
+            try:
+                m = wh.manifest(table, ds, **keys)
+            except (PartitionDamaged, FileNotFoundError) as e:
+                rows.append({"partition": name, "state": "damaged", "why": str(e)})
+                continue
+            lineage = m.get("lineage")
+            rows.append(_row(wh, name, m.get("write_id"), m.get("written_at"), m.get("rows"),
+                             lineage, features, memo))  # fmt: skip
+    for run in _models_of(wh, ds):
+        meta = _model_json(wh, run)
+        if meta is None:
+            rows.append({"partition": f"models/{run}", "state": "damaged",
+                         "why": "model.json missing or unreadable"})  # fmt: skip
+            continue
+        lineage = meta.get("lineage")
+        when = wh.fs.get_file_info(f"{wh.root}/models/{run}/model.json").mtime
+        row = _row(wh, f"models/{run}", None, when and when.astimezone(dt.UTC).isoformat(
+            timespec="seconds"), meta.get("summary", {}).get("train.samples"), lineage,
+            features, memo)  # fmt: skip
+        if lineage:
+            row["trained_days"] = lineage.get("trained_days", [])
+        rows.append(row)
+    return rows
+
+
+def _row(wh, name, write_id, written_at, nrows, lineage, features, memo) -> dict:
+    row = {"partition": name, "write_id": write_id, "written_at": written_at, "rows": nrows,
+           "inputs": (lineage or {}).get("inputs", {}), "code": (lineage or {}).get("code")}  # fmt: skip
+    if (lineage or {}).get("logs"):
+        logs = lineage["logs"]
+        row["logs"] = f"{logs['path']} ({logs['files']} files, {logs['digest']})"
+    if not lineage:
+        return {**row, "state": "unknown", "why": "no lineage recorded (written by hand or "
+                                                  "by an older recd)"}  # fmt: skip
+    found = staleness(wh, name, lineage if name.startswith("models/") else None, memo)
+    if found:
+        return {**row, "state": "stale", "why": found.line()}
+    if features is not None and lineage.get("features") not in (None, feature_digests(features)):
+        try:
+            require_features(name, lineage["features"], features, "status")
+        except FeaturesDiffer as e:
+            return {**row, "state": "stale", "why": str(e).removeprefix("status: ")}
+    return {**row, "state": "fresh", "why": ""}
+
+
+def _models_of(wh: Warehouse, ds: str) -> list[str]:
+    """The training runs of day `ds` (`models/<ds>-<mode>-<key>`)."""
+    import pyarrow.fs as pafs
+
+    base = f"{wh.root}/models"
+    if wh.fs.get_file_info(base).type != pafs.FileType.Directory:
+        return []
+    infos = wh.fs.get_file_info(pafs.FileSelector(base))
+    return sorted(i.base_name for i in infos
+                  if i.type == pafs.FileType.Directory and i.base_name.startswith(f"{ds}-"))  # fmt: skip
+
+
+def _model_json(wh: Warehouse, run: str) -> dict | None:
+    try:
+        with wh.fs.open_input_stream(f"{wh.root}/models/{run}/model.json") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
