@@ -6,6 +6,8 @@ model.json) what it was built from:
     "lineage": {
       "stage":    "generate",                       the stage that wrote it
       "inputs":   {"events/ds=2026-11-01": "3f1c…"}, each input partition's write id
+      "peers":    {"events/ds=2026-10-31": "77ab…"}, ingest: the days its redelivery check
+                                                    read (compared, not walked further up)
       "logs":     {"path": …, "digest": …, "files": n}   ingest: the raw files it read
       "features": {"user_id": "9a0b…", …},          a digest per feature of the config's
                                                     feature set (what shaped the rows)
@@ -15,9 +17,10 @@ model.json) what it was built from:
       "code":     "0.1.0+5e2a…"                     recd's version and a digest of its source
     }
 
-A partition is **stale** when one of its inputs was rewritten since (its write id moved),
-when an input is itself stale (transitively), or when the raw logs an events partition was
-ingested from changed since. Before a stage reads a partition it calls `require_fresh`: a
+A partition is **stale** when one of its inputs or peers was rewritten since (its write id
+moved), when an input is itself stale (transitively: a peer's own lineage is not walked, or
+every day would depend on every day before it), or when the raw logs an events partition
+was ingested from changed since. Before a stage reads a partition it calls `require_fresh`: a
 stale input is refused in one line (exit 2) naming the partition, why, and the stage to
 re-run; `recd run` and the DAGs re-run every stage of a day in order, so what they rebuild
 is fresh. A partition written before lineage was recorded, or by hand, is "unknown": read,
@@ -88,7 +91,8 @@ def feature_digests(features: FeatureSet) -> dict[str, str]:
 
 
 def record(stage: str, inputs: dict[str, str], config=None,
-           features: FeatureSet | dict | None = None, logs: dict | None = None) -> dict:  # fmt: skip
+           features: FeatureSet | dict | None = None, logs: dict | None = None,
+           peers: dict[str, str] | None = None) -> dict:  # fmt: skip
     """The `lineage` entry of a partition `stage` writes: `inputs` {partition: write id},
     `config` the fields that shaped it (a pydantic model or a dict), `features` the feature
     set its rows follow (or the digests its input recorded: carried down from ingest),
@@ -102,6 +106,8 @@ def record(stage: str, inputs: dict[str, str], config=None,
         out["features"] = features if isinstance(features, dict) else feature_digests(features)
     if logs is not None:
         out["logs"] = logs
+    if peers:
+        out["peers"] = dict(peers)
     return out
 
 
@@ -124,7 +130,15 @@ def logs_digest(source: str | Path) -> dict:
     """What ingest read, as a digest of each file's name, size and modification time: late
     files, a redelivery or a rewrite change it."""
     p = Path(source)
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+    files = (
+        [p]
+        if p.is_file()
+        else sorted(
+            f
+            for f in p.rglob("*")
+            if f.is_file() and not any(x.startswith((".", "_")) for x in f.relative_to(p).parts)
+        )
+    )  # what ingest reads: not hidden or marker files (`_SUCCESS`, `_oracle.json`)
     stats = [(f.relative_to(p).as_posix() if f != p else f.name, f.stat().st_size,
               f.stat().st_mtime_ns) for f in files]  # fmt: skip
     return {"path": str(p.resolve()), "digest": digest(stats), "files": len(stats)}
@@ -183,7 +197,8 @@ def staleness(wh: Warehouse, name: str, lineage: dict | None = None,
     found = None
     if lineage:
         found = _own_staleness(wh, name, lineage)
-        for inp, wid in (lineage.get("inputs") or {}).items():
+        peers = lineage.get("peers") or {}
+        for inp, wid in {**(lineage.get("inputs") or {}), **peers}.items():
             if found:
                 break
             table, ds, keys = parse_name(inp)
@@ -194,7 +209,7 @@ def staleness(wh: Warehouse, name: str, lineage: dict | None = None,
                 found = Stale(name, name, f"built from {inp} write {wid}, rewritten since "
                                           f"(now {now})")  # fmt: skip
                 break
-            up = staleness(wh, inp, None, memo)
+            up = None if inp in peers else staleness(wh, inp, None, memo)
             if up:
                 found = Stale(name, up.root, up.reason, (inp, *up.via))
     memo[name] = found
@@ -303,8 +318,9 @@ def status(wh: Warehouse, ds: str, features: FeatureSet | None = None) -> list[d
 
 
 def _row(wh, name, write_id, written_at, nrows, lineage, features, memo) -> dict:
+    inputs = {**(lineage or {}).get("inputs", {}), **(lineage or {}).get("peers", {})}
     row = {"partition": name, "write_id": write_id, "written_at": written_at, "rows": nrows,
-           "inputs": (lineage or {}).get("inputs", {}), "code": (lineage or {}).get("code")}  # fmt: skip
+           "inputs": inputs, "code": (lineage or {}).get("code")}  # fmt: skip
     if (lineage or {}).get("logs"):
         logs = lineage["logs"]
         row["logs"] = f"{logs['path']} ({logs['files']} files, {logs['digest']})"

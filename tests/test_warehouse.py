@@ -129,17 +129,24 @@ def test_object_store_warehouse_commits_by_manifest(s3_uri):
     uri, s3 = s3_uri
     wh = Warehouse(uri)
     assert not wh.renames_atomically
-    _write(wh, _table(250))
-    _write(wh, _table(120, start=1000))
-    assert wh.read("t", DAY)["x"].to_pylist() == list(range(1000, 1120))
     import pyarrow.fs as pafs
 
-    left = [i.base_name for i in s3.get_file_info(pafs.FileSelector(f"recd-bucket/wh/t/ds={DAY}"))]
-    assert sorted(left)[0] == "_manifest.json" and len(left) == 3, "old files are gone"
+    def left():
+        infos = s3.get_file_info(pafs.FileSelector(f"recd-bucket/wh/t/ds={DAY}"))
+        return sorted(i.base_name for i in infos)
+
+    first = _write(wh, _table(250))
+    second = _write(wh, _table(120, start=1000))
+    assert wh.read("t", DAY)["x"].to_pylist() == list(range(1000, 1120))
+    # the replaced version stays through one commit (a pinned reader may be reading it)
+    assert left() == sorted(["_manifest.json", *first.files, *second.files])
+    third = _write(wh, _table(50, start=2000))
+    assert left() == sorted(["_manifest.json", *second.files, *third.files]), "older files go"
+    second = third
     with pytest.raises(RuntimeError), wh.writing("t", DAY) as w:
         w.write(_table(300), max_rows_per_file=100)
         raise RuntimeError("crash before the commit")
-    assert wh.read("t", DAY)["x"].to_pylist() == list(range(1000, 1120))
+    assert wh.read("t", DAY)["x"].to_pylist() == list(range(2000, 2050))
 
 
 def _sessions_table(n):
@@ -208,7 +215,10 @@ def test_a_normalized_partition_reads_back_whole_and_as_stored(tmp_path, store, 
         left = [
             i.base_name for i in s3.get_file_info(pafs.FileSelector(f"recd-bucket/wh/t/ds={DAY}"))
         ]
-        assert len(left) == 7 and sum(n.startswith("_side-") for n in left) == 3
+        # this version (3 files, 3 sides, the manifest) and the one it replaced (kept through
+        # one commit, for a reader that pinned it)
+        assert len(left) == 13 and sum(n.startswith("_side-") for n in left) == 6
+        assert all(n in left for n in info.files)
 
 
 def test_a_partition_stored_whole_reads_as_its_own_runs(tmp_path):

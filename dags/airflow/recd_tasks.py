@@ -124,11 +124,12 @@ def build(graph: Graph, args: dict, assets: bool = True) -> dict:
         tasks[t.id] = stage(t.stage, targs, t.id, list(t.gathers), tables)
         after = [tasks[u] for u in t.after]
         if "logs" in STAGES[t.stage].reads and SETTINGS.logs_marker:
-            if "wait_for_logs" not in tasks:
+            if "wait_for_logs" not in tasks:  # in place of the first reader's upstreams
                 tasks["wait_for_logs"] = wait_for_logs(args)
                 for upstream in after:
                     upstream >> tasks["wait_for_logs"]
-            after = [tasks["wait_for_logs"]]
+                after = []
+            after = [tasks["wait_for_logs"], *after]  # a later reader keeps its own too
         for upstream in after:
             upstream >> tasks[t.id]
     return tasks

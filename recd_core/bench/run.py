@@ -39,6 +39,7 @@ def _storage(wh: Warehouse, ds: str, cfg: GenerateConfig) -> dict:
         "dedup_factor_mean_clustered": c["dedup.factor.mean"],
         "dedup_factor_mean_shuffled": s["dedup.factor.mean"],
         "dedup_factor_user_group_clustered": c["dedup.factor.user_group"],
+        "generate_seconds": g["generate.seconds"],
     }
 
 
@@ -115,6 +116,14 @@ def run_bench(
     result.update(dpp_figures(wh, DS))
     if train:
         result.update(_train_figures(wh, DS, out))
+    from recd_core.bench.lineage_cost import lineage_costs
+
+    rows = result["synthetic"]["rows"]
+    seconds = {"ingest": ing["ingest.seconds"], "generate": storage["generate_seconds"],
+               "preprocess": rows / result["dpp.samples_per_s.dedup"]}  # fmt: skip
+    if "train.samples_per_s.dedup" in result:
+        seconds["train"] = rows / result["train.samples_per_s.dedup"]  # a pass over the day
+    result.update(lineage_costs(wh, DS, logs / f"ds={DS}", seconds))
     if movielens is not None:
         ml_ing = run_stage("ingest", {"warehouse": wh.uri, "ds": "2026-10-01",
                                       "source": str(movielens), "format": "movielens"})  # fmt: skip
@@ -174,6 +183,8 @@ def chart(r: dict, path: Path) -> Path:
 
 
 def markdown(r: dict) -> str:
+    from recd_core.bench.lineage_cost import lineage_markdown
+
     rows = [
         "| workload | rows | sessions | shuffled | clustered | ratio | lower bound | clustered / bound | dedup factor (clustered / shuffled) |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -241,6 +252,7 @@ def markdown(r: dict) -> str:
                 f"{human_bytes(r['train.peak_mem_bytes.baseline'])} | |"
             )
     rows += sharded_markdown(r)
+    rows += lineage_markdown(r)
     rows += quality_markdown(r)
     if "embedding.step_ms.ours_dedup" in r:
         rows += ["", "| embedding bags only (fwd+bwd+sparse Adagrad) | step |", "|---|---|"]

@@ -464,6 +464,9 @@ def list_source_files(source: Path) -> tuple[list[Path], dict[str, str], dict[st
     if not source.exists():
         raise SourceError(f"source not found: {source}")
     if source.is_file():
+        kind, why = sniff(source)
+        if kind is None:
+            raise SourceError(f"{source}: {why}")
         return [source], {}, {}
     root = source.resolve()
     files, refused, ignored = [], {}, {}
@@ -623,7 +626,7 @@ def ingest(
     rejects, parts, shared_lines, out_of_day, refused = Rejects(), [], 0, 0, {}
     window_days = cfg.dedup_window_days if cfg.format == "events" else 0
     published, inputs = published_ids(warehouse, ds, window_days)
-    lineage = record("ingest", inputs, _shaping(cfg, write), features, logs_digest(source))
+    lineage = record("ingest", {}, _shaping(cfg, write), features, logs_digest(source), inputs)
     with warehouse.writing("events", ds) as w:
         w.extra["lineage"] = lineage
         sink = functools.partial(_write_events, w, schema, file_options)

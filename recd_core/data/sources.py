@@ -14,12 +14,12 @@ is caught by counting rows.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import os
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,52 +272,35 @@ def _unzstd(data: bytes, limits: ReadLimits) -> tuple[bytes, str | None]:
 SNIFF_BYTES = 64 << 10  # the head of a file (decompressed) that decides how it is read
 
 
+JSON_NAME = re.compile(r"\.(jsonl|json|ndjson)(\.(gz|zst))?(\.\d+)?$", re.IGNORECASE)
+
+
 def sniff(path: Path) -> tuple[str | None, str]:
-    """How a source file is read, from its content and not its name (`.JSONL.GZ`, a rotated
-    `events.jsonl.gz.1`, a `.log` of JSON lines all read): ("parquet", "") for a Parquet
-    file (`PAR1` at both ends), ("jsonl", "") for text whose head holds a JSON object line
-    (plain, gzip or zstd, recognized by their magic bytes) or an empty file; (None, why)
-    for anything else, which ingest refuses and names."""
+    """How a source file is read, from its content first (`EVENTS.JSONL.GZ`, a rotated
+    `events.jsonl.gz.1`, a `.log` of JSON lines are all read): ("parquet", "") for a file
+    that starts with `PAR1`; ("jsonl", "") for a gzip or zstd stream (their magic bytes: the
+    reader quarantines whatever is not a JSON line, and its limits refuse a bomb) and for
+    text whose first 64 KiB hold a JSON object line, or nothing; else by its name
+    (`*.parquet`, `*.jsonl|json|ndjson[.gz|.zst][.N]`, any case), whose reader then says
+    what is wrong; (None, why) for anything else, which ingest refuses and names."""
     try:
-        size = path.stat().st_size
         with path.open("rb") as f:
             head = f.read(SNIFF_BYTES)
-            tail = b""
-            if size >= 8:
-                f.seek(size - 4)
-                tail = f.read(4)
     except OSError as e:
         raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
-    if head[:4] == b"PAR1" and tail == b"PAR1":
-        return "parquet", ""
-    kind = "gzip" if head[:2] == GZIP_MAGIC else "zstd" if head[:4] == ZSTD_MAGIC else ""
-    text = head
-    if kind:
-        try:
-            text = _head_of(head, kind)
-        except (zlib.error, OSError, pa.ArrowException) as e:
-            return None, f"a {kind} file that does not decompress ({first_line(e, 80)})"
-    text = text.removeprefix(b"\xef\xbb\xbf")
-    if not text.strip():
-        return "jsonl", ""  # empty: no rows
-    if any(line.strip().startswith(b"{") for line in text.split(b"\n")[:64]):
-        return "jsonl", ""
-    what = f"{kind} of " if kind else ""
     if head[:4] == b"PAR1":
-        return None, "a Parquet file without its footer (cut short?)"
-    return None, (f"not a recognized format ({what}neither JSON lines nor Parquet: "
+        return "parquet", ""
+    if head[:2] == GZIP_MAGIC or head[:4] == ZSTD_MAGIC:
+        return "jsonl", ""
+    text = head.removeprefix(b"\xef\xbb\xbf")
+    if not text.strip() or any(x.lstrip().startswith(b"{") for x in text.split(b"\n")[:64]):
+        return "jsonl", ""
+    if path.name.lower().endswith(".parquet"):
+        return "parquet", ""
+    if JSON_NAME.search(path.name):
+        return "jsonl", ""
+    return None, (f"not a recognized format (neither JSON lines, gzip, zstd nor Parquet: "
                   f"starts with {text[:16]!r})")  # fmt: skip
-
-
-def _head_of(data: bytes, kind: str) -> bytes:
-    """The first bytes of a compressed head (what decompresses of it)."""
-    if kind == "gzip":
-        return zlib.decompressobj(wbits=31).decompress(data, SNIFF_BYTES)
-    with pa.CompressedInputStream(pa.BufferReader(data), "zstd") as stream:
-        out = b""
-        with contextlib.suppress(OSError, pa.ArrowException):  # a head cut mid-frame
-            out = stream.read(SNIFF_BYTES)
-        return out
 
 
 def _bad_utf8_lines(lines: Lines) -> np.ndarray:
@@ -463,11 +446,16 @@ _JSON_NAMES = {
 def diagnose_json_line(line: bytes, schema: pa.Schema, arrow_msg: str) -> tuple[str | None, str]:
     """Name the field and the problem of one line Arrow refused (runs on bad lines only)."""
 
+    class Twice(ValueError):
+        def __init__(self, key: str):
+            super().__init__(f"field {key!r} appears twice")
+            self.key = key
+
     def pairs_hook(pairs):
         keys = [k for k, _ in pairs]
         dup = next((k for k in keys if keys.count(k) > 1), None)
         if dup is not None:
-            raise ValueError(f"field {dup!r} appears twice")
+            raise Twice(dup)
         return dict(pairs)
 
     try:
@@ -475,8 +463,14 @@ def diagnose_json_line(line: bytes, schema: pa.Schema, arrow_msg: str) -> tuple[
     except json.JSONDecodeError as e:
         what = "more than one JSON value on one line" if e.msg == "Extra data" else e.msg
         return None, f"invalid JSON: {what} (column {e.colno})"
-    except ValueError as e:  # duplicate key
-        return str(e).split("'")[1], f"invalid JSON: {e}"
+    except Twice as e:
+        return e.key, f"invalid JSON: {e}"
+    except ValueError:  # an integer of more digits than Python converts (4,300)
+        m = re.search(rb'"([^"\\]{1,64})"\s*:\s*\[?[^"]*?(-?\d{4000,})', line)
+        field = m.group(1).decode("utf-8", "replace") if m else None
+        digits = len(m.group(2).lstrip(b"-")) if m else sys.get_int_max_str_digits() + 1
+        where = f"field {field!r}: " if field else ""
+        return field, f"{where}an integer of {digits} digits, out of range for int64"
     except RecursionError:  # e.g. [[[[...]]]] thousands deep: a bad line, not a crash
         return None, "invalid JSON: nested too deeply"
     if arrow_msg.startswith("more than one JSON value"):

@@ -119,6 +119,7 @@ class BatchStore:
         self.model_features = FeatureSet.model_validate(prepared["model"])
         self.groups: dict[str, list[str]] = prepared["groups"]
         self.fs = wh.fs
+        self.left_out: dict[str, str] = {}  # window days not trained on, and why
         self._readers: dict[str, ipc.RecordBatchFileReader] = {}
         self.refs: list[tuple[str, int]] = []  # (file, batch within it), in order
         prefix = SPLIT_PREFIX[split]

@@ -14,7 +14,7 @@ import numpy as np
 
 from recd_core import metrics
 from recd_core.errors import BadInput
-from recd_core.lineage import StaleInput, require_fresh, staleness
+from recd_core.lineage import require_fresh, staleness
 from recd_core.warehouse import Warehouse
 
 
@@ -66,8 +66,9 @@ def evaluate(
 ) -> dict:  # fmt: skip
     """Score `samples/layout=clustered/ds=D` with the model saved at `model_uri`. Refused
     (exit 2, one line): a day not after the model's last training day (its warm starts'
-    included); a `trained_on` day the model did not train on; stale samples, or a model
-    whose batches were rebuilt since it trained (lineage.py)."""
+    included); a `trained_on` day the model did not train on; stale samples (lineage.py).
+    A model whose batches were rebuilt since it trained is scored, and `eval.model_lineage`
+    says so."""
     from recd_core.modeling.saved import load_model
     from recd_core.modeling.warm_start import trained_days
 
@@ -83,14 +84,18 @@ def evaluate(
             f"its last training day, would score rows it learned from: give an --eval-ds "
             f"after {days[-1]}"
         )
+    # a saved model is an artifact of its own: scored whatever became of its training
+    # batches since, and the summary says whether they were rebuilt (`recd status` too)
+    state = "fresh"
     lineage = meta.get("lineage")
     if lineage and model_uri.startswith(warehouse.uri.rstrip("/") + "/models/"):
         found = staleness(warehouse, f"models/{model_uri.rsplit('/models/', 1)[1]}", lineage)
-        if found:
-            raise StaleInput(found.line("evaluate"))
+        state = found.line() if found else state
+    elif not lineage:
+        state = "unknown (no lineage recorded)"
     out = score_day(warehouse, model, meta, ds, batch_size)
     return {**out, "eval.model_uri": model_uri, "eval.seconds": time.perf_counter() - t0,
-            "eval.trained_days": _span(days)}  # fmt: skip
+            "eval.trained_days": _span(days), "eval.model_lineage": state}  # fmt: skip
 
 
 def _span(days: list[str]) -> str:

@@ -49,7 +49,14 @@ from torch.nn.parallel import DistributedDataParallel
 from recd_core.config import FeatureSet, TrainConfig
 from recd_core.dpp.batch_store import BatchStore
 from recd_core.errors import BadInput, first_line
-from recd_core.lineage import record, require_features, require_fresh, stored_features, write_ids
+from recd_core.lineage import (
+    record,
+    require_features,
+    require_fresh,
+    staleness,
+    stored_features,
+    write_ids,
+)
 from recd_core.modeling.calibration import calibrate
 from recd_core.modeling.checkpoints import (
     Checkpoints,
@@ -385,6 +392,7 @@ def finish(run: Run) -> dict:
         "train.batch_size": run.store.manifest["batch_size"],
         "train.members": cfg.model.members,
         "train.days": run.days,
+        **({"train.window_left_out": run.store.left_out} if run.store.left_out else {}),
         "train.init_from": run.init.uri or "",
         "train.init_reason": run.init.reason,
         "train.lr_dense": run.opt_dense.param_groups[0]["lr"],
@@ -410,12 +418,17 @@ def finish(run: Run) -> dict:
 
 def add_window(wh: Warehouse, store: BatchStore, ds: str, cfg: TrainConfig) -> list[str]:
     """Prepend the batches of the `window_days - 1` days before `ds` that were preprocessed
-    alike (same model features and dedup groups), oldest first; the days trained on."""
+    alike (same model features and dedup groups) and are not stale (a stale day is left
+    out, with why, in `store.left_out`), oldest first; the days trained on."""
     days = [ds]
     first = dt.date.fromisoformat(ds)
     for back in range(1, cfg.window_days):
         day = (first - dt.timedelta(days=back)).isoformat()
         if not wh.exists("batches", day, mode=cfg.mode):
+            continue
+        stale = staleness(wh, wh.partition_name("batches", day, mode=cfg.mode))
+        if stale:  # left out, and said: `train.window_left_out`
+            store.left_out[day] = stale.line()
             continue
         older = BatchStore(wh, day, cfg.mode)
         same = older.model_features == store.model_features and older.groups == store.groups
