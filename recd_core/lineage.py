@@ -165,16 +165,19 @@ class Stale:
     def stage(self) -> str:
         return WRITTEN_BY.get(parse_name(self.root)[0], "the stage that writes it")
 
-    def line(self, reader: str | None = None) -> str:
+    def brief(self) -> str:
+        """What changed and the stage to re-run (`recd status`'s words)."""
         ds = parse_name(self.root)[1][:10]  # a model's run name starts with its day
-        chain = f" (built on {' <- '.join(self.via)})" if self.via else ""
-        who = f"{reader}: " if reader else ""
-        if self.root == self.partition:
-            what = f"{self.partition} is stale: {self.reason}"
-        else:
-            what = f"{self.partition} is stale{chain}: {self.root}: {self.reason}"
-        return (f"{who}{what}: rerun `recd {self.stage} --ds {ds}` and the stages after it "
-                "(or `recd run`)")  # fmt: skip
+        what = self.reason
+        if self.root != self.partition:
+            what = f"built on {' <- '.join(self.via)}, which is stale: {self.reason}"
+        return (
+            f"{what}: rerun `recd {self.stage} --ds {ds}` and the stages after it (or `recd run`)"
+        )
+
+    def line(self, reader: str | None = None) -> str:
+        """The one line a stage refuses a stale input with."""
+        return f"{reader + ': ' if reader else ''}{self.partition} is stale: {self.brief()}"
 
 
 def lineage_of(wh: Warehouse, name: str) -> dict | None:
@@ -329,7 +332,7 @@ def _row(wh, name, write_id, written_at, nrows, lineage, features, memo) -> dict
                                                   "by an older recd)"}  # fmt: skip
     found = staleness(wh, name, lineage if name.startswith("models/") else None, memo)
     if found:
-        return {**row, "state": "stale", "why": found.line()}
+        return {**row, "state": "stale", "why": found.brief()}
     if features is not None and lineage.get("features") not in (None, feature_digests(features)):
         try:
             require_features(name, lineage["features"], features, "status")

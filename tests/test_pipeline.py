@@ -115,6 +115,9 @@ def test_the_mlflow_experiment_reads_at_a_glance(daily):
     inputs = {d.dataset.name: d for d in train.inputs.dataset_inputs}
     assert set(inputs) == {f"batches/mode=dedup/ds={DAY}"}
     assert json.loads(inputs[f"batches/mode=dedup/ds={DAY}"].dataset.profile)["num_rows"] > 0
+    # the exact version it read: the dataset's digest is the partition's write id (lineage)
+    wid = Warehouse(root / "wh").manifest("batches", DAY, mode="dedup")["write_id"]
+    assert inputs[f"batches/mode=dedup/ds={DAY}"].dataset.digest == wid
     evaluate = next(r for r in children if r.info.run_name == f"evaluate dedup {DAY} → {NEXT}")
     scored = evaluate.inputs.dataset_inputs
     assert [d.dataset.name for d in scored] == [f"samples/layout=clustered/ds={NEXT}"]
