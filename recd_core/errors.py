@@ -6,7 +6,10 @@ read these two attributes and nothing else, so a failure means the same everywhe
     ├── BadInput                    exit 2, final       input, config, arguments, a missing
     │   ├── ConfigError                                 partition, an unreadable model or
     │   ├── SourceError                                 checkpoint: the same input fails again
-    │   ├── PartitionNotFound
+    │   ├── PartitionNotFound, PartitionDamaged
+    │   ├── StaleInput, FeaturesDiffer                  (lineage.py: an input rewritten since,
+    │   ├── EvaluationLeak                              another feature set; a day the model
+    │   │                                               trained on)
     │   ├── PreprocessError, BatchMismatch, JaggedError
     │   └── CheckpointError, ModelError
     ├── GateFailed                  exit 3, final       the work ran; its result failed a gate
@@ -15,6 +18,8 @@ read these two attributes and nothing else, so a failure means the same everywhe
     │   │                                               refuses the run
     │   └── TrackingStoreUnwritable exit 4, final       the store refuses writes (permissions,
     │                                                   a read-only file): a retry cannot help
+    ├── RunBusy                     exit 1, retryable   another live process trains the same
+    │                                                   day and arm (a leftover still ending)
     └── StorageFull                 exit 1, retryable   no space left on a device (or a quota):
                                                         what was being written is removed, the
                                                         committed partitions are intact; free

@@ -54,3 +54,32 @@ def cpu_budget(root: Path = Path("/sys/fs/cgroup")) -> int:
     if quota is not None:
         cpus = min(cpus or 1, math.ceil(quota))
     return max(int(cpus or 1), 1)
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process when `parent` (the process that started it) ends: a SIGTERM to a
+    `recd` command (a pod stopped, an Airflow task timed out) must not leave its training
+    ranks or DPP workers running under PID 1, writing into a run a retry is using. Linux:
+    the kernel sends SIGTERM at the parent's death (`PR_SET_PDEATHSIG`); elsewhere a
+    thread watches the parent. A parent already gone: this process ends now."""
+    import signal
+    import threading
+
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            raise OSError(ctypes.get_errno(), "prctl")
+    except (OSError, AttributeError):
+
+        def watch() -> None:
+            import time
+
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(143)
+
+        threading.Thread(target=watch, name="recd-watch-parent", daemon=True).start()
+    if os.getppid() != parent:  # died before the watch was set
+        os._exit(143)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -59,6 +60,7 @@ from recd_core.dpp.transforms import (
 )
 from recd_core.errors import BadInput
 from recd_core.lineage import record, require_features, require_fresh, stored_features
+from recd_core.runtime import die_with_parent
 from recd_core.schema import SIDE_ROW, events_schema, feature_set_of, sessions_checked
 from recd_core.warehouse import Warehouse
 
@@ -601,7 +603,12 @@ def run_splits(args: list[tuple], cfg: PreprocessConfig, progress=None) -> list[
     pool = (
         ThreadPoolExecutor(cfg.workers)
         if cfg.executor == "thread"
-        else ProcessPoolExecutor(cfg.workers, mp_context=mp.get_context("spawn"))
+        else ProcessPoolExecutor(
+            cfg.workers,
+            mp_context=mp.get_context("spawn"),
+            initializer=die_with_parent,
+            initargs=(os.getpid(),),
+        )  # fmt: skip
     )
     with pool:
         futures = [pool.submit(process_split, *a) for a in args]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pyarrow.fs as pafs
 
 from recd_core.config import TrainConfig
-from recd_core.errors import first_line
+from recd_core.errors import RecdError, first_line
 from recd_core.leftovers import sweep_files
 from recd_core.modeling.saved import (
     CheckpointError,
@@ -46,6 +46,48 @@ def run_name(ds: str, cfg: TrainConfig, batches_id: str = "") -> str:
 def batches_id(wh: Warehouse, ds: str, mode: str) -> str:
     """The write id of the batches partition a run trains on (part of its key)."""
     return str(wh.manifest("batches", ds, mode=mode).get("write_id", ""))
+
+
+class RunBusy(RecdError):
+    """Another live process trains the same day and arm in this warehouse (exit 1,
+    retryable: the orchestrator's retry comes after it is done)."""
+
+
+RUN_LOCK_WAIT_S = 60.0  # how long a run waits for a leftover of the same day and arm to end
+
+
+@contextlib.contextmanager
+def one_writer(wh: Warehouse, ds: str, mode: str, wait_s: float | None = None):
+    """Hold the day's and arm's training lock for the run (`checkpoints/_locks/`, local
+    warehouses): its checkpoints and model have one live writer, so a retry never trains
+    beside a leftover of the run it retries. A leftover still ending (its ranks take a
+    moment after their parent's SIGTERM) is waited for up to `wait_s`; then `RunBusy`."""
+    import fcntl
+    import time
+
+    if not wh.locks:  # object stores: one run per day is the orchestrator's (max_active_runs)
+        yield
+        return
+    wait_s = RUN_LOCK_WAIT_S if wait_s is None else wait_s
+    path = f"{wh.root}/checkpoints/_locks/{ds}-{mode}.lock"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RunBusy(
+                        f"train: another live process is training ds={ds} mode={mode} in "
+                        f"{wh.uri} ({path} held for {wait_s:.0f} s): retry once it is done"
+                    ) from None
+                time.sleep(0.25)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
 
 
 @dataclass

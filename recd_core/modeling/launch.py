@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from recd_core.config import TrainConfig
 from recd_core.errors import BadInput
+from recd_core.runtime import die_with_parent
 
 # worker(rank, world, warehouse URI, ds, cfg, init_from, init_label) -> summary
 Worker = Callable[[int, int, str, str, TrainConfig, str | None, str | None], dict]
@@ -71,7 +72,7 @@ def launch(
 ) -> dict:  # fmt: skip
     """Run `worker` in this process (one process, or a rank `torchrun` started) or in
     `nproc` spawned ones; returns rank 0's summary."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
+    if launched_rank() is not None:  # launched by torchrun
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         return worker(rank, world, wh_uri, ds, cfg, init_from, init_label)
     if nproc <= 1:
@@ -84,7 +85,17 @@ def launch(
         os.environ["MASTER_PORT"] = str(_free_port())
         mp.start_processes(
             _spawned,
-            args=(nproc, worker, result, wh_uri, ds, cfg.model_dump_json(), init_from, init_label),
+            args=(
+                nproc,
+                worker,
+                result,
+                wh_uri,
+                ds,
+                cfg.model_dump_json(),
+                init_from,
+                init_label,
+                os.getpid(),
+            ),
             nprocs=nproc,
             start_method="spawn",
         )
@@ -95,11 +106,21 @@ def launch(
         return out
 
 
+def launched_rank() -> int | None:
+    """This process's rank when `torchrun` started it (its RANK and WORLD_SIZE), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+
+
 def _spawned(
     rank: int, world: int, worker: Worker, result: str, wh_uri: str, ds: str, cfg_json: str,
-    init_from: str | None, init_label: str | None,
+    init_from: str | None, init_label: str | None, parent: int,
 ) -> None:  # fmt: skip
-    """A rank; a bad input (`BadInput`) comes back as its one line, not a traceback."""
+    """A rank; it ends with the process that spawned it (a SIGTERM to `recd train` stops
+    every rank: `runtime.die_with_parent`); a bad input (`BadInput`) comes back as its one
+    line, not a traceback."""
+    die_with_parent(parent)
     try:
         summary = worker(rank, world, wh_uri, ds, TrainConfig.model_validate_json(cfg_json),
                          init_from, init_label)  # fmt: skip

@@ -36,6 +36,7 @@ loading and scoring a saved model); several processes train data parallel (launc
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import time
 import warnings
@@ -62,12 +63,14 @@ from recd_core.modeling.checkpoints import (
     Checkpoints,
     ShardedCheckpoints,
     checkpoint_state,
+    one_writer,
     run_name,
 )
 from recd_core.modeling.early_stopping import EarlyStopping, TableStart, on_cpu
 from recd_core.modeling.launch import (
     join_process_group,
     launch,
+    launched_rank,
     leave_process_group,
     peak_mem,
     resolve_device,
@@ -116,7 +119,10 @@ def train(
     nproc = cfg.nproc if nproc is None else nproc
     if cfg.sharding != "none":
         check_config(cfg, nproc)
-    return launch(train_worker, nproc, warehouse.uri, ds, cfg, init_from, init_label)
+    # one live writer per day and arm (a rank that torchrun started: its rank 0 holds it)
+    lock = one_writer(warehouse, ds, cfg.mode) if launched_rank() in (None, 0) else None
+    with lock or contextlib.nullcontext():
+        return launch(train_worker, nproc, warehouse.uri, ds, cfg, init_from, init_label)
 
 
 def train_worker(
