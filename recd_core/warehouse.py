@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
 import fcntl
 import json
 import os
@@ -85,7 +86,12 @@ from recd_core.leftovers import held, hold
 
 MANIFEST = "_manifest.json"
 WRITER_LOCK = "_writer.lock"  # inside a staging directory, held (flock) by its live writer
-READER_LOCK = "_reader.lock"  # inside a pin directory, held (flock) by its live reader
+READER_LOCK = "_reader.lock"
+READ_ONLY = (
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+)  # a warehouse the user must fix  # inside a pin directory, held (flock) by its live reader
 
 
 class PartitionNotFound(BadInput, FileNotFoundError):
@@ -309,7 +315,9 @@ class Warehouse:
                 self._sweep_pins(table, ds, keys)
                 self.fs.create_dir(staging, recursive=True)
                 owner = self._hold_writer_lock(staging)
-        except PermissionError as e:  # a read-only warehouse: the user's to fix, not retried
+        except OSError as e:  # a read-only warehouse: the user's to fix, not retried
+            if not isinstance(e, PermissionError) and e.errno not in READ_ONLY:
+                raise
             raise BadInput(f"warehouse {self.uri} cannot be written: {_reason(e)}") from None
         writer = PartitionWriter(self.fs, staging, write_id)
         try:

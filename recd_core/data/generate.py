@@ -20,6 +20,7 @@ options, in one row group per 65,536 sessions).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import pyarrow.parquet as pq
 
 from recd_core.config import FeatureSet, GenerateConfig
 from recd_core.dedup.unique import batch_factors, combine_hashes, row_hashes, unique_sessions
+from recd_core.errors import BadInput
 from recd_core.leftovers import owned_tempdir
 from recd_core.lineage import record, require_features, require_fresh, stored_features
 from recd_core.schema import SIDE_ROW, feature_set_of, sessions_checked
@@ -405,6 +407,11 @@ def generate(
     events (pinned for the whole stage), refused when they are stale or, given the
     config's `features`, were built with another feature set (lineage.py); each layout's
     manifest records what it was built from."""
+    spill = cfg.spill_dir
+    if spill and not (Path(spill).is_dir() and os.access(spill, os.W_OK | os.X_OK)):
+        why = "not a directory" if not Path(spill).is_dir() else "not writable"
+        raise BadInput(f"generate.spill_dir {spill}: {why} (create it, or leave spill_dir "
+                       "unset for the system's temporary directory)")  # fmt: skip
     name = warehouse.partition_name("events", ds)
     with warehouse.pinned("events", ds):
         inputs = require_fresh(warehouse, "generate", [name])

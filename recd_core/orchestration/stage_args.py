@@ -165,13 +165,12 @@ class StageArgs(BaseModel):
             raise ValueError(f"{flag} must be a date YYYY-MM-DD, got {value!r}") from None
 
     def training_days(self) -> list[str]:
-        first = dt.date.fromisoformat(self.ds)
-        return [(first + dt.timedelta(days=k)).isoformat() for k in range(self.days)]
+        return [_day_after(self.ds, k) for k in range(self.days)]
 
     def eval_day(self, day: str) -> str:
         if self.eval_ds and self.days == 1:
             return self.eval_ds
-        return (dt.date.fromisoformat(day) + dt.timedelta(days=1)).isoformat()
+        return _day_after(day, 1)
 
     def all_days(self) -> list[str]:
         days = self.training_days()
@@ -326,3 +325,14 @@ def param_schema(name: str) -> dict:
         prop.update(branches[0])
     keys = ("type", "enum", "minimum", "maximum", "exclusiveMinimum", "description")
     return {k: prop[k] for k in keys if k in prop}
+
+
+def _day_after(day: str, k: int) -> str:
+    """`day` + `k` days; a run past the calendar's end (`--ds 9999-12-31 --days 2`) is one
+    line, not an OverflowError."""
+    try:
+        return (dt.date.fromisoformat(day) + dt.timedelta(days=k)).isoformat()
+    except OverflowError:
+        raise BadInput(
+            f"--ds {day}: the run's days (and the evaluation day after them) go past 9999-12-31"
+        ) from None

@@ -1,0 +1,88 @@
+"""Failures an orchestrator can act on: one absurd value quarantines its line, and bad
+configuration or a read-only warehouse is one line with exit 2 (final), never a traceback
+that the retry policy would run again and again."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from recd_core.config import PACKAGE_CONFIGS, load_yaml
+from recd_core.warehouse import Warehouse
+
+DAY = "2026-11-01"
+
+
+def recd(*args, code: int) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "recd_core.cli", *map(str, args)],
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.returncode == code, r.stderr[-3000:]
+    if code:
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert len(lines) == 1, r.stderr
+    return r
+
+
+def test_a_5000_digit_integer_quarantines_its_line_and_the_day_goes_on(tmp_path, small_logs):
+    src = tmp_path / "logs" / f"ds={DAY}"
+    shutil.copytree(small_logs / f"ds={DAY}", src)
+    f = next(src.glob("*.jsonl.gz"))
+    lines = gzip.decompress(f.read_bytes()).splitlines()
+    lines[7] = lines[7].replace(b'"user_id":', b'"user_id":' + b"9" * 5000 + b',"was":', 1)
+    f.write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
+    out = tmp_path / "s.json"
+    recd("ingest", "--source", src, "--warehouse", tmp_path / "wh", "--ds", DAY,
+         "--summary", out, code=0)  # fmt: skip
+    s = json.loads(out.read_text())
+    assert s["ingest.rows_quarantined"] == 1 and s["ingest.rows_ok"] == len(lines) - 1
+    assert s["ingest.rows_in"] == len(lines)
+    (row,) = Warehouse(tmp_path / "wh").read("quarantine", DAY).to_pylist()
+    assert row["line"] == 8 and row["field"] == "user_id" and "5000 digits" in row["reason"]
+
+
+def test_a_spill_dir_that_is_missing_is_one_line(tmp_path, samples_warehouse):
+    data = load_yaml(PACKAGE_CONFIGS / "synthetic.yaml")
+    data.setdefault("generate", {})["spill_dir"] = str(tmp_path / "missing")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    wh = tmp_path / "wh"
+    shutil.copytree(samples_warehouse, wh)
+    r = recd("generate", "--warehouse", wh, "--ds", DAY, "--config", cfg, code=2)
+    assert "generate.spill_dir" in r.stderr and "not a directory" in r.stderr
+
+
+def test_days_past_the_calendar_are_one_line(tmp_path):
+    r = recd("synth", "--logs", tmp_path / "logs", "--ds", "9999-12-31", "--days", "2", code=2)
+    assert "go past 9999-12-31" in r.stderr
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A read-only filesystem (a tmpfs remounted read-only): EROFS, not a permission bit."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                        capture_output=True)  # fmt: skip
+    if ok.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {ok.stderr.decode().strip()}")
+    (mnt / "wh").mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+    try:
+        yield mnt / "wh"
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_read_only_warehouse_is_one_line_and_final(read_only_dir, small_logs):
+    r = recd("ingest", "--source", small_logs / f"ds={DAY}", "--warehouse", read_only_dir,
+             "--ds", DAY, code=2)  # fmt: skip
+    assert "cannot be written" in r.stderr and "read-only file system" in r.stderr
+    assert not any(Path(read_only_dir).iterdir())
