@@ -86,3 +86,53 @@ def test_a_read_only_warehouse_is_one_line_and_final(read_only_dir, small_logs):
              "--ds", DAY, code=2)  # fmt: skip
     assert "cannot be written" in r.stderr and "read-only file system" in r.stderr
     assert not any(Path(read_only_dir).iterdir())
+
+
+LOCK_DB = """
+import sqlite3, sys, time
+con = sqlite3.connect(sys.argv[1], isolation_level=None)
+con.execute("BEGIN EXCLUSIVE")
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+con.execute("ROLLBACK")
+"""
+
+
+def _hold_lock(db: Path, seconds: float) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_DB, str(db), str(seconds)],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_a_locked_tracking_store_is_waited_for_then_retryable(tmp_path):
+    from recd_core.errors import TrackingError, TrackingStoreUnwritable
+    from recd_core.mlops.tracking import Tracker
+
+    db = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    recd("--tracking-uri", uri, "synth", "--logs", tmp_path / "a", "--ds", DAY, "--preset",
+         "small", "--days", "1", code=0)  # fmt: skip
+    holder = _hold_lock(db, 8)  # a lock that passes: the command waits for it
+    recd("--tracking-uri", uri, "synth", "--logs", tmp_path / "b", "--ds", DAY, "--preset",
+         "small", "--days", "1", code=0)  # fmt: skip
+    holder.wait()
+    holder = _hold_lock(db, 20)  # one that does not, within the wait: retryable, not final
+    with pytest.raises(TrackingError, match="stayed locked") as e:
+        Tracker(uri, timeout_s=0.5, lock_wait_s=2).check()
+    assert e.value.retryable and not isinstance(e.value, TrackingStoreUnwritable)
+    holder.kill()
+
+
+def test_commands_that_first_use_a_fresh_tracking_store_together_all_succeed(tmp_path):
+    procs = []
+    for round_ in range(3):
+        uri = f"sqlite:///{tmp_path}/m{round_}.db"
+        procs += [subprocess.Popen([sys.executable, "-m", "recd_core.cli", "--tracking-uri",
+                                    uri, "synth", "--logs", str(tmp_path / f"l{round_}{k}"),
+                                    "--ds", DAY, "--preset", "small", "--days", "1"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                  for k in range(2)]  # fmt: skip
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]

@@ -43,11 +43,20 @@ class Tracker:
     uri: str
     experiment: str = "recd"
     timeout_s: float = 5.0
+    # a SQLite store locked by another writer: waited for with backoff (1, 2, 4 ... 16 s)
+    # this long, then TrackingError (exit 4, retryable): a lock passes, a retry may succeed
+    lock_wait_s: float = 60.0
 
     def check(self) -> None:
-        """Fail fast, with the URI named, if the store cannot take a run record."""
+        """Fail fast, with the URI named, if the store cannot take a run record. A SQLite
+        store is initialized here, once: MLflow creates and migrates its schema on first
+        use, and two commands doing that at once on a fresh file collide (a duplicate
+        column, an alembic version mismatch), so the first holds a lock beside the file
+        while the others wait for it."""
         if self.uri.startswith("sqlite:///"):
-            self._check_sqlite(self.uri.removeprefix("sqlite:///"))
+            path = self.uri.removeprefix("sqlite:///")
+            self._check_sqlite(path)
+            self._init_sqlite(path)
         if not self.uri.startswith(("http://", "https://")):
             return
         try:
@@ -66,20 +75,55 @@ class Tracker:
         rollback journal cannot be created, fails here."""
         if path in ("", ":memory:"):
             return
-        try:
-            con = sqlite3.connect(path, timeout=self.timeout_s)
+        t0, delay = time.monotonic(), 1.0
+        while True:
             try:
-                con.isolation_level = None  # explicit transaction: DDL is rolled back too
-                con.execute("BEGIN IMMEDIATE")
-                con.execute("CREATE TABLE recd_write_probe (x)")
-                con.execute("ROLLBACK")
-            finally:
-                con.close()
-        except sqlite3.Error as e:
-            where = Path(path).resolve()
-            raise TrackingStoreUnwritable(
-                f"tracking store {self.uri} cannot be written ({e}: {where})"
-            ) from None
+                con = sqlite3.connect(path, timeout=self.timeout_s)
+                try:
+                    con.isolation_level = None  # explicit transaction: DDL is rolled back too
+                    con.execute("BEGIN IMMEDIATE")
+                    con.execute("CREATE TABLE recd_write_probe (x)")
+                    con.execute("ROLLBACK")
+                finally:
+                    con.close()
+                return
+            except sqlite3.OperationalError as e:  # locked by another writer: wait, retry
+                if "locked" not in str(e) and "busy" not in str(e):
+                    raise self._unwritable(path, e) from None
+                waited = time.monotonic() - t0
+                if waited >= self.lock_wait_s:
+                    raise TrackingError(
+                        f"tracking store {self.uri} stayed locked for {waited:.0f} s ({e}): "
+                        "another process holds it; retry"
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 16.0)
+            except sqlite3.Error as e:
+                raise self._unwritable(path, e) from None
+
+    def _unwritable(self, path: str, e: Exception) -> TrackingStoreUnwritable:
+        where = Path(path).resolve()
+        return TrackingStoreUnwritable(
+            f"tracking store {self.uri} cannot be written ({e}: {where})"
+        )
+
+    def _init_sqlite(self, path: str) -> None:
+        """MLflow's schema in a SQLite store, created or migrated by one process at a time."""
+        import fcntl
+
+        if path in ("", ":memory:"):
+            return
+        lock = Path(f"{path}.recd-init.lock")
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:  # a directory we cannot write: _check_sqlite said so already
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            with self._errors():
+                self.client().search_experiments(max_results=1)  # the store, initialized
+        finally:
+            os.close(fd)
 
     def client(self):
         from mlflow.tracking import MlflowClient
