@@ -136,3 +136,30 @@ def test_commands_that_first_use_a_fresh_tracking_store_together_all_succeed(tmp
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
+
+
+def test_a_parquet_export_that_decodes_past_the_limit_is_refused_before_reading(
+    tmp_path, small_logs
+):
+    """0.4 MB on disk, its footer declaring 2 MB, 1 GB once decoded (a long list repeated,
+    dictionary- and run-length-encoded): refused whole from its footer, the day goes on."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "logs" / f"ds={DAY}"
+    shutil.copytree(small_logs / f"ds={DAY}", src)
+    n = 130_000
+    lists = pa.ListArray.from_arrays(pa.array(np.arange(0, n * 1000 + 1, 1000, np.int32)),
+                                     pa.array(np.full(n * 1000, 7, np.int64)))  # fmt: skip
+    pq.write_table(pa.table({"user_history": lists, "event_id": pa.array(np.arange(n))}),
+                   src / "export.parquet", compression="zstd")  # fmt: skip
+    assert (src / "export.parquet").stat().st_size < 1 << 20
+    out = tmp_path / "s.json"
+    recd("ingest", "--source", src, "--warehouse", tmp_path / "wh", "--ds", DAY,
+         "--summary", out, code=0)  # fmt: skip
+    s = json.loads(out.read_text())
+    (name, why), = s["ingest.refused_files"].items()  # fmt: skip
+    assert name.endswith("export.parquet") and "expands past the limit" in why
+    lines = sum(len(gzip.decompress(f.read_bytes()).splitlines()) for f in src.glob("*.gz"))
+    assert s["ingest.rows_ok"] == lines and s["ingest.rows_in"] == lines + 1

@@ -454,9 +454,9 @@ def _positions(parts: list[_Part]) -> tuple[np.ndarray, np.ndarray]:
     return part_of, row_of
 
 
-def list_source_files(source: Path) -> tuple[list[Path], dict[str, str], dict[str, str]]:
-    """The source's files, in name order; the ones refused, with why; the ones ignored, with
-    why. Every file is named: a file is read where it lies inside the source directory and
+def list_source_files(source: Path) -> tuple[dict[Path, str], dict[str, str], dict[str, str]]:
+    """The source's files to read, in name order, each with its format (`jsonl`, `parquet`);
+    the ones refused, with why; the ones ignored, with why. Every file is named: a file is read where it lies inside the source directory and
     its content is JSON lines or Parquet (`sources.sniff`: any name, any case, rotated
     suffixes); a symlink that leads out of it (to `/etc/passwd`, another day) or a file of
     another format is refused (a quarantine record each: it counts toward the gate);
@@ -467,9 +467,9 @@ def list_source_files(source: Path) -> tuple[list[Path], dict[str, str], dict[st
         kind, why = sniff(source)
         if kind is None:
             raise SourceError(f"{source}: {why}")
-        return [source], {}, {}
+        return {source: kind}, {}, {}
     root = source.resolve()
-    files, refused, ignored = [], {}, {}
+    files, refused, ignored = {}, {}, {}
     for p in sorted(source.rglob("*")):
         rel = p.relative_to(source)
         if any(part.startswith((".", "_")) for part in rel.parts):
@@ -483,7 +483,7 @@ def list_source_files(source: Path) -> tuple[list[Path], dict[str, str], dict[st
             if kind is None:
                 refused[path_text(p)] = f"{why}: not read"
             else:
-                files.append(p)
+                files[p] = kind
     if not files and not refused:
         raise SourceError(f"no input files (JSON lines, gzip or zstd of them, or Parquet) "
                           f"under {source}")  # fmt: skip
@@ -491,7 +491,7 @@ def list_source_files(source: Path) -> tuple[list[Path], dict[str, str], dict[st
 
 
 def _parse(
-    path: Path, schema: pa.Schema, features: FeatureSet, user_cols: list[str],
+    path: Path, kind: str, schema: pa.Schema, features: FeatureSet, user_cols: list[str],
     limits: ReadLimits, window: DayWindow | None, sink=None,
 ) -> tuple[Parsed, Rejects, np.ndarray, str | None]:  # fmt: skip
     """One source file's work, in a parsing thread (or a Ray task): read, validate, hash the
@@ -499,7 +499,7 @@ def _parse(
     file's events file (its name; None when the rows are left to the caller). A file
     refused as a whole comes back as no rows and one quarantine record saying why."""
     try:
-        if sniff(path)[0] == "parquet":
+        if kind == "parquet":
             parsed, rejects = read_parquet_events(path, schema, limits)
         else:
             shared = [f.name for f in features.by_side("user")]  # a session's: parsed once
@@ -572,7 +572,7 @@ def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.S
         return nfiles, bytes_in, iter([(parsed, rejects, user, parsed.raw, None)]), {}
     files, refused, ignored = list_source_files(source)
     limits = ReadLimits(cfg.max_file_mb << 20, cfg.max_expansion_ratio)
-    args = [(p, schema, features, user_cols, limits, window) for p in files]
+    args = [(p, kind, schema, features, user_cols, limits, window) for p, kind in files.items()]
     if cfg.engine == "ray":
         from recd_core.ray_cluster import ordered_map
 
@@ -588,7 +588,7 @@ def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.S
             for path, (parsed, rejects, user, file) in zip(files, parsed_files, strict=True):
                 if progress:
                     progress(path.name, 1)
-                text = sniff(path)[0] != "parquet"
+                text = files[path] != "parquet"
                 raw = functools.partial(raw_lines, path, limits) if text else None
                 yield parsed, rejects, user, raw, file
         finally:  # a failure downstream: the parsing threads finish before staging goes

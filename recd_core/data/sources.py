@@ -523,14 +523,15 @@ def read_parquet_events(
     A column of another kind rejects every row of the file (the type is per file); a value
     out of range for the field's type (a label of 300 in an int64 column) rejects its row,
     as it would its line in JSON. A missing column is a null column (the required-field
-    check names it). A file whose footer declares more than `limits` allow once
-    decompressed is refused before any page is read (`FileRefused`)."""
+    check names it). A file that would decode past `limits` is refused before any page is
+    read (`FileRefused`): judged by `decoded_bound`, what its columns hold once decoded,
+    not the encoded sizes its footer declares (a dictionary- or run-length-encoded column
+    decodes hundreds of times larger)."""
     source = path_text(path)
     try:
-        meta = pq.ParquetFile(path).metadata
-        expanded = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
-        limits.check(expanded, path.stat().st_size)
-        table = pq.read_table(path)
+        pf = pq.ParquetFile(path)
+        limits.check(decoded_bound(pf.metadata), path.stat().st_size)
+        table = pf.read()
     except OSError as e:
         raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
     except pa.ArrowException as e:
@@ -577,6 +578,36 @@ def read_parquet_events(
         keep = pa.array(~bad)
         typed, lines = typed.filter(keep), lines[~bad]
     return Parsed(typed, source, lines, None), rejects
+
+
+_WIDTH = {"BOOLEAN": 1, "INT32": 4, "FLOAT": 4, "INT64": 8, "DOUBLE": 8, "INT96": 12}
+
+
+def decoded_bound(meta: pq.FileMetaData) -> int:
+    """What a Parquet file's columns take once decoded, from its footer alone: each column
+    chunk's values times their width (a fixed-width type), plus an offset and a validity
+    byte per value of a nested or optional column; a byte array its declared uncompressed
+    size at least. The footer's `total_byte_size` is the *encoded* size: a 0.6 MB export of
+    long repeated lists, dictionary- and run-length-encoded, decodes to over a gigabyte."""
+    total = 0
+    for i in range(meta.num_row_groups):
+        rg = meta.row_group(i)
+        for j in range(rg.num_columns):
+            col = rg.column(j)
+            width = _WIDTH.get(col.physical_type)
+            if col.physical_type == "FIXED_LEN_BYTE_ARRAY":
+                width = meta.schema.column(j).length or 1
+            values = col.num_values
+            if width is None:  # BYTE_ARRAY: no width to multiply by
+                total += max(col.total_uncompressed_size, values * 4)
+            else:
+                total += values * width
+            if (
+                meta.schema.column(j).max_definition_level
+                or meta.schema.column(j).max_repetition_level
+            ):
+                total += values * 5  # an int32 offset and a validity byte per value
+    return total
 
 
 def _base(typ: pa.DataType) -> pa.DataType:
