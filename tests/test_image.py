@@ -83,7 +83,9 @@ def test_a_running_stage_stops_within_a_second(engine):
             t0 = time.monotonic()
             subprocess.run([engine, "stop", f"recd-stop-{name}"], check=True,
                            capture_output=True, env=_engine_env())  # fmt: skip
-            assert time.monotonic() - t0 < 1.0, name
+            # at once, not after podman's 10 s kill timeout: `podman stop` itself took 1.1-1.2 s
+            # on a loaded 2-core runner, so the bar is 3 s, still a third of the timeout
+            assert time.monotonic() - t0 < 3.0, name
         finally:
             subprocess.run([engine, "rm", "-f", f"recd-stop-{name}"], capture_output=True,
                            env=_engine_env())  # fmt: skip
