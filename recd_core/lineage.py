@@ -98,7 +98,7 @@ def record(stage: str, inputs: dict[str, str], config=None,
     set its rows follow (or the digests its input recorded: carried down from ingest),
     `logs` (ingest) the raw files read (`logs_digest`)."""
     if config is not None and hasattr(config, "model_dump"):
-        config = config.model_dump(mode="json", exclude=_EXECUTION)
+        config = config.model_dump(mode="json", exclude=EXECUTION_FIELDS)
     out = {"stage": stage, "inputs": dict(inputs), "code": code_version()}
     if config is not None:
         out["config"] = digest(config)
@@ -112,7 +112,7 @@ def record(stage: str, inputs: dict[str, str], config=None,
 
 
 # fields that say how a stage runs, not what it writes
-_EXECUTION = {"engine", "workers", "executor", "threads", "device", "nproc", "spill_dir",
+EXECUTION_FIELDS = {"engine", "workers", "executor", "threads", "device", "nproc", "spill_dir",
               "memory_budget_mb", "max_file_mb", "max_expansion_ratio", "checkpoint_every",
               "keep_checkpoints", "timeout_minutes", "max_quarantine_fraction"}  # fmt: skip
 
@@ -245,6 +245,18 @@ def require_fresh(wh: Warehouse, reader: str, names: list[str]) -> dict[str, str
         table, ds, keys = parse_name(name)
         out[name] = str(wh.manifest(table, ds, **keys).get("write_id"))
     return out
+
+
+def check_reads(wh: Warehouse, reader: str, reads: list[str],
+                features: FeatureSet | None = None) -> tuple[dict[str, str], dict | None]:  # fmt: skip
+    """What a stage does before it reads: `reads` fresh (`require_fresh`), and the first of
+    them built with the config's `features` (`require_features`). Their write ids and the
+    feature digests it was built with: the stage's own lineage carries both down."""
+    inputs = require_fresh(wh, reader, reads)
+    stored = stored_features(wh, reads[0])
+    if features is not None:
+        require_features(reads[0], stored, features, reader)
+    return inputs, stored
 
 
 def require_features(name: str, stored: FeatureSet | dict | None, config: FeatureSet,

@@ -32,7 +32,7 @@ from recd_core.config import FeatureSet, GenerateConfig
 from recd_core.dedup.unique import batch_factors, combine_hashes, row_hashes, unique_sessions
 from recd_core.errors import BadInput
 from recd_core.leftovers import owned_tempdir
-from recd_core.lineage import record, require_features, require_fresh, stored_features
+from recd_core.lineage import check_reads, record
 from recd_core.schema import SIDE_ROW, feature_set_of, sessions_checked
 from recd_core.warehouse import Warehouse, open_parquet, read_batches
 
@@ -414,10 +414,7 @@ def generate(
                        "unset for the system's temporary directory)")  # fmt: skip
     name = warehouse.partition_name("events", ds)
     with warehouse.pinned("events", ds):
-        inputs = require_fresh(warehouse, "generate", [name])
-        stored = stored_features(warehouse, name)
-        if features is not None:
-            require_features(name, stored, features, "generate")
+        inputs, stored = check_reads(warehouse, "generate", [name], features)
         lineage = record("generate", inputs, cfg, stored)
         return _generate(warehouse, ds, cfg, layouts, progress, lineage)
 

@@ -711,9 +711,9 @@ def ingest(
 
 def _shaping(cfg: IngestConfig, write: ParquetWrite | None) -> dict:
     """The ingest settings that shape the events (lineage's config digest)."""
-    from recd_core.lineage import _EXECUTION
+    from recd_core.lineage import EXECUTION_FIELDS
 
-    return {"ingest": cfg.model_dump(mode="json", exclude=_EXECUTION),
+    return {"ingest": cfg.model_dump(mode="json", exclude=EXECUTION_FIELDS),
             "write": (write or ParquetWrite()).model_dump(mode="json")}  # fmt: skip
 
 

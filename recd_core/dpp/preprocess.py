@@ -59,7 +59,7 @@ from recd_core.dpp.transforms import (
     transform_ids,
 )
 from recd_core.errors import BadInput
-from recd_core.lineage import record, require_features, require_fresh, stored_features
+from recd_core.lineage import check_reads, record
 from recd_core.runtime import die_with_parent
 from recd_core.schema import SIDE_ROW, events_schema, feature_set_of, sessions_checked
 from recd_core.warehouse import Warehouse
@@ -482,10 +482,7 @@ def preprocess(
         reads = [name]
         if stats_from:
             reads.append(warehouse.partition_name("batches", stats_from, mode=cfg.mode))
-        inputs = require_fresh(warehouse, "preprocess", reads)
-        stored = stored_features(warehouse, name)
-        if features is not None:
-            require_features(name, stored, features, "preprocess")
+        inputs, stored = check_reads(warehouse, "preprocess", reads, features)
         lineage = record("preprocess", inputs, cfg, stored)
         return _preprocess(warehouse, ds, cfg, stats_from, progress, lineage)
 

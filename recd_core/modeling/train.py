@@ -50,14 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 from recd_core.config import FeatureSet, TrainConfig
 from recd_core.dpp.batch_store import BatchStore
 from recd_core.errors import BadInput, first_line
-from recd_core.lineage import (
-    record,
-    require_features,
-    require_fresh,
-    staleness,
-    stored_features,
-    write_ids,
-)
+from recd_core.lineage import check_reads, record, staleness, write_ids
 from recd_core.modeling.calibration import calibrate
 from recd_core.modeling.checkpoints import (
     Checkpoints,
@@ -112,10 +105,8 @@ def train(
     into `train.init_reason`). Stale batches, or batches built with another feature set
     than the config's `features`, are refused (lineage.py)."""
     warehouse.info("batches", ds, mode=cfg.mode)  # fail early, naming the partition
-    name = warehouse.partition_name("batches", ds, mode=cfg.mode)
-    require_fresh(warehouse, "train", [name])
-    if features is not None:
-        require_features(name, stored_features(warehouse, name), features, "train")
+    check_reads(warehouse, "train", [warehouse.partition_name("batches", ds, mode=cfg.mode)],
+                features)  # fmt: skip
     nproc = cfg.nproc if nproc is None else nproc
     if cfg.sharding != "none":
         check_config(cfg, nproc)
