@@ -494,6 +494,25 @@ class RegistryConfig(_Strict):
     eval_batch_size: int = Field(default=4096, gt=0)
 
 
+class ServeConfig(_Strict):
+    """The scoring server's limits (`recd serve`, serving/app.py): what one request may hold
+    and how much the server takes on at once, so its memory stays bounded whatever arrives."""
+
+    max_rows: int = Field(default=10_000, gt=0, description="rows in one request; more is a 413")
+    max_bytes: int = Field(
+        default=64 << 20, gt=0, description="bytes of one request body; more is a 413"
+    )
+    batch_rows: int = Field(
+        default=1024, gt=0, description="rows scored at a time (the model's working memory)"
+    )
+    max_in_flight: int = Field(
+        default=4, gt=0, description="requests held at once; more are answered 503 (retry)"
+    )
+    timeout_s: float = Field(
+        default=60.0, gt=0, description="seconds a request may take; longer is a 504"
+    )
+
+
 class PipelineConfig(_Strict):
     """Everything one pipeline run needs; loadable from one YAML file."""
 
@@ -505,6 +524,7 @@ class PipelineConfig(_Strict):
     preprocess: PreprocessConfig = PreprocessConfig(batch_size=512)
     train: TrainConfig = TrainConfig(batch_size=512)
     registry: RegistryConfig = RegistryConfig()
+    serve: ServeConfig = ServeConfig()
 
 
 def _format_validation_error(err: ValidationError, where: str) -> str:

@@ -20,10 +20,13 @@ read these two attributes and nothing else, so a failure means the same everywhe
     │                                                   a read-only file): a retry cannot help
     ├── RunBusy                     exit 1, retryable   another live process trains the same
     │                                                   day and arm (a leftover still ending)
-    └── StorageFull                 exit 1, retryable   no space left on a device (or a quota):
-                                                        what was being written is removed, the
-                                                        committed partitions are intact; free
-                                                        space and the same command succeeds
+    ├── StorageFull                 exit 1, retryable   no space left on a device (or a quota):
+    │                                                   what was being written is removed, the
+    │                                                   committed partitions are intact; free
+    │                                                   space and the same command succeeds
+    └── StorageUnreachable          exit 1, retryable   the warehouse's store does not answer
+                                                        (endpoint down, DNS, network), after
+                                                        the filesystem's own retries
 
 Anything else (a bug, a killed worker) keeps its traceback, exits 1 from the CLI and is
 retried by the orchestrators' retry policy.
@@ -82,6 +85,35 @@ class StorageFull(RecdError):
     """A device (or quota) ran out of space while recd wrote to it."""
 
 
+class StorageUnreachable(RecdError):
+    """The warehouse's store does not answer (an object store's endpoint down, DNS, a
+    network outage), after the filesystem's own retries: the same command succeeds once it
+    answers."""
+
+
+# how Arrow's filesystems (its S3 client's curl errors) and the OS say "no answer"
+_NETWORK_WORDS = ("NETWORK_CONNECTION", "curlCode", "Could not connect", "Could not resolve",
+                  "Connection refused", "Connection reset", "timed out", "Timeout was reached")  # fmt: skip
+_NETWORK_ERRNOS = (errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EHOSTUNREACH,
+                   errno.ENETUNREACH, errno.ENETDOWN)  # fmt: skip
+
+
+def network_failure(e: BaseException) -> bool:
+    """Is `e` a store that did not answer (retryable), rather than one that refused?"""
+    return isinstance(e, OSError) and (
+        e.errno in _NETWORK_ERRNOS or any(w in str(e) for w in _NETWORK_WORDS)
+    )
+
+
+def unreachable(e: OSError, where: str) -> StorageUnreachable:
+    """`e` as a one-line StorageUnreachable naming `where` and the store's own words."""
+    words = " ".join(str(e).split())
+    cause = words.split("; Details:")[0].split(" operation: ")[-1][:160]
+    err = StorageUnreachable(f"{where} is unreachable ({cause}): retry when it answers")
+    err.__cause__ = e
+    return err
+
+
 def first_line(e: BaseException, limit: int, empty: str = "") -> str:
     """The first line of an exception's message, at most `limit` characters (`empty` when it
     has none): causes from Arrow, torch or MLflow span many lines, a reason is one."""
@@ -102,6 +134,8 @@ def classify(e: BaseException) -> RecdError | None:
                           "(what was being written was removed; committed data is intact)")  # fmt: skip
         err.__cause__ = e
         return err
+    if network_failure(e):
+        return unreachable(e, "the warehouse's store")
     if isinstance(e, ValueError):
         err = BadInput(str(e))
         err.__cause__ = e

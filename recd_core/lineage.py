@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,17 +131,23 @@ def logs_digest(source: str | Path) -> dict:
     """What ingest read, as a digest of each file's name, size and modification time: late
     files, a redelivery or a rewrite change it."""
     p = Path(source)
-    files = (
-        [p]
-        if p.is_file()
-        else sorted(
-            f
-            for f in p.rglob("*")
-            if f.is_file() and not any(x.startswith((".", "_")) for x in f.relative_to(p).parts)
-        )
-    )  # what ingest reads: not hidden or marker files (`_SUCCESS`, `_oracle.json`)
-    stats = [(f.relative_to(p).as_posix() if f != p else f.name, f.stat().st_size,
-              f.stat().st_mtime_ns) for f in files]  # fmt: skip
+    if p.is_file():
+        st = p.stat()
+        stats = [(p.name, st.st_size, st.st_mtime_ns)]
+    else:  # os.walk, not Path.rglob: a day of 4,000 files was 0.3 s of pathlib objects
+        found = []
+        for dirpath, _, names in os.walk(p, followlinks=True):
+            rel = os.path.relpath(dirpath, p)
+            parts = [] if rel == "." else rel.split(os.sep)
+            for name in names:  # what ingest reads: not hidden or marker files (`_SUCCESS`)
+                if not any(x.startswith((".", "_")) for x in (*parts, name)):
+                    found.append([*parts, name])
+        stats = []
+        for parts in sorted(found):
+            full = os.path.join(p, *parts)
+            if os.path.isfile(full):
+                st = os.stat(full)
+                stats.append(("/".join(parts), st.st_size, st.st_mtime_ns))
     return {"path": str(p.resolve()), "digest": digest(stats), "files": len(stats)}
 
 

@@ -81,7 +81,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from zlib_ng import zlib_ng as zlib
 
-from recd_core.errors import BadInput, RecdError, first_line
+from recd_core.errors import BadInput, RecdError, first_line, network_failure, unreachable
 from recd_core.leftovers import held, hold
 
 MANIFEST = "_manifest.json"
@@ -243,6 +243,8 @@ class Warehouse:
         try:
             self.fs.create_dir(self.root, recursive=True)
         except OSError as e:  # a file in the way, no permission: the user's to fix
+            if network_failure(e):  # no answer (after Arrow's own retries): a retry's to fix
+                raise unreachable(e, f"warehouse {uri}") from None
             raise BadInput(f"warehouse {uri} cannot be used as a directory: {_reason(e)}") from None
 
     # -- paths ------------------------------------------------------------------------------

@@ -163,3 +163,17 @@ def test_a_parquet_export_that_decodes_past_the_limit_is_refused_before_reading(
     assert name.endswith("export.parquet") and "expands past the limit" in why
     lines = sum(len(gzip.decompress(f.read_bytes()).splitlines()) for f in src.glob("*.gz"))
     assert s["ingest.rows_ok"] == lines and s["ingest.rows_in"] == lines + 1
+
+
+def test_an_object_store_that_does_not_answer_is_retryable_in_one_line(tmp_path, small_logs):
+    """An S3 endpoint that is down: Arrow's client retries, then exit 1 (the orchestrator
+    retries), one line naming the warehouse; never exit 2, which would stop the retries."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    wh = f"s3://recd-bucket/wh?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+    r = recd("ingest", "--source", small_logs / f"ds={DAY}", "--warehouse", wh, "--ds", DAY,
+             code=1)  # fmt: skip
+    assert "unreachable" in r.stderr and "retry" in r.stderr and f"127.0.0.1:{port}" in r.stderr

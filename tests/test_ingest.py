@@ -332,3 +332,47 @@ def test_lines_that_share_little_are_left_to_the_plain_parse_after_a_look_at_the
     one = b"\n".join(json.dumps(r, separators=(",", ":")).encode() for r in rows) + b"\n"
     got = _shared(one, SMALL, ["user_id", "user_tags"])
     assert got is not None and got.equals(_plain(one, SMALL))
+
+
+def test_many_small_files_are_read_as_one_text_and_quarantined_by_file(
+    day_logs, tmp_path, warehouse, features
+):
+    """600 one-line files (a few gzipped, one damaged, one cut short, one a repeat, one that
+    expands past its share of the text) ingest as the same lines in one file do: the same
+    events, each refusal named by its own file and line, and a handful of events files
+    instead of 600."""
+    import gzip
+
+    lines = clean_lines(day_logs, 600)
+    src = tmp_path / "many"
+    src.mkdir()
+    for k, line in enumerate(lines):
+        name = src / f"part-{k:05d}.jsonl"
+        if k % 50 == 7:  # gzipped members among plain ones
+            (src / f"part-{k:05d}.jsonl.gz").write_bytes(gzip.compress(line + b"\n"))
+        elif k == 10:
+            name.write_bytes(b'{"event_id": 1, "broken\n')
+        elif k == 30:
+            name.write_bytes(lines[5] + b"\n")  # event 5 again
+        elif k == 40:  # a gzip stream cut short: what came out of it is kept
+            (src / f"part-{k:05d}.jsonl.gz").write_bytes(gzip.compress(line + b"\n" + line)[:-12])
+        elif k == 20:  # 1 KB that expands to 1 MB, past its share: read on its own
+            padded = line + b" " * (1 << 20) + b"\n"
+            (src / f"part-{k:05d}.jsonl.gz").write_bytes(gzip.compress(padded))
+        else:
+            name.write_bytes(line)  # no final newline: still its own line
+    s = ingest(src, warehouse, DAY, features, IngestConfig())
+    q = {(r["source"].rsplit("/", 1)[1], r["line"]): r
+         for r in warehouse.read("quarantine", DAY).to_pylist()}  # fmt: skip
+    assert q[("part-00010.jsonl", 1)]["reason"].startswith("invalid JSON")
+    assert q[("part-00030.jsonl", 1)]["field"] == "event_id"
+    assert "part-00005.jsonl:1" in q[("part-00030.jsonl", 1)]["reason"]
+    assert q[("part-00030.jsonl", 1)]["raw"] == lines[5], "the exact bytes"
+    # its second line, cut mid-way, and the stream's end: each named in its own file
+    cut = {k[1]: r["reason"] for k, r in q.items() if k[0] == "part-00040.jsonl.gz"}
+    assert "gzip stream truncated" in cut[3] and 2 in cut, cut
+    events = warehouse.read("events", DAY)
+    expected = {json.loads(ln)["event_id"] for k, ln in enumerate(lines) if k not in (10, 30, 40)}
+    assert expected <= set(events["event_id"].to_pylist())
+    assert s["ingest.files"] == 600 and s["ingest.rows_ok"] == events.num_rows
+    assert len(warehouse.info("events", DAY).files) < 10

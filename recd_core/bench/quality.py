@@ -198,6 +198,8 @@ def synthetic_week(
         "bench.quality.week.first_learned_ne": bounds[0]["learned"],
         "bench.quality.week.last_learned_ne": bounds[-1]["learned"],
         "week": rows,
+        # the last day's model and the day after it: what the serving bench serves
+        "week_model": {"uri": previous, "warehouse": run["warehouse"], "ds": all_days[-1]},
     }
     if both_arms:
         baseline = {**run, "ds": all_days[0], "mode": "baseline"}

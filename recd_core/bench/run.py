@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from recd_core.bench.serving import serving_markdown
 from recd_core.config import GenerateConfig
 from recd_core.data.generate import generate
 from recd_core.orchestration.stages import run_stage
@@ -113,6 +114,9 @@ def run_bench(
             "ingest_seconds": ing["ingest.seconds"],
         },
     }
+    from recd_core.bench.small_files import small_files_figures
+
+    result.update(small_files_figures(logs / f"ds={DS}", DS))
     result.update(dpp_figures(wh, DS))
     if train:
         result.update(_train_figures(wh, DS, out))
@@ -142,6 +146,10 @@ def run_bench(
             result.update(movielens_quality(movielens, out))
         if quality_days:
             result.update(synthetic_week(out, preset, days=quality_days))
+            from recd_core.bench.serving import serving_figures
+
+            served = result["week_model"]  # the week's last model, sent its next day's rows
+            result.update(serving_figures(served["uri"], served["warehouse"], served["ds"]))
     (out / "bench.md").write_text(markdown(result))
     result["artifacts"] = [str(out / "bench.md"), str(chart(result, out / "bench.png"))]
     return result
@@ -205,6 +213,13 @@ def markdown(r: dict) -> str:
             f"Ingestion ({r['bench.preset']}): {r['bench.ingest_rows_per_s']:,.0f} rows/s, "
             f"{r['bench.ingest_mb_per_s']:.1f} MB/s of gzipped input, on {r['bench.machine']}."
         )
+    if "bench.small_files.files" in r:
+        rows.append(
+            f"{r['bench.small_files.files']:,} one-line files: {r['bench.small_files.seconds_many']:.2f} s, "
+            f"the same lines as one file {r['bench.small_files.seconds_one']:.2f} s "
+            f"(**{r['bench.small_files.ratio']:.2f}x**; events files published: "
+            f"{r['bench.small_files.events_files_many']} and {r['bench.small_files.events_files_one']})."
+        )
     if "bench.dpp_speedup" in r:
         rows += ["", "| DPP preprocessing | dedup | baseline | ratio |", "|---|---|---|---|"]
         rows.append(
@@ -254,6 +269,8 @@ def markdown(r: dict) -> str:
     rows += sharded_markdown(r)
     rows += lineage_markdown(r)
     rows += quality_markdown(r)
+    if serving := serving_markdown(r):
+        rows += ["", *serving]
     if "embedding.step_ms.ours_dedup" in r:
         rows += ["", "| embedding bags only (fwd+bwd+sparse Adagrad) | step |", "|---|---|"]
         for k in ("torchrec_kjt", "torchrec_vbe", "ours_all_rows", "ours_dedup"):

@@ -154,10 +154,10 @@ class Registered:
     model_id: str  # the LoggedModel
 
 
-def log_model(tracker, run_id: str, model_dir: Path, samples: pa.Table, model_uri: str) -> str:
-    """The trained model as an MLflow 3 LoggedModel of its train run (a pyfunc with signature
-    and input example, tagged `recd.model_uri`): the experiment's Models tab lists it, with
-    the figures `log_model_metrics` links to it. Returns its model id."""
+def save_pyfunc(model_dir: Path, samples: pa.Table, target: Path) -> None:
+    """The trained model at `model_dir` as an MLflow pyfunc directory at `target` (model from
+    code, signature and input example from `samples`): what `log_model` logs, and what
+    `mlflow models serve -m <target>` serves without a tracking server."""
     import torch
     from mlflow.models import infer_signature
 
@@ -165,26 +165,33 @@ def log_model(tracker, run_id: str, model_dir: Path, samples: pa.Table, model_ur
     scorer = SampleScorer()  # loaded as MLflow will load it, to sign what it returns
     scorer.load_context(SimpleNamespace(artifacts={"dlrm": str(model_dir)}))
     signature = infer_signature(example, scorer.predict(None, example))
+    mlflow.pyfunc.save_model(
+        path=str(target),
+        python_model=str(Path(__file__).with_name("mlflow_model.py")),
+        artifacts={"dlrm": str(model_dir)},
+        code_paths=[str(Path(recd_core.__file__).parent)],
+        signature=signature,
+        input_example=example,
+        pip_requirements=[
+            f"torch=={torch.__version__.split('+')[0]}",
+            f"pyarrow=={pa.__version__}",
+            f"pandas=={pd.__version__}",
+            f"numpy=={np.__version__}",
+            "pydantic>=2",
+            "pyyaml",
+        ],
+    )
+
+
+def log_model(tracker, run_id: str, model_dir: Path, samples: pa.Table, model_uri: str) -> str:
+    """The trained model as an MLflow 3 LoggedModel of its train run (a pyfunc with signature
+    and input example, tagged `recd.model_uri`): the experiment's Models tab lists it, with
+    the figures `log_model_metrics` links to it. Returns its model id."""
     client = tracker.client()
     run = client.get_run(run_id)
     with owned_tempdir("recd-model-") as tmp:  # a killed run's: swept
         target = Path(tmp) / MODEL_ARTIFACT
-        mlflow.pyfunc.save_model(
-            path=str(target),
-            python_model=str(Path(__file__).with_name("mlflow_model.py")),
-            artifacts={"dlrm": str(model_dir)},
-            code_paths=[str(Path(recd_core.__file__).parent)],
-            signature=signature,
-            input_example=example,
-            pip_requirements=[
-                f"torch=={torch.__version__.split('+')[0]}",
-                f"pyarrow=={pa.__version__}",
-                f"pandas=={pd.__version__}",
-                f"numpy=={np.__version__}",
-                "pydantic>=2",
-                "pyyaml",
-            ],
-        )
+        save_pyfunc(model_dir, samples, target)
         # named for the arm and the day: the Models tab lists a comparison's two models apart
         name = "-".join(["dlrm", *(v for k in ("mode", "ds") if (v := run.data.tags.get(k)))])
         logged = client.create_logged_model(

@@ -91,7 +91,9 @@ def _saved_file(location: str, name: str, optional: bool = False) -> tuple[bytes
         if (path / name).exists():
             return (path / name).read_bytes(), str(path / name)
     elif "/models/" not in location:
-        raise ValueError("expected a model directory or <warehouse>/models/<run>")
+        raise ValueError(
+            f"{location}: no such model (expected a model directory or <warehouse>/models/<run>)"
+        )
     else:
         wh, base = _model_location(location)
         if wh.exists_file(f"{base}/{name}"):

@@ -1,0 +1,186 @@
+"""The scoring service, measured: latency and the server's memory per request size.
+
+    python -m recd_core.bench.serving --model W/models/RUN --warehouse W --ds D
+
+serves a trained model with `recd serve` (and, beside it, the same model as an MLflow pyfunc
+under `mlflow models serve`, the reference) on loopback, sends requests of 1, 100 and
+10,000 of day D's sample rows (MLflow's dataframe_split JSON, what both take), one at a
+time, and reports per size the p50 / p99 latency (after two warm-up requests) and the
+server's peak resident memory while that size was served (the kernel's high-water mark,
+reset before each size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+SIZES = (1, 100, 10_000)
+REQUESTS = {1: 100, 100: 30, 10_000: 5}  # timed requests per size (recd serve)
+REFERENCE_REQUESTS = {1: 30, 100: 10, 10_000: 2}  # mlflow models serve: 10k rows take ~30 s
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(port: int, server: subprocess.Popen, limit_s: float = 180) -> None:
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2):
+                return
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the scoring server did not start") from None
+            time.sleep(0.5)
+
+
+def _tree(pid: int) -> list[int]:
+    """The server and the processes it started (`mlflow models serve` runs uvicorn as a
+    child): memory is the tree's."""
+    import psutil
+
+    return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+
+
+def _status(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _peak_rss(pid: int) -> int:
+    """The peak resident set (VmHWM) of the server's process tree, bytes."""
+    return sum(_status(p, "VmHWM:") for p in _tree(pid))
+
+
+def _rss(pid: int) -> int:
+    return sum(_status(p, "VmRSS:") for p in _tree(pid))
+
+
+def _reset_peak(pid: int) -> None:
+    for p in _tree(pid):
+        Path(f"/proc/{p}/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+
+
+def _post(port: int, body: bytes) -> float:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=600) as r:
+        r.read()
+    return time.perf_counter() - t0
+
+
+def measure(server: subprocess.Popen, port: int, bodies: dict, requests: dict) -> dict:
+    """p50 / p99 latency (ms) and peak RSS per request size, one request at a time."""
+    _wait(port, server)
+    out = {"rss_idle": _rss(server.pid)}
+    for size, body in bodies.items():
+        _reset_peak(server.pid)
+        for _ in range(2):
+            _post(port, body)
+        times = np.array([_post(port, body) for _ in range(requests[size])]) * 1e3
+        out[size] = {"p50_ms": float(np.percentile(times, 50)),
+                     "p99_ms": float(np.percentile(times, 99)),
+                     "rows_per_s": size / float(np.median(times)) * 1e3,
+                     "peak_rss": _peak_rss(server.pid), "requests": requests[size]}  # fmt: skip
+    return out
+
+
+def _run_server(cmd: list[str], port: int, requests: dict, bodies: dict) -> dict:
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})  # fmt: skip
+    try:
+        return measure(server, port, bodies, requests)
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def serving_figures(model_uri: str, warehouse: str, ds: str, reference: bool = True) -> dict:
+    """`serving.*` figures (module docstring) for the model at `model_uri`."""
+    from recd_core.mlops.registry import NON_FEATURE_COLUMNS, save_pyfunc
+    from recd_core.modeling.saved import model_dir
+    from recd_core.warehouse import Warehouse
+
+    rows = Warehouse(warehouse).read_range("samples", ds, 0, max(SIZES), layout="clustered")
+    keep = [c for c in rows.column_names if c not in NON_FEATURE_COLUMNS]
+    records = rows.select(keep).to_pylist()
+    bodies = {n: json.dumps({"dataframe_split": {"columns": keep, "data": [
+        [r[c] for c in keep] for r in records[:n]]}}).encode() for n in SIZES}  # fmt: skip
+    port = _port()
+    ours = _run_server([sys.executable, "-m", "recd_core.cli", "serve", "--model", model_uri,
+                        "--port", str(port), "--max-rows", str(max(SIZES))], port,
+                       REQUESTS, bodies)  # fmt: skip
+    out = {"serving.rss_idle_bytes": ours["rss_idle"]}
+    for n in SIZES:
+        for k, v in ours[n].items():
+            out[f"serving.rows_{n}.{k}"] = v
+        out[f"serving.rows_{n}.body_bytes"] = len(bodies[n])
+    if reference:
+        with tempfile.TemporaryDirectory(prefix="recd-bench-pyfunc-") as tmp, \
+                model_dir(model_uri) as local:  # fmt: skip
+            save_pyfunc(local, rows, Path(tmp) / "model")
+            port = _port()
+            mlflow_bin = str(Path(sys.executable).parent / "mlflow")
+            theirs = _run_server([mlflow_bin, "models", "serve", "-m", str(Path(tmp) / "model"),
+                                  "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
+                                 port, REFERENCE_REQUESTS, bodies)  # fmt: skip
+        out["serving.mlflow.rss_idle_bytes"] = theirs["rss_idle"]
+        for n in SIZES:
+            for k, v in theirs[n].items():
+                out[f"serving.mlflow.rows_{n}.{k}"] = v
+            out[f"serving.speedup.rows_{n}"] = theirs[n]["p50_ms"] / ours[n]["p50_ms"]
+    return out
+
+
+def serving_markdown(r: dict) -> list[str]:
+    if "serving.rows_1.p50_ms" not in r:
+        return []
+    lines = ["| rows a request | recd serve p50 | p99 | peak RSS | mlflow models serve p50 | p99 | peak RSS | p50 ratio |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for n in SIZES:
+        a = f"serving.rows_{n}"
+        b = f"serving.mlflow.rows_{n}"
+        ref = (f"{r[b + '.p50_ms']:,.1f} ms | {r[b + '.p99_ms']:,.1f} ms | {r[b + '.peak_rss'] / 2**20:,.0f} MiB | "
+               f"**{r[f'serving.speedup.rows_{n}']:.1f}x**") if b + ".p50_ms" in r else "- | - | - | -"  # fmt: skip
+        lines.append(f"| {n:,} | {r[a + '.p50_ms']:,.1f} ms | {r[a + '.p99_ms']:,.1f} ms | "
+                     f"{r[a + '.peak_rss'] / 2**20:,.0f} MiB | {ref} |")  # fmt: skip
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    from recd_core.report import print_summary
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="<warehouse>/models/<run>")
+    p.add_argument("--warehouse", required=True)
+    p.add_argument("--ds", required=True, help="the day whose sample rows are sent")
+    p.add_argument("--no-reference", action="store_true", help="skip mlflow models serve")
+    a = p.parse_args(argv)
+    r = serving_figures(a.model, a.warehouse, a.ds, reference=not a.no_reference)
+    print("\n".join(serving_markdown(r)))
+    print_summary("recd bench (serving)", r)
+
+
+if __name__ == "__main__":
+    main()

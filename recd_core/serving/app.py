@@ -1,0 +1,207 @@
+"""`recd serve`: the champion as a scoring service, bounded whatever arrives.
+
+It serves the same registered model `mlflow models serve` serves (the pyfunc of
+mlops/registry.py, by `models:/<name>@champion`, or a trained model's directory) and speaks
+MLflow's scoring protocol, so a client of one works with the other:
+
+    GET  /ping, /health   200 once the model is loaded
+    GET  /version         the recd version and the model served
+    POST /invocations     application/json: dataframe_split | dataframe_records
+                          -> {"predictions": [p, ...]}
+
+What it adds to MLflow's server is what an orchestrated service needs (`ServeConfig`):
+
+    a request past serve.max_bytes       413, refused before its body is read
+      (Content-Length) or while it streams in
+    a request past serve.max_rows        413, before a column is built
+    more than serve.max_in_flight        503 with Retry-After: the server holds at most that
+      requests at once                   many bodies, so its memory is bounded
+    a value of the wrong type, a bad id  400 naming the row and the field (serving/request.py:
+                                         no coercion; ingest's checks)
+    a request past serve.timeout_s       504; its scoring stops at the next batch
+    anything unexpected                  500 "the server log has the details" (traceback
+                                         logged, never sent)
+
+Every non-200 body is one JSON line, `{"error_code": ..., "message": ...}` (MLflow's keys),
+with no stack trace and no echo of the request. Scoring runs serve.batch_rows rows at a time,
+one request at a time (torch already uses every core the process has).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from recd_core.config import FeatureSet, ServeConfig
+from recd_core.serving.request import RequestError, request_columns, request_table
+
+log = logging.getLogger("recd.serving")
+
+ERROR_CODES = {400: "BAD_REQUEST", 413: "REQUEST_TOO_LARGE", 415: "UNSUPPORTED_MEDIA_TYPE",
+               500: "INTERNAL_ERROR", 503: "TEMPORARILY_UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}  # fmt: skip
+
+
+@dataclass
+class Scorer:
+    """A loaded model and what scoring it needs; `served` names it (a URI, a version)."""
+
+    model: object
+    meta: dict
+    served: str
+    features: FeatureSet = field(init=False)
+    schema: pa.Schema = field(init=False)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        from recd_core.schema import events_schema
+
+        self.features = FeatureSet.model_validate(self.meta["prepared"]["raw"])
+        self.schema = events_schema(self.features)
+
+    def score(self, table: pa.Table, batch_rows: int, deadline: float) -> np.ndarray:
+        """Click probabilities, `batch_rows` rows at a time; past `deadline` (monotonic) it
+        stops between batches (TimeoutError)."""
+        import torch
+
+        from recd_core.modeling.saved import batches_of
+
+        out = []
+        with self.lock, torch.no_grad():
+            for batch in batches_of(self.meta, table, batch_rows, trust_sessions=False):
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+                out.append(torch.sigmoid(self.model(batch)).numpy().astype(np.float64))
+        return np.concatenate(out) if out else np.zeros(0)
+
+
+def load_scorer(uri: str) -> Scorer:
+    """A registered model (`models:/name@alias`, `models:/name/3`, `runs:/…`: MLflow's pyfunc,
+    through the tracking URI already set) or a trained model (a directory, or
+    `<warehouse>/models/<run>`)."""
+    if uri.startswith(("models:/", "runs:/", "mlflow-artifacts:")):
+        import mlflow.pyfunc
+        from mlflow.exceptions import MlflowException
+
+        from recd_core.errors import BadInput, TrackingError, first_line
+
+        try:
+            scorer = mlflow.pyfunc.load_model(uri).unwrap_python_model()
+        except MlflowException as e:
+            if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                raise BadInput(f"no model to serve at {uri}: {first_line(e, 200)}") from None
+            raise TrackingError(f"cannot load {uri}: {first_line(e, 200)}") from None
+        return Scorer(scorer.model, scorer.meta, uri)
+    from recd_core.modeling.saved import load_model
+
+    model, meta = load_model(uri)
+    return Scorer(model, meta, uri)
+
+
+def error_body(status: int, message: str) -> bytes:
+    """One JSON line: MLflow's error keys, the message on one line, nothing echoed."""
+    text = " ".join(str(message).split())[:400]
+    return json.dumps({"error_code": ERROR_CODES.get(status, "ERROR"), "message": text}).encode()
+
+
+async def read_body(request, cap: int) -> bytes:
+    """The body, refused (413) past `cap` bytes: by its Content-Length before a byte is
+    read, or as it streams in (chunked, or a length that lies)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise RequestError(f"Content-Length {declared[:20]!r} is not a number")
+        if int(declared) > cap:
+            raise RequestError(_too_large(int(declared), cap), 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise RequestError(_too_large(size, cap, "at least "), 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, cap: int, at_least: str = "") -> str:
+    return (f"request body of {at_least}{size:,} bytes, more than the server's limit of "
+            f"{cap:,} (serve.max_bytes): split the request")  # fmt: skip
+
+
+def parse_json(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"invalid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
+    except UnicodeDecodeError:
+        raise RequestError("invalid JSON: the body is not UTF-8") from None
+    except RecursionError:
+        raise RequestError("invalid JSON: nested too deeply") from None
+    except ValueError:  # an integer of more digits than Python converts
+        raise RequestError("invalid JSON: an integer of thousands of digits") from None
+
+
+def build_app(scorer: Scorer, cfg: ServeConfig):
+    """The ASGI app (Starlette) serving `scorer` under the limits of `cfg`."""
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from recd_core.lineage import code_version
+
+    in_flight = 0
+
+    def answer(status: int, message: str, headers: dict | None = None) -> Response:
+        return Response(error_body(status, message), status, headers,
+                        media_type="application/json")  # fmt: skip
+
+    def work(body: bytes, deadline: float) -> bytes:
+        columns, n = request_columns(parse_json(body), cfg.max_rows)
+        table = request_table(columns, n, scorer.schema, scorer.features)
+        del columns
+        probs = scorer.score(table, cfg.batch_rows, deadline)
+        return json.dumps({"predictions": probs.tolist()}).encode()
+
+    async def invocations(request) -> Response:
+        nonlocal in_flight
+        mime = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if mime != "application/json":
+            return answer(415, f"content type {mime or 'none'!r}: recd serve takes "
+                          "application/json (dataframe_split or dataframe_records)")  # fmt: skip
+        if in_flight >= cfg.max_in_flight:
+            return answer(503, f"{in_flight} requests in flight, the server's limit "
+                          "(serve.max_in_flight): retry shortly", {"Retry-After": "1"})  # fmt: skip
+        in_flight += 1
+        deadline = time.monotonic() + cfg.timeout_s
+        try:
+            body = await asyncio.wait_for(read_body(request, cfg.max_bytes), cfg.timeout_s)
+            left = max(deadline - time.monotonic(), 0.001)
+            out = await asyncio.wait_for(asyncio.to_thread(work, body, deadline), left)
+            return Response(out, 200, media_type="application/json")
+        except RequestError as e:
+            return answer(e.status, str(e))
+        except TimeoutError:
+            return answer(504, f"the request took longer than {cfg.timeout_s:g} s "
+                          "(serve.timeout_s)")  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - the traceback to the log, never to the client
+            log.exception("scoring failed")
+            return answer(500, f"scoring failed ({type(e).__name__}); the server log has "
+                          "the details")  # fmt: skip
+        finally:
+            in_flight -= 1
+
+    async def ping(request) -> Response:
+        return Response("\n", 200, media_type="application/json")
+
+    async def version(request) -> Response:
+        about = {"recd": code_version(), "model": scorer.served}
+        return Response(json.dumps(about), 200, media_type="application/json")
+
+    routes = [Route("/invocations", invocations, methods=["POST"]),
+              Route("/ping", ping), Route("/health", ping), Route("/version", version)]  # fmt: skip
+    return Starlette(routes=routes)

@@ -1,0 +1,244 @@
+"""Serving the champion: `recd serve` and `mlflow models serve` as real processes on loopback,
+the same registered model behind both: the same scores, typed ids, limits in rows and bytes,
+one-line refusals, a stop on SIGTERM."""
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import mlflow.artifacts
+import pytest
+from mlflow.tracking import MlflowClient
+
+BIN = Path(sys.executable).parent
+DAY = "2026-11-01"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def champion(tmp_path_factory):
+    """One day of `recd run` (registers and promotes its model) and the champion's own
+    serving example, as MLflow stored it."""
+    root = tmp_path_factory.mktemp("serving")
+    uri = f"sqlite:///{root}/mlflow.db"
+    r = subprocess.run(
+        [str(BIN / "recd"), "--tracking-uri", uri, "run", "--warehouse", root / "wh",
+         "--logs", root / "logs", "--out", root / "out", "--ds", DAY,
+         "--config", Path(__file__).parent / "configs/small.yaml"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    version = MlflowClient(tracking_uri=uri).get_model_version_by_alias("recd-dlrm", "champion")
+    local = mlflow.artifacts.download_artifacts(
+        artifact_uri=version.source, dst_path=str(root / "champion"), tracking_uri=uri
+    )
+    example = json.loads((Path(local) / "serving_input_example.json").read_text())
+    return root, uri, example
+
+
+class Server:
+    """A scoring server process on a free loopback port, stopped (and reaped) on exit."""
+
+    def __init__(self, cmd: list[str], uri: str, port: int):
+        env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PATH": f"{BIN}:{os.environ['PATH']}"}
+        self.port = port
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(self.url("/ping"), timeout=2):
+                    return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    pytest.fail("server did not start: " + self.proc.stderr.read().decode()[-2000:])
+                time.sleep(0.5)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def post(self, body, content_type: str = "application/json") -> tuple[int, str]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(self.url("/invocations"), data=data,
+                                         headers={"Content-Type": content_type})  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def recd_serve(uri: str, *limits: str) -> Server:
+    port = _port()
+    return Server([str(BIN / "recd"), "serve", "--model", "models:/recd-dlrm@champion",
+                   "--port", str(port), *limits], uri, port)  # fmt: skip
+
+
+def one_line_refusal(status: int, body: str, expected: int, *words: str) -> None:
+    assert status == expected, (status, body)
+    assert "\n" not in body.strip() and "Traceback" not in body and "stack_trace" not in body
+    message = json.loads(body)["message"]
+    for w in words:
+        assert w in message, (w, message)
+
+
+def test_both_servers_score_the_champions_example_alike(champion):
+    """`recd serve` and `mlflow models serve`, one registered model: the same scores."""
+    _, uri, example = champion
+    ours = recd_serve(uri)
+    try:
+        status, body = ours.post(example)
+        assert status == 200, body
+        scores = json.loads(body)["predictions"]
+        # the same rows as dataframe_records: the same scores
+        cols = example["dataframe_split"]["columns"]
+        records = [dict(zip(cols, row, strict=True)) for row in example["dataframe_split"]["data"]]
+        status, body = ours.post({"dataframe_records": records})
+        assert status == 200 and json.loads(body)["predictions"] == scores
+        with urllib.request.urlopen(ours.url("/version")) as r:
+            assert json.loads(r.read())["model"] == "models:/recd-dlrm@champion"
+    finally:
+        ours.stop()
+    port = _port()
+    theirs = Server([str(BIN / "mlflow"), "models", "serve", "-m", "models:/recd-dlrm@champion",
+                     "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)], uri, port)  # fmt: skip
+    cols = example["dataframe_split"]["columns"]
+    dense = next(c for c in ("user_dense", "item_dense") if c in cols)
+    broken = json.loads(json.dumps(example))
+    row = broken["dataframe_split"]["data"][0]
+    row[cols.index(dense)] = [float("nan")] * len(row[cols.index(dense)])
+    try:
+        status, body = theirs.post(example)
+        # MLflow's server runs the model's own checks too: a 400 naming the row and field
+        # (its body also echoes the request: recd serve's does not)
+        refused, why = theirs.post(broken)
+    finally:
+        theirs.stop()
+    assert status == 200, body
+    assert refused == 400 and "row 0" in why and dense in why and "not finite" in why, why
+    assert "stack_trace" not in why and "Traceback" not in why
+    assert json.loads(body)["predictions"] == pytest.approx(scores, rel=1e-6)
+    assert len(scores) == len(example["dataframe_split"]["data"]) > 0
+    assert all(0.0 < p < 1.0 for p in scores)
+
+
+def test_a_malformed_request_of_each_kind_is_one_line_naming_what(champion):
+    _, uri, example = champion
+    cols = example["dataframe_split"]["columns"]
+    dense = next(c for c in ("user_dense", "item_dense") if c in cols)
+
+    def with_value(col: str, value):
+        broken = json.loads(json.dumps(example))
+        broken["dataframe_split"]["data"][1][cols.index(col)] = value
+        return broken
+
+    width = len(example["dataframe_split"]["data"][0][cols.index(dense)])
+    cases = [
+        # ids are JSON integers, as ingest takes them: no coercion
+        (with_value("item_id", 3.7), 400, "row 1", "'item_id'", "expected an integer"),
+        (with_value("item_id", True), 400, "row 1", "'item_id'", "bool"),
+        (with_value("item_id", "58"), 400, "row 1", "'item_id'", "str"),
+        (with_value("item_id", 10**30), 400, "row 1", "'item_id'", "out of range"),
+        (with_value("item_id", -4), 400, "row 1", "'item_id'", "negative"),
+        (with_value("item_id", None), 400, "row 1", "missing required field 'item_id'"),
+        (with_value(dense, [float("nan")] * width), 400, "row 1", dense, "not finite"),
+        (with_value(dense, [0.5]), 400, "row 1", dense, f"expected {width} values"),
+        (with_value("user_history", "not a list"), 400, "row 1", "user_history"),
+        (b"{garbage", 400, "invalid JSON"),
+        (b'{"dataframe_split": {"columns": ["a"], "data": [[1]]}}', 400, "lacks feature"),
+        (b'{"rows": []}', 400, "dataframe_split"),
+        (b"[1, 2, 3]", 400, "JSON object"),
+        (b'{"dataframe_split": {"columns": ["a", "b"], "data": [[1]]}}', 400, "row 0"),
+        (b"\xff\xfe not text", 400, "UTF-8"),
+        (b'{"dataframe_records": [{"item_id": ' + b"9" * 5000 + b"}]}", 400, "invalid JSON"),
+    ]
+    server = recd_serve(uri)
+    try:
+        for body, status, *words in cases:
+            one_line_refusal(*server.post(body), status, *words)
+        one_line_refusal(*server.post(b"a,b\n1,2\n", "text/csv"), 415, "application/json")
+        status, body = server.post(example)  # and it still serves
+        assert status == 200, body
+    finally:
+        server.stop()
+
+
+def test_requests_past_the_limits_are_refused_with_413_before_the_work(champion):
+    _, uri, example = champion
+    rows = example["dataframe_split"]["data"]
+    small = len(json.dumps(example))
+    server = recd_serve(uri, "--max-rows", str(len(rows)), "--max-bytes", str(2 * small))
+    try:
+        more = json.loads(json.dumps(example))
+        more["dataframe_split"]["data"] = rows + rows[:1]
+        one_line_refusal(*server.post(more), 413, f"{len(rows) + 1:,} rows", "serve.max_rows")
+        big = json.loads(json.dumps(example))
+        big["padding"] = "x" * (3 * small)
+        one_line_refusal(*server.post(big), 413, "serve.max_bytes")
+        # a chunked body (no Content-Length) is cut off as it streams in
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.putrequest("POST", "/invocations")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        chunk = b"x" * small
+        for _ in range(4):
+            conn.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        conn.send(b"0\r\n\r\n")
+        response = conn.getresponse()
+        one_line_refusal(response.status, response.read().decode(), 413, "at least")
+        conn.close()
+        status, body = server.post(example)  # within the limits: served
+        assert status == 200, body
+    finally:
+        server.stop()
+
+
+def test_a_request_past_its_time_is_a_504_and_sigterm_stops_the_server(champion):
+    _, uri, example = champion
+    server = recd_serve(uri, "--timeout-s", "0.000001")
+    try:
+        one_line_refusal(*server.post(example), 504, "serve.timeout_s")
+    finally:
+        t0 = time.monotonic()
+        server.stop()
+        stopped = time.monotonic() - t0
+    # uvicorn finishes what is in flight, then ends by the signal it was sent
+    assert server.proc.returncode in (0, -signal.SIGTERM) and stopped < 10
+
+
+def test_serve_refuses_a_model_it_cannot_load_in_one_line(champion, tmp_path):
+    root, uri, _ = champion
+    for args, env_uri, words in (
+        (["--model", str(tmp_path / "nowhere")], None, "nowhere"),
+        (["--model", "models:/recd-dlrm@champion"], None, "--tracking-uri"),
+        (["--model", "models:/no-such-model@champion"], uri, "no-such-model"),
+    ):
+        env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+        cmd = [str(BIN / "recd"), *(["--tracking-uri", env_uri] if env_uri else []), "serve", *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "Traceback" not in r.stderr and words in r.stdout + r.stderr
