@@ -569,18 +569,47 @@ def load_feature_set(name_or_path: str | Path) -> FeatureSet:
     return parse_config(FeatureSet, data, str(path))
 
 
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` laid on `base`: mappings merge key by key (at any depth), anything else
+    replaces. A config names only what it changes."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def pipeline_defaults() -> dict[str, Any]:
+    """The sections' built-in values, as a config file would write them: only what each
+    default sets (`train: {batch_size: 512}`), so a class default still applies where the
+    pipeline sets nothing."""
+    out = {}
+    for name, f in PipelineConfig.model_fields.items():
+        if isinstance(f.default, BaseModel):
+            out[name] = f.default.model_dump(mode="json", exclude_unset=True)
+    return out
+
+
 def load_pipeline_config(
     path: str | Path | None = None, *, dataset: str = "synthetic"
 ) -> PipelineConfig:
     """The pipeline config from a YAML file, or the built-in one for `dataset` (its feature
-    set, and the settings its file gives beside it: MovieLens' training)."""
+    set, and the settings its file gives beside it: MovieLens' training). A file changes
+    only the fields it names: it is laid over the built-in config of the feature set it
+    names (`features: movielens` -> configs/movielens.yaml), which is laid over the
+    pipeline's defaults; `train: {cooccurrence_weight: 0}` keeps every other training field."""
     if path is None:
         builtin = PACKAGE_CONFIGS / f"{dataset}.yaml"
-        return parse_config(PipelineConfig, load_yaml(builtin), str(builtin))
+        data = merged(pipeline_defaults(), load_yaml(builtin))
+        return parse_config(PipelineConfig, data, str(builtin))
     data = load_yaml(path)
-    if isinstance(data.get("features"), str):
-        data["features"] = load_feature_set(data["features"]).model_dump()
-    return parse_config(PipelineConfig, data, str(path))
+    base = pipeline_defaults()
+    named = data.get("features")
+    if isinstance(named, str):
+        builtin = PACKAGE_CONFIGS / f"{named}.yaml"
+        if not Path(named).suffix and builtin.exists():
+            base = merged(base, {k: v for k, v in load_yaml(builtin).items() if k != "features"})
+        data["features"] = load_feature_set(named).model_dump()
+    return parse_config(PipelineConfig, merged(base, data), str(path))
 
 
 def synth_config(preset: str, **overrides: Any) -> SynthConfig:

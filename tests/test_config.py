@@ -35,7 +35,8 @@ def test_pipeline_config_from_yaml_with_named_feature_set(tmp_path: Path):
 def test_the_builtin_movielens_pipeline_trains_as_its_file_says(tmp_path: Path):
     """A `format: movielens` run without a config file trains as the MovieLens bench does
     (batches and an average that scale with the data, several passes), not with the daily
-    retrain's settings; the synthetic default keeps those; a user's file keeps its own."""
+    retrain's settings; the synthetic default keeps those; a user's file naming the MovieLens
+    features changes only what it names."""
     movielens = load_pipeline_config(dataset="movielens")
     assert movielens.train.batch_size == movielens.preprocess.batch_size
     # ml-100k's 80k training ratings in batches of 256 and five models; ml-1m's 800k in
@@ -50,7 +51,8 @@ def test_the_builtin_movielens_pipeline_trains_as_its_file_says(tmp_path: Path):
     assert synthetic.train.batch_size == 512 and synthetic.train.model.members == 1
     own = tmp_path / "own.yaml"
     own.write_text("features: movielens\ntrain: {epochs: 2}\n")
-    assert load_pipeline_config(own).train.model.members == 1
+    own_cfg = load_pipeline_config(own)
+    assert own_cfg.train.epochs == 2 and own_cfg.train.model == movielens.train.model
 
 
 def test_bad_config_names_file_and_field(tmp_path: Path):
@@ -121,3 +123,26 @@ def test_synth_presets_and_overrides():
         synth_config("huge")
     with pytest.raises(ConfigError, match="mean_session_length"):
         synth_config("small", mean_session_length=500.0)
+
+
+def test_a_partial_config_changes_only_the_fields_it_names(tmp_path):
+    """`train: {cooccurrence_weight: 0}` once replaced the whole section (batch 512 -> 4096)."""
+    from recd_core.config import load_pipeline_config
+
+    builtin = load_pipeline_config(None)
+    path = tmp_path / "c.yaml"
+    path.write_text("features: synthetic\ntrain: {cooccurrence_weight: 0, model: {embedding_dim: 16}}\n")
+    cfg = load_pipeline_config(path)
+    assert cfg.train.cooccurrence_weight == 0 and cfg.train.model.embedding_dim == 16
+    rest = cfg.train.model_copy(update={"cooccurrence_weight": builtin.train.cooccurrence_weight,
+                                        "model": builtin.train.model.model_copy(
+                                            update={"embedding_dim": builtin.train.model.embedding_dim})})  # fmt: skip
+    assert rest == builtin.train  # batch size 512 and every other field kept
+    assert cfg.model_dump(exclude={"train"}) == builtin.model_dump(exclude={"train"})
+    # a file naming a built-in feature set keeps that set's own settings (MovieLens' training)
+    path.write_text("features: movielens\ntrain: {epochs: 2}\n")
+    movielens = load_pipeline_config(None, dataset="movielens")
+    cfg = load_pipeline_config(path)
+    assert cfg.train.epochs == 2
+    assert cfg.train.model_copy(update={"epochs": movielens.train.epochs}) == movielens.train
+    assert cfg.preprocess == movielens.preprocess

@@ -194,14 +194,16 @@ class StageArgs(BaseModel):
             SynthConfig,
             TrainConfig,
             load_yaml,
+            merged,
             parse_config,
         )
 
         dataset = "movielens" if self.format == "movielens" else "synthetic"
         cfg = load_pipeline_config(self.config, dataset=dataset)
         train = cfg.train
-        if self.train_config:
-            train = parse_config(TrainConfig, load_yaml(self.train_config), self.train_config)
+        if self.train_config:  # laid over the config's training: it names what it changes
+            over = merged(train.model_dump(mode="json"), load_yaml(self.train_config))
+            train = parse_config(TrainConfig, over, self.train_config)
         sections = {
             "ingest": (cfg.ingest, {"format": self.format, "engine": self.engine,
                                     "workers": self.workers,
