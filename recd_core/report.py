@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,7 +18,11 @@ console = Console(stderr=True)
 
 @contextlib.contextmanager
 def progress(description: str, total: int | None) -> Iterator[Callable[[str, int], None]]:
-    """A progress bar; yields `advance(label, n)`. Quiet when stderr is not a terminal."""
+    """A progress bar on a terminal; elsewhere (a task log, a pod's log, a pipe) a line on
+    stdout at most every `LINE_EVERY_S` seconds. Yields `advance(label, n)`."""
+    if not console.is_terminal:
+        yield _progress_lines(description, total)
+        return
     bar = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -26,7 +31,6 @@ def progress(description: str, total: int | None) -> Iterator[Callable[[str, int
         TextColumn("{task.fields[label]}"),
         console=console,
         transient=True,
-        disable=not console.is_terminal,
     )
     with bar:
         task = bar.add_task(description, total=total, label="")
@@ -35,6 +39,25 @@ def progress(description: str, total: int | None) -> Iterator[Callable[[str, int
             bar.update(task, advance=n, label=label)
 
         yield advance
+
+
+LINE_EVERY_S = 30.0
+
+
+def _progress_lines(description: str, total: int | None) -> Callable[[str, int], None]:
+    start = last = time.monotonic()
+    done = 0
+
+    def advance(label: str, n: int = 1) -> None:
+        nonlocal last, done
+        done += n
+        now = time.monotonic()
+        if now - last >= LINE_EVERY_S:
+            last = now
+            of = f"/{total:,}" if total else ""
+            print(f"{description}: {done:,}{of} done, {now - start:,.0f} s ({label})", flush=True)
+
+    return advance
 
 
 def _fmt(key: str, value) -> str:

@@ -58,6 +58,14 @@ def _pod_dict(task):
     from kubernetes.client import ApiClient
     return ApiClient().sanitize_for_serialization(task.build_pod_request_obj())
 
+def _validated(dag):
+    # the params as the trigger form submits them with nothing typed, validated as
+    # Airflow validates a triggered run's conf; the error if they are refused
+    try:
+        return dict(dag.params.validate())
+    except Exception as e:
+        return f"refused: {e}"
+
 bag = DagBag(dag_folder=sys.argv[1], safe_mode=False)
 out = {"errors": {k: str(v)[-500:] for k, v in bag.import_errors.items()}, "dags": {}}
 for dag_id, dag in bag.dags.items():
@@ -65,6 +73,8 @@ for dag_id, dag in bag.dags.items():
         "schedule": str(dag.schedule), "catchup": dag.catchup,
         "timetable": type(dag.timetable).__name__, "summary": getattr(dag.timetable, "summary", None),
         "params": sorted(dag.params.keys()), "description": dag.description,
+        "param_schemas": {k: dag.params.get_param(k).schema for k in dag.params},
+        "params_as_shown": _validated(dag),
         "dagrun_timeout": str(dag.dagrun_timeout), "deadline": bool(dag.deadline),
         "on_failure": getattr(dag.on_failure_callback, "__name__", str(dag.on_failure_callback)),
         "tasks": {t.task_id: {
@@ -113,6 +123,14 @@ def test_the_dags_parse_with_their_schedule_and_structure(airflow_home, tmp_path
     assert daily["timetable"] == "CronTriggerTimetable" and daily["summary"] == "0 0 * * *"
     assert daily["catchup"] is False and daily["description"]
     assert daily["params"] == ["config", "ds", "mode"]
+    # the trigger form: nothing to type (Airflow marks a non-null empty param required and
+    # keeps Trigger disabled); the day with a date picker
+    shown = daily["params_as_shown"]
+    assert isinstance(shown, dict), shown
+    assert shown["ds"] is None and shown["mode"] == "dedup"  # config: RECD_CONFIG or None
+    for name in ("ds", "config"):
+        assert "null" in daily["param_schemas"][name]["type"]
+    assert daily["param_schemas"]["ds"]["format"] == "date"
     assert daily["dagrun_timeout"] == "12:00:00" and daily["deadline"]
     assert daily["on_failure"] == "on_run_failure"
     tasks = daily["tasks"]
@@ -138,6 +156,7 @@ def test_the_dags_parse_with_their_schedule_and_structure(airflow_home, tmp_path
     assert cmp["description"] and cmp["deadline"] and cmp["on_failure"] == "on_run_failure"
     assert cmp["timetable"] == "NullTimetable"  # triggered only
     assert cmp["params"] == ["batch_size", "days", "ds", "preset"]
+    assert cmp["params_as_shown"]["ds"] == "2026-11-01"
     ct = cmp["tasks"]
     for mode in ("dedup", "baseline"):
         assert ct[f"preprocess_{mode}"]["downstream"] == [f"train_{mode}"]

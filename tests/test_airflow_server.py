@@ -163,6 +163,21 @@ def test_a_scheduled_style_daily_run_waits_for_complete_logs_then_succeeds(airfl
     client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
     champion = client.get_model_version_by_alias("recd-dlrm", "champion")
     assert champion.tags["recd.trained_on"] == "2026-11-01"
+    # the task logs read like the CLI: training's progress, the stage's summary; MLflow's
+    # INFO lines are not errors
+    train = _log(api, f"{path}/taskInstances/train/logs/1")
+    events = [str(e.get("event", "")) for e in train]
+    assert any(e.startswith("train 2026-11-01 dedup: step") for e in events), events[-40:]
+    assert any("recd train" in e for e in events) and any("train.val_ne" in e for e in events)
+    register = _log(api, f"{path}/taskInstances/register/logs/1")
+    errors = [e for e in train + register if e.get("level") in ("error", "critical")]
+    assert errors == [], errors[:5]
+
+
+def _log(api: Api, path: str) -> list[dict]:
+    """A task try's log as Airflow's REST API serves it: structured records."""
+    api.login()
+    return api.call("GET", path + "?full_content=true")["content"]
 
 
 def test_the_comparison_dag_runs_both_arms_over_days_when_triggered_over_the_rest_api(airflow):

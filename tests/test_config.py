@@ -131,7 +131,9 @@ def test_a_partial_config_changes_only_the_fields_it_names(tmp_path):
 
     builtin = load_pipeline_config(None)
     path = tmp_path / "c.yaml"
-    path.write_text("features: synthetic\ntrain: {cooccurrence_weight: 0, model: {embedding_dim: 16}}\n")
+    path.write_text(
+        "features: synthetic\ntrain: {cooccurrence_weight: 0, model: {embedding_dim: 16}}\n"
+    )
     cfg = load_pipeline_config(path)
     assert cfg.train.cooccurrence_weight == 0 and cfg.train.model.embedding_dim == 16
     rest = cfg.train.model_copy(update={"cooccurrence_weight": builtin.train.cooccurrence_weight,

@@ -170,9 +170,9 @@ def test_the_airflow_chart_values_mount_our_dags_and_use_our_image():
     ]
     assert graph_imports == ["__future__", "dataclasses"]
     env_from = yaml.safe_load(values["extraEnvFrom"])  # the official chart takes a string
-    assert env_from == [{"configMapRef": {"name": "recd-recd-pipeline"}}]
+    assert env_from == [{"configMapRef": {"name": "recd-pipeline"}}]
     assert values["workers"]["serviceAccount"] == {
         "create": False,
-        "name": "recd-recd-orchestrator",
+        "name": "recd-orchestrator",
     }
     assert values["airflowVersion"].startswith("3.")

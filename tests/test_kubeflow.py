@@ -129,3 +129,45 @@ def test_the_lightweight_pipeline_runs_end_to_end_locally(tmp_path, monkeypatch)
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     assert client.get_model_version_by_alias("recd-dlrm", "champion") is not None
+
+
+def test_the_pipeline_defaults_work_with_the_chart_as_documented(tmp_path):
+    """`helm install recd ./helm/recd -n recd` (docs/operations.md): the pipeline's default
+    tracking URI is the MLflow Service the chart renders, its pods carry the label the
+    chart's MLflow NetworkPolicy admits; every input is described in the UI; every step has
+    CPU and memory limits and a timeout; train may be placed on GPU nodes."""
+    import os
+    import shutil
+    import subprocess
+    import urllib.parse
+
+    import recd_pipeline
+
+    helm = os.environ.get("RECD_HELM") or shutil.which("helm") or str(REPO / "build/tools/helm")
+    r = subprocess.run([helm, "template", "recd", str(REPO / "helm" / "recd"), "-n", "recd"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    objects = [d for d in yaml.safe_load_all(r.stdout) if d]
+    services = {(o["metadata"]["name"], p["port"]) for o in objects if o["kind"] == "Service"
+                for p in o["spec"]["ports"]}  # fmt: skip
+    spec, platform = _compiled(tmp_path, "recd_pipeline.yaml")
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    uri = urllib.parse.urlsplit(params["tracking_uri"]["defaultValue"])
+    host, namespace = uri.hostname.split(".")[:2]
+    assert (host, uri.port) in services and namespace == "recd", (uri, services)
+    policy = next(o for o in objects if o["kind"] == "NetworkPolicy"
+                  and o["metadata"]["name"].endswith("-mlflow"))  # fmt: skip
+    admitted = [f["podSelector"]["matchLabels"] for f in policy["spec"]["ingress"][0]["from"]]
+    key, value = recd_pipeline.MLFLOW_CLIENT_LABEL
+    assert {key: value} in admitted
+    for name, p in params.items():  # the UI shows a description beside every input
+        assert p.get("description"), name
+    k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    for name, e in k8s.items():
+        assert e["podMetadata"]["labels"][key] == value, name
+        assert int(e["activeDeadlineSeconds"]) > 0, name
+    assert int(k8s["exec-recd-train"]["activeDeadlineSeconds"]) == 180 * 60
+    assert "tolerations" in k8s["exec-recd-train"] and "nodeSelector" in k8s["exec-recd-train"]
+    for e in spec["deploymentSpec"]["executors"].values():
+        res = e["container"]["resources"]
+        assert res["cpuLimit"] > 0 and res["memoryLimit"] > 0

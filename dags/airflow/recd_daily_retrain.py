@@ -48,12 +48,14 @@ TRAIN_DAY = "{{ params.ds or recd_training_day(data_interval_end or dag_run.run_
     doc_md=__doc__ + "\n" + DAILY.table(),
     user_defined_macros={"recd_training_day": training_day},
     params={
+        # nullable, so the trigger form starts with nothing to type (a date picker for ds)
         "ds": Param(
-            "",
-            **param_schema("ds")
+            None,
+            format="date",
+            **param_schema("ds", nullable=True)
             | {"description": "training day YYYY-MM-DD (empty: from the run's time)"},
         ),
-        "config": Param(SETTINGS.config or "", **param_schema("config")),
+        "config": Param(SETTINGS.config or None, **param_schema("config", nullable=True)),
         "mode": Param("dedup", **param_schema("mode")),
     },
     **dag_options(DAILY.name),
@@ -65,7 +67,7 @@ def recd_daily_retrain():
             "warehouse": SETTINGS.warehouse,
             "logs": SETTINGS.logs,
             "ds": TRAIN_DAY,
-            "config": "{{ params.config }}",
+            "config": "{{ params.config or '' }}",
             "mode": "{{ params.mode }}",
             "synthesize": SETTINGS.synthesize,
             "tracking_uri": SETTINGS.tracking_uri,

@@ -187,20 +187,39 @@ def stage(name: str, args: dict, task_id: str, upstream: list[str], tables: list
 
         from recd_core.errors import RecdError
         from recd_core.orchestration.stages import run_stage
+        from recd_core.report import print_summary, progress
 
+        quiet_third_parties()
         try:
-            summary = run_stage(
-                name, stage_args, json.loads(upstream_json) if upstream_json else None
-            )
+            summary = run_stage(name, stage_args,
+                                json.loads(upstream_json) if upstream_json else None,
+                                progress=progress)  # fmt: skip
         except RecdError as e:
             if e.retryable:  # e.g. the tracking server: the task's retries apply
                 raise
             raise AirflowFailException(f"recd {name}: {e}") from None
         for out in outlets:
             context["outlet_events"][out].extra = {"ds": stage_args["ds"]}
+        print_summary(f"recd {name}", summary)  # the log reads like the CLI's output
         return summary
 
     return run(args, upstream_json)
+
+
+def quiet_third_parties() -> None:
+    """MLflow's loggers write to stderr with handlers of their own, so their INFO lines
+    ("Created version 3 of model recd-dlrm") showed as red ERROR lines in the task log: here
+    they go through the root logger (Airflow's), at their own level, WARNING and above."""
+    import contextlib
+    import logging
+
+    with contextlib.suppress(ImportError):  # its import installs the handlers: first
+        import mlflow  # noqa: F401
+    for name in ("mlflow", "alembic"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+        logger.setLevel(logging.WARNING)
 
 
 XCOM_SIDECAR_IMAGE = "alpine:3.22"

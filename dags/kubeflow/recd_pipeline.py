@@ -161,11 +161,53 @@ LOGS_MOUNT = "/mnt/recd-logs"  # where every pod sees the logs volume (`logs_pvc
 S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 RETRIES = 2
 # what a step asks of the cluster: the accelerated stage (train) the most
-RESOURCES = {False: ("1", "2G", "8G"), True: ("2", "8G", "16G")}  # cpu, memory request, limit
+# cpu request, cpu limit, memory request, memory limit; the CPU limit is what training sizes
+# its threads by (runtime.cpu_budget reads the cgroup's quota)
+RESOURCES = {False: ("1", "2", "2G", "8G"), True: ("2", "4", "8G", "16G")}
+# a step's timeout: training's from the config's default (`train.timeout_minutes`), the
+# others an hour, as the Airflow tasks'
+TIMEOUT_S = {False: 3600, True: 180 * 60}
+# the label the chart's MLflow NetworkPolicy admits (helm/recd/templates/networkpolicy.yaml)
+MLFLOW_CLIENT_LABEL = ("recd.ai/mlflow-client", "true")
+# `helm install recd ./helm/recd -n recd` (docs/operations.md): its MLflow Service, by a name
+# that resolves from any namespace
+TRACKING_URI = "http://recd-mlflow.recd:5000"
 NAMES = {DAILY.name: ("recd-daily-retrain", "recd: one day of dedup-aware DLRM retraining",
                       "recd_pipeline.yaml"),
          COMPARISON.name: ("recd-dedup-vs-baseline", "recd: dedup and baseline arms trained "
                            "on the same day, side by side", "recd_comparison.yaml")}  # fmt: skip
+
+
+GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+# what the UI shows beside each input (kfp compiles a pipeline's docstring `Args:` into input
+# descriptions); the stages' own arguments are described where they are declared (StageArgs)
+INPUT_HELP = {
+    "ds": "the training day YYYY-MM-DD; empty: the last complete days before the run's "
+          "scheduled time (a recurring run leaves it empty)",
+    "logs": f"raw logs root, ds=<day>/ folders (default: the logs volume, mounted at {LOGS_MOUNT})",
+    "tracking_uri": f"MLflow tracking URI (default: the chart's Service, `helm install recd "
+                    f"./helm/recd -n recd`: {TRACKING_URI})",
+    "train_accelerator": "the train step's accelerator resource (nvidia.com/gpu)",
+    "train_accelerators": "accelerators for the train step (0: train on CPUs)",
+    "train_node_selector": "node labels the train step must run on, e.g. "
+                           "{\"nvidia.com/gpu.present\": \"true\"} ({}: any node)",
+    "train_tolerations": "taints the train step tolerates (default: GPU nodes' nvidia.com/gpu)",
+    "logs_pvc": "the PersistentVolumeClaim holding the raw logs, mounted in every step",
+    "s3_secret": "Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for an s3:// "
+                 "warehouse (optional; the chart's: recd-s3)",
+}  # fmt: skip
+
+
+def pipeline_doc(description: str) -> str:
+    """The pipeline's docstring: its description, and `Args:` describing every input (the
+    run's arguments from `StageArgs`, the pipeline's own from `INPUT_HELP`)."""
+    names = [*(n for n in RUN_INPUTS if n != "pipeline"), *(n for n in INPUT_HELP
+             if n not in RUN_INPUTS)]  # fmt: skip
+    lines = [description, "", "Args:"]
+    for n in names:
+        text = INPUT_HELP.get(n) or param_schema(n).get("description", n)
+        lines.append(f"    {n}: {' '.join(text.split())}")
+    return "\n".join(lines)
 
 
 def build_pipeline(
@@ -186,24 +228,27 @@ def build_pipeline(
         # (exits 4, 1) clears on a retry; bad input and gates (2, 3) fail again, fast
         step.set_retry(num_retries=retries, backoff_duration="60s", backoff_factor=2.0,
                        backoff_max_duration="600s")  # fmt: skip
-        cpu, memory, limit = RESOURCES[STAGES[task.stage].accelerated]
-        step.set_cpu_request(cpu).set_memory_request(memory).set_memory_limit(limit)
-        if STAGES[task.stage].accelerated:
+        accelerated = STAGES[task.stage].accelerated
+        cpu, cpu_limit, memory, limit = RESOURCES[accelerated]
+        step.set_cpu_request(cpu).set_cpu_limit(cpu_limit)
+        step.set_memory_request(memory).set_memory_limit(limit)
+        if accelerated:
             step.set_accelerator_type(accelerator[0]).set_accelerator_limit(accelerator[1])
         return step
 
-    @dsl.pipeline(name=name, description=description)
     def recd_pipeline(
-        ds: str = "",  # the training day; empty: the last complete days before the scheduled time
-        logs: str = LOGS_MOUNT,  # raw logs are files: the logs volume, mounted in every pod
+        ds: str = "",
+        logs: str = LOGS_MOUNT,
         warehouse: str = "s3://recd/warehouse",
-        tracking_uri: str = "http://recd-mlflow:5000",
+        tracking_uri: str = TRACKING_URI,
         config: str = "",
         synthesize: bool = False,
-        train_accelerator: str = "nvidia.com/gpu",  # the train step's accelerator resource
-        train_accelerators: int = 0,  # how many (0: train on CPUs)
-        logs_pvc: str = "recd-logs",  # the PersistentVolumeClaim holding the raw logs
-        s3_secret: str = "recd-s3",  # AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (the chart's)
+        train_accelerator: str = "nvidia.com/gpu",
+        train_accelerators: int = 0,
+        train_node_selector: dict = {},  # noqa: B006 - a pipeline input's default, never mutated
+        train_tolerations: list = GPU_TOLERATIONS,  # noqa: B006
+        logs_pvc: str = "recd-logs",
+        s3_secret: str = "recd-s3",
     ):
         shared = {"ds": ds, "warehouse": warehouse, "logs": logs, "tracking_uri": tracking_uri,
                   "config": config, "synthesize": synthesize, "pipeline": "recd kubeflow",
@@ -217,11 +262,18 @@ def build_pipeline(
             # optional: a warehouse that is not on S3 needs no keys
             kubernetes.use_secret_as_env(step, secret_name=s3_secret, optional=True,
                                          secret_key_to_env={k: k for k in S3_KEYS})  # fmt: skip
+            kubernetes.add_pod_label(step, *MLFLOW_CLIENT_LABEL)
+            accelerated = STAGES[task.stage].accelerated
+            kubernetes.set_timeout(step, TIMEOUT_S[accelerated])
+            if accelerated:
+                kubernetes.add_node_selector_json(step, train_node_selector)
+                kubernetes.add_toleration_json(step, train_tolerations)
             return step
 
         graph(wired, g)
 
-    return recd_pipeline
+    recd_pipeline.__doc__ = pipeline_doc(description)
+    return dsl.pipeline(name=name, description=description)(recd_pipeline)
 
 
 @dsl.pipeline(name="recd-daily-retrain-lightweight")

@@ -202,15 +202,30 @@ def fit(run: Run) -> None:
         run.seconds += time.perf_counter() - t0
         early.losses.append([run.step, loss])
         step, pass_end = run.step, run.step % run.per_epoch == 0
+        scores = None
         if run.validating and (step % every == 0 or step == run.total
                                or (early.per_pass and pass_end)):  # fmt: skip
-            early.update(step, validate(model, valid, run.device), model, run.optimizers())
+            scores = validate(model, valid, run.device)
+            early.update(step, scores, model, run.optimizers())
+        if run.rank == 0 and (scores is not None or step % max(run.total // 10, 1) == 0):
+            report_progress(run, scores)
         if run.validating and pass_end:
             early.pass_done(step - run.per_epoch)
         save = step % cfg.checkpoint_every == 0 or step == run.total or early.stop
         if save and (run.rank == 0 or run.sharded):  # sharded: every rank its own part
             state = checkpoint_state(model, run.optimizers(), step, cfg, early)
             run.checkpoints.save(state)
+
+
+def report_progress(run: Run, scores: dict | None) -> None:
+    """One line on stdout at each validation (or each tenth of the run): what a task log or
+    a pod's log shows while training runs (a bar needs a terminal)."""
+    recent = run.losses[-50:]
+    val = f", validation NE {scores['eval.ne']:.4f}" if scores else ""
+    rate = run.samples / run.seconds if run.seconds else 0.0
+    print(f"train {run.days[-1]} {run.cfg.mode}: step {run.step:,}/{run.total:,} "
+          f"({run.step / run.total:.0%}), pass {(run.step - 1) // run.per_epoch + 1}, "
+          f"loss {sum(recent) / len(recent):.4f}{val}, {rate:,.0f} samples/s", flush=True)  # fmt: skip
 
 
 def setup(

@@ -318,15 +318,20 @@ def stage_options(stage: str, wiring: bool = True) -> list[Option]:
     return out
 
 
-def param_schema(name: str) -> dict:
-    """A `StageArgs` field as JSON schema (type, enum, bounds, description; the value that
-    is not None where the field may be unset): what Airflow's `Param` takes."""
+def param_schema(name: str, nullable: bool = False) -> dict:
+    """A `StageArgs` field as JSON schema (type, enum, bounds, description): what Airflow's
+    `Param` takes. `nullable`: the value may be left empty (`type: [null, ...]`): Airflow's
+    trigger form marks a param required, and keeps Trigger disabled, when its type has no
+    null and its value is empty."""
     prop = dict(StageArgs.model_json_schema()["properties"][name])
     branches = [b for b in prop.pop("anyOf", []) if b.get("type") != "null"]
     if branches:
         prop.update(branches[0])
     keys = ("type", "enum", "minimum", "maximum", "exclusiveMinimum", "description")
-    return {k: prop[k] for k in keys if k in prop}
+    out = {k: prop[k] for k in keys if k in prop}
+    if nullable:
+        out["type"] = ["null", out["type"]]
+    return out
 
 
 def _day_after(day: str, k: int) -> str:

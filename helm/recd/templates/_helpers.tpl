@@ -1,5 +1,17 @@
+{{/* Helm's naming convention: the release name alone when it already holds the chart's
+name (`helm install recd ./helm/recd` names the MLflow Service `recd-mlflow`, the Kubeflow
+pipeline's default), else `<release>-recd`; `fullnameOverride` wins. */}}
 {{- define "recd.fullname" -}}
-{{- printf "%s-recd" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "recd.labels" -}}
