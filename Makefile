@@ -77,6 +77,7 @@ $(CURDIR)/build/tools/helm: | $(BIN)/python
 
 # The MLflow UI over the embedded store that `make run` writes.
 ui: $(STAMP)
+	@echo "recd's runs: http://127.0.0.1:5000/#/experiments?workflowType=machine_learning (MLflow 3 opens its GenAI view otherwise)"
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(MLFLOW_DB) --host 127.0.0.1 --port 5000
 
 lint: $(STAMP)

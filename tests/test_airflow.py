@@ -76,6 +76,7 @@ for dag_id, dag in bag.dags.items():
         "param_schemas": {k: dag.params.get_param(k).schema for k in dag.params},
         "params_as_shown": _validated(dag),
         "dagrun_timeout": str(dag.dagrun_timeout), "deadline": bool(dag.deadline),
+        "max_active_runs": dag.max_active_runs,
         "on_failure": getattr(dag.on_failure_callback, "__name__", str(dag.on_failure_callback)),
         "tasks": {t.task_id: {
             "type": type(t).__name__, "bases": [c.__name__ for c in type(t).__mro__], "downstream": sorted(t.downstream_task_ids),
@@ -122,6 +123,8 @@ def test_the_dags_parse_with_their_schedule_and_structure(airflow_home, tmp_path
     # the timetable declared, not left to `create_cron_data_intervals`
     assert daily["timetable"] == "CronTriggerTimetable" and daily["summary"] == "0 0 * * *"
     assert daily["catchup"] is False and daily["description"]
+    # a manual run is not queued behind a scheduled run waiting for its logs
+    assert daily["max_active_runs"] == 2
     assert daily["params"] == ["config", "ds", "mode"]
     # the trigger form: nothing to type (Airflow marks a non-null empty param required and
     # keeps Trigger disabled); the day with a date picker

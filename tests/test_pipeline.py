@@ -103,6 +103,17 @@ def test_the_mlflow_experiment_reads_at_a_glance(daily):
     assert parent.data.tags["mode"] == "dedup+baseline"  # no single arm
     history = client.get_metric_history(parent.info.run_id, "storage.ratio")
     assert history and history[0].value > 1
+    # the answer at a glance: the verdict and the table as its description, a short set of
+    # metrics (its stage runs keep the rest), settings as params, the conditions recorded
+    note = parent.data.tags["mlflow.note.content"]
+    assert "Dedup matches the baseline" in note and "| next-day NE |" in note, note
+    assert "dedup − baseline" in note and "CPUs" in note
+    assert len(parent.data.metrics) < 30 and "eval.ne" not in parent.data.metrics
+    assert {"eval.ne.dedup", "eval.ne.baseline", "eval.ne_gap"} <= set(parent.data.metrics)
+    assert "train.batch_size" not in parent.data.metrics
+    assert parent.data.params["compare.quality_ok"] == "true"
+    assert "tracking_uri" not in parent.data.params and "sys.cpu_budget" in parent.data.params
+    assert "sys.load_1m_end" in parent.data.tags
     assert not [k for k in parent.data.metrics if re.search(r"\d{4}-\d{2}-\d{2}", k)]  # stable keys
     assert parent.data.tags["recd.days"] == f"{DAY},{NEXT}"  # the dates: a tag
     children = client.search_runs(
@@ -112,6 +123,7 @@ def test_the_mlflow_experiment_reads_at_a_glance(daily):
     assert {f"ingest {DAY}", f"ingest {NEXT}", f"train dedup {DAY}", f"train baseline {DAY}",
             f"evaluate dedup {DAY} → {NEXT}"} <= names  # fmt: skip
     train = next(r for r in children if r.info.run_name == f"train dedup {DAY}")
+    assert "train.batch_size" in train.data.params and "train.lr_dense" in train.data.params
     inputs = {d.dataset.name: d for d in train.inputs.dataset_inputs}
     assert set(inputs) == {f"batches/mode=dedup/ds={DAY}"}
     assert json.loads(inputs[f"batches/mode=dedup/ds={DAY}"].dataset.profile)["num_rows"] > 0
@@ -126,6 +138,8 @@ def test_the_mlflow_experiment_reads_at_a_glance(daily):
     v1 = client.get_model_version("recd-dlrm", "1")
     model = client.get_logged_model(v1.tags["recd.model_id"])
     assert model.source_run_id == v1.run_id and v1.source == model.artifact_location
+    outputs = client.get_run(v1.run_id).outputs.model_outputs  # the train run's output
+    assert [o.model_id for o in outputs] == [model.model_id]
     linked = json.loads(model.tags["mlflow.modelVersions"])  # as MLflow's register_model links
     assert [(v["name"], str(v["version"])) for v in linked] == [("recd-dlrm", "1")]
     assert {m.key for m in model.metrics} >= {"eval.ne", "eval.auc"}
@@ -152,7 +166,9 @@ def test_the_next_day_promotes_or_keeps_the_champion_by_ne_and_logs_why(daily):
     # both NEs were scored on the same day: the champion's here is day one's model on day three
     assert float(v2.tags["recd.champion_ne"]) == pytest.approx(day2["registry.champion_ne"])
     run = client.get_run(day2["mlflow.run_id"])
-    assert run.data.metrics["registry.promoted"] == float(better)
+    # a yes/no fact: a param, not a one-bar chart
+    assert run.data.params["registry.promoted"] == str(better).lower()
+    assert "registry.promoted" not in run.data.metrics
     assert run.data.metrics["registry.champion_ne"] == pytest.approx(day2["registry.champion_ne"])
 
 

@@ -12,7 +12,8 @@ and trains on the day before (`recd_core/orchestration/schedule.py`): the run of
 2026-11-25 00:00 trains on 2026-11-23 and scores on 2026-11-24. `wait_for_logs` then waits
 until the log producer has marked both days complete (`_SUCCESS` in `<logs>/ds=<day>/`),
 failing with the missing days after `RECD_LOGS_WAIT_HOURS`. Catch-up and backfill run one
-day at a time, in order, each warm-started from the champion the day before left.
+day at a time, in order, each warm-started from the champion the day before left. Without
+catch-up a manual run can go beside a scheduled run still waiting for its logs.
 
 **Parameters** (a manual run): `ds` (the training day; empty: from the run's time), `config`
 (a pipeline config YAML), `mode` (the arm: dedup or baseline).
@@ -43,7 +44,11 @@ TRAIN_DAY = "{{ params.ds or recd_training_day(data_interval_end or dag_run.run_
     schedule=CronTriggerTimetable(SETTINGS.schedule, timezone="UTC") if SETTINGS.schedule else None,
     start_date=SETTINGS.start,
     catchup=SETTINGS.catchup,
-    max_active_runs=1,  # days in order: each warm-starts from the day before's champion
+    # catch-up runs the missed days in order, one at a time (each warm-starts from the day
+    # before's champion); otherwise a second run may go beside the scheduled one, so a manual
+    # run of a past day does not queue behind a run waiting hours for today's logs (a
+    # scheduled run comes once a day, and waits RECD_LOGS_WAIT_HOURS at most)
+    max_active_runs=1 if SETTINGS.catchup else 2,
     tags=["recd"],
     doc_md=__doc__ + "\n" + DAILY.table(),
     user_defined_macros={"recd_training_day": training_day},

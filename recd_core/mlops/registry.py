@@ -204,6 +204,10 @@ def log_model(tracker, run_id: str, model_dir: Path, samples: pa.Table, model_ur
             client.finalize_logged_model(logged.model_id, "FAILED")
             raise
         client.finalize_logged_model(logged.model_id, "READY")
+    from mlflow.entities import LoggedModelOutput
+
+    # the train run's output: its page lists the model ("Logged models")
+    client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, 0)])
     return logged.model_id
 
 

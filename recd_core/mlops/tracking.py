@@ -180,13 +180,13 @@ class Tracker:
             facts = {
                 "sys.python": platform.python_version(),
                 "sys.machine": platform.machine(),
-                "sys.cpus": os.cpu_count(),
+                **conditions("start"),
                 **_torch_facts(),
             }
             plist = [
                 Param(k, str(v)[:MAX_PARAM])
                 for k, v in {**params, **facts}.items()
-                if v is not None
+                if v is not None and k not in PLUMBING
             ]
             client.log_batch(run.info.run_id, params=plist, tags=[RunTag("recd.status", "running")])
             return run.info.run_id
@@ -195,7 +195,7 @@ class Tracker:
         """Record the stage's figures (metrics), its summary, tags known only at the end
         (mode, ds, status) and the files the summary lists under `artifacts` (plots,
         tables), then close the run."""
-        from mlflow.entities import Metric, RunTag
+        from mlflow.entities import Metric, Param, RunTag
 
         with self._errors():
             client = self.client()
@@ -221,10 +221,20 @@ class Tracker:
             if days:
                 tags.append(RunTag("recd.days", ",".join(days)))
             now = int(time.time() * 1000)
-            figures = numeric(summary)
+            given = settings(summary)  # hyperparameters and yes/no facts: params, not metrics
+            figures = {k: v for k, v in numeric(summary).items() if k not in given}
             # the answer first: the UI lists a run's metrics in the order they were logged
             first = [k for k in figures if headline_rank(k) is not None]
             order = sorted(first, key=headline_rank) + [k for k in figures if k not in first]
+            if len(arms) > 1:  # the comparison: the answer alone; the rest in its stage runs
+                order = [k for k in order if (k in first or k.startswith(COMPARISON_KEYS))
+                         and not _duplicate_of_arm(k, figures, arms)]  # fmt: skip
+                tags.append(RunTag("mlflow.note.content", comparison_note(summary)))
+            tags += [RunTag(f"sys.{k}", str(v)) for k, v in conditions("end").items()]
+            known_params = client.get_run(run_id).data.params
+            params = [Param(k, v[:MAX_PARAM]) for k, v in given.items() if k not in known_params]
+            for lo in range(0, len(params), 90):  # MLflow caps a batch at 100 params
+                client.log_batch(run_id, params=params[lo : lo + 90])
             metrics = [Metric(k, figures[k], now, 0) for k in order]
             metrics += [
                 Metric(k, v, now, step)
@@ -475,6 +485,78 @@ def headline_rank(key: str) -> tuple[int, str] | None:
         if base in HEADLINE:
             return HEADLINE.index(base), key
     return None
+
+
+# a command's arguments that say where its record goes, not what it did: not params
+PLUMBING = ("tracking_uri", "experiment", "parent_run_id", "summary")
+# summary figures that are settings the run used (the UI's Parameters), not measurements
+SETTING = re.compile(r"\.(batch_size|batch_size_asked|epochs|lr_dense|lr_sparse|lr|members|"
+                     r"world_size|steps_per_epoch|workers|repeats|nproc|threads|bucket_rows|"
+                     r"row_group_size|dedup_window_days)(\.|$)")  # fmt: skip
+# what a comparison's own run keeps besides the headline figures (its stage runs keep all)
+COMPARISON_KEYS = ("compare.", "registry.", "bench.")
+
+
+def settings(summary: dict, prefix: str = "") -> dict[str, str]:
+    """The summary's settings and yes/no facts (`train.batch_size`, `train.lr_dense`,
+    `compare.quality_ok`), as MLflow params: strings."""
+    out: dict[str, str] = {}
+    for k, v in summary.items():
+        key = f"{prefix}{k}"
+        if _DAY.match(key) or _day_keyed(v):
+            continue
+        if isinstance(v, bool):
+            out[key] = str(v).lower()
+        elif isinstance(v, int | float) and SETTING.search(key):
+            out[key] = f"{v:g}" if isinstance(v, float) else str(v)
+        elif isinstance(v, dict):
+            out.update(settings(v, f"{key}."))
+    return out
+
+
+def _duplicate_of_arm(key: str, figures: dict, arms: list[str]) -> bool:
+    """`eval.ne` beside `eval.ne.dedup` with the same value: the first arm's figure again."""
+    return any(figures.get(f"{key}.{a}") == figures[key] for a in arms)
+
+
+def conditions(when: str) -> dict:
+    """What a measurement depends on: the CPUs the process may use (affinity and cgroup
+    quota) of the machine's, and the load beside it (1-minute load average: above the
+    CPUs, a busy neighbour shares them)."""
+    from recd_core.runtime import cpu_budget
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    out = {f"load_1m_{when}": f"{load:.2f}"}
+    if when == "start":
+        out |= {"sys.cpus": os.cpu_count(), "sys.cpu_budget": cpu_budget(),
+                "sys.load_1m_start": out.pop(f"load_1m_{when}")}  # fmt: skip
+    return out
+
+
+def comparison_note(summary: dict) -> str:
+    """The comparison run's description (the run page's Description): the verdict in one
+    line, the side-by-side table, where the chart is, and what the figures were measured
+    under."""
+    from recd_core.mlops import compare
+
+    try:
+        r = compare.ratios(summary)
+        table = compare.markdown(summary)
+    except (KeyError, ZeroDivisionError, TypeError):
+        return "dedup vs baseline: the arms' figures are incomplete (see summary.json)"
+    ok = summary.get("compare.quality_ok", True)
+    verdict = (
+        f"**{'Dedup matches' if ok else 'Dedup does NOT match'} the baseline's quality** "
+        f"(next-day NE dedup − baseline {r['eval.ne_gap']:+.4f}, AUC {r['eval.auc_gap']:+.4f}) "
+        f"with **{r['storage.ratio']:.2f}x** less storage, **{r['dpp.speedup']:.2f}x** DPP and "
+        f"**{r['train.speedup']:.2f}x** training throughput."
+    )
+    cpus = os.cpu_count()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    where = (f"Measured on {cpus} CPUs, load {load:.2f} at the end (a load above the CPUs "
+             "means a busy neighbour: the throughput ratios move with it). The chart: "
+             "Artifacts → the comparison PNG; every stage's figures: its child run.")  # fmt: skip
+    return f"{verdict}\n\n{table}\n{where}\n"
 
 
 def _torch_facts() -> dict:
