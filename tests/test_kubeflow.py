@@ -171,3 +171,22 @@ def test_the_pipeline_defaults_work_with_the_chart_as_documented(tmp_path):
     for e in spec["deploymentSpec"]["executors"].values():
         res = e["container"]["resources"]
         assert res["cpuLimit"] > 0 and res["memoryLimit"] > 0
+
+
+def test_each_step_consumes_what_it_reads_so_the_run_lineage_is_connected(tmp_path):
+    """A step takes the artifact of the step that wrote what it reads (the day's events,
+    samples, batches, model): Kubeflow's lineage graph runs from the logs to the model."""
+    spec, _ = _compiled(tmp_path, "recd_pipeline.yaml")
+    edges = set()
+    for tid, t in spec["root"]["dag"]["tasks"].items():
+        for name, a in t.get("inputs", {}).get("artifacts", {}).items():
+            src = a["taskOutputArtifact"]
+            edges.add((src["producerTask"], src["outputArtifactKey"], tid))
+    assert {("recd-synth", "raw_logs", "recd-ingest"), ("recd-ingest", "events", "recd-generate"),
+            ("recd-generate", "samples", "recd-preprocess"),
+            ("recd-preprocess", "batches", "recd-train"), ("recd-train", "model", "recd-evaluate"),
+            ("recd-train", "model", "recd-register")} <= edges  # fmt: skip
+    # the evaluation day's samples come from that day's generate, not the training day's
+    evaluate = spec["root"]["dag"]["tasks"]["recd-evaluate"]["inputs"]["artifacts"]
+    producer = evaluate["in_samples"]["taskOutputArtifact"]["producerTask"]
+    assert spec["root"]["dag"]["tasks"][producer]["taskInfo"]["name"] == "generate_eval"

@@ -24,7 +24,15 @@ from pathlib import Path
 
 from kfp import compiler, dsl, kubernetes
 
-from recd_core.orchestration.graph import COMPARISON, DAILY, PULLED_FROM, STAGES, Graph, outputs
+from recd_core.orchestration.graph import (
+    COMPARISON,
+    DAILY,
+    OUTPUT_NAMES,
+    PULLED_FROM,
+    STAGES,
+    Graph,
+    outputs,
+)
 from recd_core.orchestration.stage_args import param_schema
 
 IMAGE = "ghcr.io/recd-project/recd-components:0.1.0"
@@ -85,6 +93,33 @@ def stage_command(name: str, flags: dict, sources: list, upstream: list, metadat
             *(["--executor-input", executor_input] if executor_input else [])]  # fmt: skip
 
 
+def consumed(stage: str) -> dict[str, str]:
+    """The artifact inputs of `stage`'s component, `in_<output>` -> kind: one per table it
+    reads that some stage leaves as a typed output (`graph.outputs`)."""
+    produced = {n: k for s in STAGES for n, k in outputs(s).items()}
+    names = [OUTPUT_NAMES.get(t, t) for t in STAGES[stage].reads]
+    return {f"in_{n}": produced[n] for n in names if n in produced}
+
+
+def producers(g: Graph, task) -> dict[str, str]:
+    """For each artifact input of `task`'s stage, the nearest upstream task (along `after`)
+    whose stage writes it: `in_<output>` -> task id."""
+    by_id = {t.id: t for t in g.tasks}
+    out: dict[str, str] = {}
+    for name in consumed(task.stage):
+        table = name.removeprefix("in_")
+        frontier, seen = list(task.after), set()
+        while frontier and name not in out:
+            tid = frontier.pop(0)
+            if tid in seen:
+                continue
+            seen.add(tid)
+            if table in outputs(by_id[tid].stage):
+                out[name] = tid
+            frontier += list(by_id[tid].after)
+    return out
+
+
 def container_stage(name: str, image: str = IMAGE):
     """The container component of one stage."""
     task_args, upstream = _task_args(name), _upstream_inputs(name)
@@ -95,6 +130,9 @@ def container_stage(name: str, image: str = IMAGE):
     params += [_param(n, dsl.Output[ARTIFACTS[kind]]) for n, kind in outputs(name).items()]
     params += [_param(k, str, "") for k in task_args]
     params += [_param(n, str, "{}") for n in upstream]
+    # what it reads, as the producing step's artifact (optional: a day's first stage has no
+    # producer in the run): the run's lineage graph links the steps
+    params += [_param(n, dsl.Input[ARTIFACTS[kind]], None) for n, kind in consumed(name).items()]
     names = [p.name for p in params]
 
     def stage(*values):
@@ -141,10 +179,12 @@ recd_stage = dsl.component(base_image=IMAGE)(
 )
 
 
-def graph(op, g: Graph) -> None:
+def graph(op, g: Graph, artifacts: bool = False) -> None:
     """Graph `g` as KFP tasks; `op(task, **upstream)` makes one. A stage's upstream summaries
     arrive as inputs named after the stage they come from (`start`, `train`) or, for the
-    summaries it merges, `u_<task>`; the declared order becomes `.after()`."""
+    summaries it merges, `u_<task>`; with `artifacts` (the container components), what it
+    reads as the producing step's output (`in_<output>`); the declared order becomes
+    `.after()`."""
     tasks: dict = {}
 
     def summary(task_id: str):  # a container component's `summary`, a lightweight one's Output
@@ -154,6 +194,9 @@ def graph(op, g: Graph) -> None:
     for task in g.order():
         inputs = {p.stage: summary(src) for p, src in g.pulls(task)}
         inputs |= {f"u_{t}": summary(t) for t in task.gathers}
+        if artifacts:
+            inputs |= {n: tasks[src].outputs[n.removeprefix("in_")]
+                       for n, src in producers(g, task).items()}  # fmt: skip
         tasks[task.id] = op(task, **inputs).after(*(tasks[a] for a in task.after))
 
 
@@ -270,7 +313,7 @@ def build_pipeline(
                 kubernetes.add_toleration_json(step, train_tolerations)
             return step
 
-        graph(wired, g)
+        graph(wired, g, artifacts=True)
 
     recd_pipeline.__doc__ = pipeline_doc(description)
     return dsl.pipeline(name=name, description=description)(recd_pipeline)
