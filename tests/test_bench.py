@@ -98,7 +98,16 @@ def test_recd_bench_writes_and_logs_its_report(tmp_path):
     # where each model's gap lies: the true terms, added to its logit, close most of it
     for w in week:
         assert w["missed"]["all"] < w["missed"]["model"]
+    # the served week's model: recd serve and mlflow models serve, each request size
+    for size in (1, 100, 10_000):
+        for server in ("serving", "serving.mlflow"):
+            k = f"{server}.rows_{size}"
+            assert 0 < result[f"{k}.p50_ms"] <= result[f"{k}.p99_ms"], k
+            assert result[f"{k}.peak_rss"] > 0, k
+    # 4,000 one-line files are read as a few texts, not 4,000 parses
+    assert result["bench.small_files.events_files_many"] < 10
     md = (tmp_path / "b/bench.md").read_text()
+    assert "recd serve p50" in md and "one-line files" in md
     assert "learnable bound" in md and "the features alone" in md and "Where the gap lies" in md
     assert "beside a busy neighbour, passive threads" in md
     assert "tables sharded, 2 processes" in md and "A table past a process's budget" in md

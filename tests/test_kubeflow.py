@@ -179,7 +179,7 @@ def test_each_step_consumes_what_it_reads_so_the_run_lineage_is_connected(tmp_pa
     spec, _ = _compiled(tmp_path, "recd_pipeline.yaml")
     edges = set()
     for tid, t in spec["root"]["dag"]["tasks"].items():
-        for name, a in t.get("inputs", {}).get("artifacts", {}).items():
+        for a in t.get("inputs", {}).get("artifacts", {}).values():
             src = a["taskOutputArtifact"]
             edges.add((src["producerTask"], src["outputArtifactKey"], tid))
     assert {("recd-synth", "raw_logs", "recd-ingest"), ("recd-ingest", "events", "recd-generate"),

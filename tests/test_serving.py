@@ -242,3 +242,34 @@ def test_serve_refuses_a_model_it_cannot_load_in_one_line(champion, tmp_path):
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
         assert r.returncode == 2, r.stdout + r.stderr
         assert "Traceback" not in r.stderr and words in r.stdout + r.stderr
+
+
+def test_requests_past_the_in_flight_limit_are_told_to_retry(champion):
+    """`--max-in-flight 1`: while one request is still arriving (a chunked body half sent),
+    the next is a 503 with Retry-After, at once; the first then completes."""
+    _, uri, example = champion
+    server = recd_serve(uri, "--max-in-flight", "1")
+    try:
+        body = json.dumps(example).encode()
+        slow = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        slow.putrequest("POST", "/invocations")
+        slow.putheader("Content-Type", "application/json")
+        slow.putheader("Transfer-Encoding", "chunked")
+        slow.endheaders()
+        slow.send(b"%x\r\n%s\r\n" % (10, body[:10]))  # in flight, its body half there
+        time.sleep(1)
+        t0 = time.monotonic()
+        request = urllib.request.Request(server.url("/invocations"), data=body,
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as busy:
+            urllib.request.urlopen(request, timeout=60)
+        assert time.monotonic() - t0 < 5  # told at once, not queued
+        one_line_refusal(busy.value.code, busy.value.read().decode(), 503, "serve.max_in_flight")
+        assert busy.value.headers["Retry-After"] == "1"
+        rest = body[10:]
+        slow.send(b"%x\r\n%s\r\n0\r\n\r\n" % (len(rest), rest))
+        response = slow.getresponse()
+        assert response.status == 200 and json.loads(response.read())["predictions"]
+        slow.close()
+    finally:
+        server.stop()

@@ -140,10 +140,11 @@ def run_bench(
             "ingest_quarantined": ml_ing["ingest.rows_quarantined"],
         }
     if quality:
-        from recd_core.bench.quality import movielens_quality, synthetic_week
+        from recd_core.bench.quality import SPLITS, movielens_quality, synthetic_week
 
         if movielens is not None:
-            result.update(movielens_quality(movielens, out))
+            for split in SPLITS:  # per user, and globally by time
+                result.update(movielens_quality(movielens, out, split=split))
         if quality_days:
             result.update(synthetic_week(out, preset, days=quality_days))
             from recd_core.bench.serving import serving_figures
@@ -325,38 +326,40 @@ def sharded_markdown(r: dict) -> list[str]:
 
 def quality_markdown(r: dict) -> list[str]:
     """The model-quality tables: ours next to a reference on the same data."""
+    from recd_core.bench.quality import SPLITS
+
     rows: list[str] = []
-    if "bench.quality.movielens.auc" in r:
-        q = "bench.quality.movielens."
+    for q, _, _, words in SPLITS.values():
+        if q + "auc" not in r:
+            continue
+        h = r.get(q + "test_entropy", float("nan"))  # log loss = NE x the test rows' entropy
         rows += [
             "",
-            f"| MovieLens ({r.get(q + 'data', 'ml-100k')}), split by time per user (80/20) | NE | AUC |",
-            "|---|---|---|",
-            f"| logistic regression, one-hot (C={r[q + 'lr_c']}) | {r[q + 'lr_ne']:.4f} | {r[q + 'lr_auc']:.4f} |",
-            f"| recd DLRM | {r[q + 'ne']:.4f} | {r[q + 'auc']:.4f} |",
-            f"| gain over the reference | {r[q + 'ne_gain']:+.4f} | {r[q + 'auc_gain']:+.4f} |",
+            f"| MovieLens ({r.get(q + 'data', 'ml-100k')}), {words} | NE | log loss | AUC |",
+            "|---|---|---|---|",
+            f"| logistic regression, one-hot (C={r[q + 'lr_c']}) | {r[q + 'lr_ne']:.4f} | {r[q + 'lr_ne'] * h:.4f} | {r[q + 'lr_auc']:.4f} |",
+            f"| recd DLRM | {r[q + 'ne']:.4f} | {r[q + 'ne'] * h:.4f} | {r[q + 'auc']:.4f} |",
+            f"| gain over the reference | {r[q + 'ne_gain']:+.4f} | {r[q + 'ne_gain'] * h:+.4f} | {r[q + 'auc_gain']:+.4f} |",
         ]
         if q + "lr_calibrated_ne" in r:
             rows.append(
                 f"| logistic regression calibrated as ours (on the latest 10%) "
-                f"| {r[q + 'lr_calibrated_ne']:.4f} | {r[q + 'lr_auc']:.4f} |"
+                f"| {r[q + 'lr_calibrated_ne']:.4f} | {r[q + 'lr_calibrated_ne'] * h:.4f} | {r[q + 'lr_auc']:.4f} |"
             )
         if q + "fm_auc" in r:
             rows += [
                 f"| factorization machine, same one-hot (L2 {r[q + 'fm_l2']:g}, "
-                f"{r[q + 'fm_passes']} passes) | {r[q + 'fm_ne']:.4f} | {r[q + 'fm_auc']:.4f} |",
-                f"| its gain over the logistic regression | {r[q + 'lr_ne'] - r[q + 'fm_ne']:+.4f} "
-                f"| {r[q + 'fm_auc'] - r[q + 'lr_auc']:+.4f} |",
+                f"{r[q + 'fm_passes']} passes) | {r[q + 'fm_ne']:.4f} | {r[q + 'fm_ne'] * h:.4f} | {r[q + 'fm_auc']:.4f} |",
             ]
         if q + "gbdt_auc" in r:
             rows += [
                 f"| gradient-boosted trees, LightGBM ({r[q + 'gbdt_leaves']} leaves, "
-                f"{r[q + 'gbdt_rounds']} rounds) | {r[q + 'gbdt_ne']:.4f} | {r[q + 'gbdt_auc']:.4f} |",
+                f"{r[q + 'gbdt_rounds']} rounds) | {r[q + 'gbdt_ne']:.4f} | {r[q + 'gbdt_ne'] * h:.4f} | {r[q + 'gbdt_auc']:.4f} |",
                 f"| recd DLRM over the best reference, figure by figure | {r[q + 'best_ne_gain']:+.4f} "
-                f"| {r[q + 'best_auc_gain']:+.4f} |",
+                f"| {r[q + 'best_ne_gain'] * h:+.4f} | {r[q + 'best_auc_gain']:+.4f} |",
                 f"| recd DLRM's training: {r[q + 'train_minutes']:.1f} min, "
                 f"{r[q + 'train_samples_per_s']:,.0f} samples/s (batch {r[q + 'batch_size']}, "
-                f"{r[q + 'members']} model{'s' if r[q + 'members'] > 1 else ''}) | | |",
+                f"{r[q + 'members']} model{'s' if r[q + 'members'] > 1 else ''}) | | | |",
             ]
     if r.get("week"):
         rows += [
