@@ -95,6 +95,7 @@ LAYERS = [
     "dpp",
     "modeling",
     "mlops",
+    "serving",
     "orchestration",
     "bench",
     "cli",

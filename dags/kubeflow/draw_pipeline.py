@@ -30,7 +30,7 @@ def draw(spec_path: str, out: str) -> None:
 
     layers: dict[int, list[str]] = {}
     # the evaluation day's steps below the training day's
-    for t in sorted(tasks, key=lambda t: ("eval" in name[t] and name[t] != "evaluate", name[t])):
+    for t in sorted(tasks, key=lambda t: (name[t].endswith("_eval"), name[t])):
         layers.setdefault(level(t), []).append(t)
     pos = {t: (x * 2.2, -(i - (len(ts) - 1) / 2) * 1.3)
            for x, ts in layers.items() for i, t in enumerate(ts)}  # fmt: skip
