@@ -117,7 +117,10 @@ def print_summary(dag_id: str, day: dt.date, state: str, tracking_uri: str | Non
             + (f": {summary['registry.reason']}" if summary.get("registry.reason") else "")
         )
     console.print(f"MLflow run {runs[0].info.run_id} [{t.get('recd.status')}]")
-    console.print("open the MLflow UI: make ui  (then http://127.0.0.1:5000)")
+    console.print(
+        "open the MLflow UI: make ui  (then "
+        "http://127.0.0.1:5000/#/experiments?workflowType=machine_learning)"
+    )
 
 
 if __name__ == "__main__":
