@@ -180,7 +180,7 @@ class Tracker:
             facts = {
                 "sys.python": platform.python_version(),
                 "sys.machine": platform.machine(),
-                **conditions("start"),
+                **conditions(),
                 **_torch_facts(),
             }
             plist = [
@@ -230,7 +230,7 @@ class Tracker:
                 order = [k for k in order if (k in first or k.startswith(COMPARISON_KEYS))
                          and not _duplicate_of_arm(k, figures, arms)]  # fmt: skip
                 tags.append(RunTag("mlflow.note.content", comparison_note(summary)))
-            tags += [RunTag(f"sys.{k}", str(v)) for k, v in conditions("end").items()]
+            tags.append(RunTag("sys.load_1m_end", load_1m()))
             known_params = client.get_run(run_id).data.params
             params = [Param(k, v[:MAX_PARAM]) for k, v in given.items() if k not in known_params]
             for lo in range(0, len(params), 90):  # MLflow caps a batch at 100 params
@@ -519,18 +519,21 @@ def _duplicate_of_arm(key: str, figures: dict, arms: list[str]) -> bool:
     return any(figures.get(f"{key}.{a}") == figures[key] for a in arms)
 
 
-def conditions(when: str) -> dict:
-    """What a measurement depends on: the CPUs the process may use (affinity and cgroup
-    quota) of the machine's, and the load beside it (1-minute load average: above the
-    CPUs, a busy neighbour shares them)."""
+def load_1m() -> str:
+    """The 1-minute load average (above the CPUs: a busy neighbour shares them)."""
+    return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "nan"
+
+
+def conditions() -> dict:
+    """What a measurement depends on, as a run starts: the machine's CPUs, those the
+    process may use (affinity and cgroup quota), and the load beside it."""
     from recd_core.runtime import cpu_budget
 
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    out = {f"load_1m_{when}": f"{load:.2f}"}
-    if when == "start":
-        out |= {"sys.cpus": os.cpu_count(), "sys.cpu_budget": cpu_budget(),
-                "sys.load_1m_start": out.pop(f"load_1m_{when}")}  # fmt: skip
-    return out
+    return {
+        "sys.cpus": os.cpu_count(),
+        "sys.cpu_budget": cpu_budget(),
+        "sys.load_1m_start": load_1m(),
+    }
 
 
 def comparison_note(summary: dict) -> str:
@@ -551,9 +554,7 @@ def comparison_note(summary: dict) -> str:
         f"with **{r['storage.ratio']:.2f}x** less storage, **{r['dpp.speedup']:.2f}x** DPP and "
         f"**{r['train.speedup']:.2f}x** training throughput."
     )
-    cpus = os.cpu_count()
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    where = (f"Measured on {cpus} CPUs, load {load:.2f} at the end (a load above the CPUs "
+    where = (f"Measured on {os.cpu_count()} CPUs, load {load_1m()} at the end (a load above the CPUs "
              "means a busy neighbour: the throughput ratios move with it). The chart: "
              "Artifacts → the comparison PNG; every stage's figures: its child run.")  # fmt: skip
     return f"{verdict}\n\n{table}\n{where}\n"

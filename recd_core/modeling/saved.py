@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -240,11 +241,15 @@ def predict(
     batch_size: int = 4096,
     device: str = "cpu",
     trust_sessions: bool = True,
+    deadline: float | None = None,
 ) -> np.ndarray:
-    """Click probabilities for a samples table (`batches_of`)."""
+    """Click probabilities for a samples table (`batches_of`); past `deadline` (a
+    `time.monotonic()` value) it stops between batches with TimeoutError."""
     out = []
     model = model.to(device)
     with torch.no_grad():
         for batch in batches_of(meta, table, batch_size, trust_sessions):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError
             out.append(torch.sigmoid(model(batch.to(device))).cpu().numpy())
     return np.concatenate(out) if out else np.zeros(0, np.float32)

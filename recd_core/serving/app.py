@@ -68,17 +68,11 @@ class Scorer:
     def score(self, table: pa.Table, batch_rows: int, deadline: float) -> np.ndarray:
         """Click probabilities, `batch_rows` rows at a time; past `deadline` (monotonic) it
         stops between batches (TimeoutError)."""
-        import torch
+        from recd_core.modeling.saved import predict
 
-        from recd_core.modeling.saved import batches_of
-
-        out = []
-        with self.lock, torch.no_grad():
-            for batch in batches_of(self.meta, table, batch_rows, trust_sessions=False):
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-                out.append(torch.sigmoid(self.model(batch)).numpy().astype(np.float64))
-        return np.concatenate(out) if out else np.zeros(0)
+        with self.lock:
+            return predict(self.model, self.meta, table, batch_rows, trust_sessions=False,
+                           deadline=deadline).astype(np.float64)  # fmt: skip
 
 
 def load_scorer(uri: str) -> Scorer:
