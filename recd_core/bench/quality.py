@@ -10,8 +10,11 @@ Two workloads:
                                   of the very same features (multi-hot for id lists and the
                                   history), and a factorization machine on the same encoding
                                   (the linear model plus an interaction for every pair of
-                                  columns), each tuned on the latest 10%, then refit on the
-                                  whole training part.
+                                  columns), gradient-boosted trees (LightGBM), and the
+                                  sequential CTR models practitioners know (DIN, DCN-v2,
+                                  SIM: bench/sequential.py), each tuned on the latest
+                                  10%, then refit on the whole training part. The same
+                                  again split globally by time (`SPLITS`).
   synthetic, a week               each day trained on, warm-started from the previous day's
                                   model (the daily DAG starts from the champion), evaluated
                                   on the next day, against the oracle: the true click
@@ -40,8 +43,11 @@ from __future__ import annotations
 
 import datetime as dt
 import shutil
+import time
+from functools import partial
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from recd_core.bench.bounds import learnable_bounds, missed_terms
@@ -51,7 +57,9 @@ from recd_core.bench.references import (
     logistic_regression,
     time_split,
 )
+from recd_core.bench.sequential import SEQUENTIAL, sequential_reference
 from recd_core.config import (
+    FeatureSet,
     IngestConfig,
     TrainConfig,
     load_pipeline_config,
@@ -80,8 +88,8 @@ SPLITS = {
 def movielens_quality(
     source: Path, out: Path, train_cfg: TrainConfig | None = None, split: str = "user"
 ) -> dict:
-    """Ours vs the references (logistic regression, factorization machine, gradient-boosted
-    trees) on MovieLens ratings split by time (`SPLITS`: each user's latest 20% test, or
+    """Ours vs the references (`REFERENCES`: logistic regression, factorization machine,
+    gradient-boosted trees, DIN, DCN-v2, SIM) on MovieLens ratings split by time (`SPLITS`: each user's latest 20% test, or
     the latest tenth of all ratings): ml-100k, ml-1m or any release the adapter reads, with
     the built-in configuration (it scales with the data). The references tune on the
     latest tenth of the training part, split the same way; ours validates on it."""
@@ -111,32 +119,25 @@ def movielens_quality(
     preprocess(wh, ML_TRAIN, prep)
     trained = train(wh, ML_TRAIN, cfg)
     ours = evaluate(wh, trained["train.model_uri"], ML_TEST)
-    lr = logistic_regression(train_rows, test_rows, pipeline.features, per_user)
-    fm = factorization_machine(train_rows, test_rows, pipeline.features, per_user)
-    gbdt = gradient_boosted_trees(train_rows, test_rows, pipeline.features, per_user)
-    refs = (lr, fm, gbdt)
-    best_ne, best_auc = min(r["ne"] for r in refs), max(r["auc"] for r in refs)
-    return {
+    refs = references(train_rows, test_rows, pipeline.features, per_user)
+    h = ours["eval.logloss"] / ours["eval.ne"]  # the test rows' click entropy
+    best_ne = min(r["ne"] for r in refs.values())
+    best_auc = max(r["auc"] for r in refs.values())
+    result = {
         q + "data": source.name if source.is_dir() else source.parent.name,
         q + "ne": ours["eval.ne"],
         q + "auc": ours["eval.auc"],
         q + "logloss": ours["eval.logloss"],
         # log loss = NE x this (the test rows' click entropy): every model's, same rows
-        q + "test_entropy": ours["eval.logloss"] / ours["eval.ne"],
-        q + "lr_ne": lr["ne"],
-        q + "lr_auc": lr["auc"],
-        q + "lr_c": lr["c"],
-        q + "lr_calibrated_ne": lr["ne_calibrated"],
-        q + "auc_gain": ours["eval.auc"] - lr["auc"],
-        q + "ne_gain": lr["ne"] - ours["eval.ne"],
-        q + "fm_ne": fm["ne"],
-        q + "fm_auc": fm["auc"],
-        q + "fm_l2": fm["l2"],
-        q + "fm_passes": fm["passes"],
-        q + "gbdt_ne": gbdt["ne"],
-        q + "gbdt_auc": gbdt["auc"],
-        q + "gbdt_leaves": gbdt["leaves"],
-        q + "gbdt_rounds": gbdt["rounds"],
+        q + "test_entropy": h,
+        q + "lr_calibrated_ne": refs["lr"].pop("ne_calibrated"),
+        q + "auc_gain": ours["eval.auc"] - refs["lr"]["auc"],
+        q + "ne_gain": refs["lr"]["ne"] - ours["eval.ne"],
+    }
+    for name, ref in refs.items():  # lr_ne, lr_auc, lr_c, ..., din_ne, din_lr, ...
+        ref.setdefault("logloss", ref["ne"] * h)
+        result.update({f"{q}{name}_{k}": v for k, v in ref.items()})
+    result.update({
         # ours against the best reference of any kind, figure by figure
         q + "best_ne_gain": best_ne - ours["eval.ne"],
         q + "best_auc_gain": ours["eval.auc"] - best_auc,
@@ -152,7 +153,30 @@ def movielens_quality(
             "best_step": trained.get("train.best_step"),
             "val_ne": trained.get("train.val_ne"),
         },
+    })  # fmt: skip
+    return result
+
+
+# the references, each tuned on the latest tenth of the training part, then refit on all of
+# it; in the order the bench's tables list them
+REFERENCES = ("lr", "fm", "gbdt", *SEQUENTIAL)
+
+
+def references(train: pa.Table, test: pa.Table, features: FeatureSet, per_user: bool) -> dict:
+    """Every reference's figures on `test` (`REFERENCES`), each with its `minutes` of
+    tuning and refitting on this machine."""
+    fits = {
+        "lr": logistic_regression,
+        "fm": factorization_machine,
+        "gbdt": gradient_boosted_trees,
+        **{name: partial(sequential_reference, name) for name in SEQUENTIAL},
     }
+    out = {}
+    for name in REFERENCES:
+        started = time.perf_counter()
+        out[name] = fits[name](train, test, features, per_user)
+        out[name]["minutes"] = (time.perf_counter() - started) / 60
+    return out
 
 
 # -- a synthetic week, warm-started day after day ----------------------------------------------------

@@ -324,43 +324,67 @@ def sharded_markdown(r: dict) -> list[str]:
     return rows
 
 
+# each reference's row: its words, given the result and the keys' prefix
+REFERENCE_ROWS = {
+    "lr": lambda r, q: f"logistic regression, one-hot (C={r[q + 'lr_c']})",
+    "fm": lambda r, q: (
+        f"factorization machine, same one-hot (L2 {r[q + 'fm_l2']:g}, {r[q + 'fm_passes']} passes)"
+    ),
+    "gbdt": lambda r, q: (
+        f"gradient-boosted trees, LightGBM ({r[q + 'gbdt_leaves']} leaves, "
+        f"{r[q + 'gbdt_rounds']} rounds)"
+    ),
+    "din": lambda r, q: f"DIN, target attention over the history ({_tuned(r, q + 'din_')})",
+    "dcn_v2": lambda r, q: f"DCN-v2, cross network ({_tuned(r, q + 'dcn_v2_')})",
+    "sim": lambda r, q: f"SIM, genre-searched history + recent ({_tuned(r, q + 'sim_')})",
+}
+
+
+def _tuned(r: dict, p: str) -> str:
+    return f"lr {r[p + 'lr']:g}, {r[p + 'passes']:.1f} passes of batch {r[p + 'batch']}"
+
+
+def movielens_markdown(r: dict, q: str, words: str) -> list[str]:
+    """One split's table: every reference, ours, ours over the best, with training times."""
+    from recd_core.bench.quality import REFERENCES
+
+    def row(name: str, p: str, minutes: float) -> str:
+        return (f"| {name} | {r[p + 'ne']:.4f} | {r[p + 'logloss']:.4f} | {r[p + 'auc']:.4f} "
+                f"| {minutes:.1f} |")  # fmt: skip
+
+    h = r[q + "test_entropy"]  # log loss = NE x the test rows' entropy
+    rows = [
+        "",
+        f"| MovieLens ({r.get(q + 'data', 'ml-100k')}), {words} | NE | log loss | AUC | minutes |",
+        "|---|---|---|---|---|",
+    ]
+    rows += [
+        row(REFERENCE_ROWS[n](r, q), f"{q}{n}_", r[f"{q}{n}_minutes"])
+        for n in REFERENCES
+        if f"{q}{n}_auc" in r
+    ]
+    members = r[q + "members"]
+    ours = (f"**recd DLRM** (batch {r[q + 'batch_size']}, {members} "
+            f"model{'s' if members > 1 else ''}, {r[q + 'train_samples_per_s']:,.0f} samples/s)")  # fmt: skip
+    rows += [
+        row(ours, q, r[q + "train_minutes"]),
+        f"| recd DLRM over the best reference, figure by figure | {r[q + 'best_ne_gain']:+.4f} "
+        f"| {r[q + 'best_ne_gain'] * h:+.4f} | {r[q + 'best_auc_gain']:+.4f} | |",
+        f"| logistic regression calibrated as ours (on the latest 10%) "
+        f"| {r[q + 'lr_calibrated_ne']:.4f} | {r[q + 'lr_calibrated_ne'] * h:.4f} "
+        f"| {r[q + 'lr_auc']:.4f} | |",
+    ]
+    return rows
+
+
 def quality_markdown(r: dict) -> list[str]:
     """The model-quality tables: ours next to a reference on the same data."""
     from recd_core.bench.quality import SPLITS
 
     rows: list[str] = []
     for q, _, _, words in SPLITS.values():
-        if q + "auc" not in r:
-            continue
-        h = r.get(q + "test_entropy", float("nan"))  # log loss = NE x the test rows' entropy
-        rows += [
-            "",
-            f"| MovieLens ({r.get(q + 'data', 'ml-100k')}), {words} | NE | log loss | AUC |",
-            "|---|---|---|---|",
-            f"| logistic regression, one-hot (C={r[q + 'lr_c']}) | {r[q + 'lr_ne']:.4f} | {r[q + 'lr_ne'] * h:.4f} | {r[q + 'lr_auc']:.4f} |",
-            f"| recd DLRM | {r[q + 'ne']:.4f} | {r[q + 'ne'] * h:.4f} | {r[q + 'auc']:.4f} |",
-            f"| gain over the reference | {r[q + 'ne_gain']:+.4f} | {r[q + 'ne_gain'] * h:+.4f} | {r[q + 'auc_gain']:+.4f} |",
-        ]
-        if q + "lr_calibrated_ne" in r:
-            rows.append(
-                f"| logistic regression calibrated as ours (on the latest 10%) "
-                f"| {r[q + 'lr_calibrated_ne']:.4f} | {r[q + 'lr_calibrated_ne'] * h:.4f} | {r[q + 'lr_auc']:.4f} |"
-            )
-        if q + "fm_auc" in r:
-            rows += [
-                f"| factorization machine, same one-hot (L2 {r[q + 'fm_l2']:g}, "
-                f"{r[q + 'fm_passes']} passes) | {r[q + 'fm_ne']:.4f} | {r[q + 'fm_ne'] * h:.4f} | {r[q + 'fm_auc']:.4f} |",
-            ]
-        if q + "gbdt_auc" in r:
-            rows += [
-                f"| gradient-boosted trees, LightGBM ({r[q + 'gbdt_leaves']} leaves, "
-                f"{r[q + 'gbdt_rounds']} rounds) | {r[q + 'gbdt_ne']:.4f} | {r[q + 'gbdt_ne'] * h:.4f} | {r[q + 'gbdt_auc']:.4f} |",
-                f"| recd DLRM over the best reference, figure by figure | {r[q + 'best_ne_gain']:+.4f} "
-                f"| {r[q + 'best_ne_gain'] * h:+.4f} | {r[q + 'best_auc_gain']:+.4f} |",
-                f"| recd DLRM's training: {r[q + 'train_minutes']:.1f} min, "
-                f"{r[q + 'train_samples_per_s']:,.0f} samples/s (batch {r[q + 'batch_size']}, "
-                f"{r[q + 'members']} model{'s' if r[q + 'members'] > 1 else ''}) | | | |",
-            ]
+        if q + "auc" in r:
+            rows += movielens_markdown(r, q, words)
     if r.get("week"):
         rows += [
             "",
