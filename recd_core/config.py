@@ -286,23 +286,32 @@ class ModelConfig(_Strict):
     target_attention: bool = True
     # the pairwise dots also go straight to the logit, one learned weight each (FM term)
     fm: bool = True
+    # a DCN-v2 cross network (x_{l+1} = x_0 * (W x_l + b) + x_l) over every interaction
+    # vector side by side, its output beside the dots into the top MLP: interactions of any
+    # order between single coordinates, which dots of whole vectors do not reach. 0: none
+    cross_layers: int = Field(default=0, ge=0)
+    # the rank of each cross layer's W (U V^T, DCN-v2's low-rank form); None: full rank
+    cross_rank: int | None = Field(default=None, gt=0)
     seed: int = 0
     # how many DLRMs of this shape (seeds seed, seed+1, ...) train side by side on the same
     # batches, each on its own loss, scored by their mean logit (modeling/model.py,
     # `Ensemble`): lower NE for K times the training and scoring
     members: int = Field(default=1, ge=1, le=16)
-    # with members > 1: a day of more training samples than this trains one model. An
-    # average gains by the members' disagreement, which shrinks as the data grows, while its
-    # cost grows with the data (docs/benchmarks.md, "MovieLens-1M at size"). None: always
-    # `members`
+    # with members > 1: a day of more training samples than this trains `members_beyond`
+    # models. An average gains by the members' disagreement, which shrinks as the data
+    # grows, while its cost grows with the data (docs/benchmarks.md, "Model quality"). None:
+    # always `members`
     members_up_to_samples: int | None = Field(default=None, gt=0)
+    members_beyond: int = Field(default=1, ge=1, le=16)
 
     def for_samples(self, samples: int) -> ModelConfig:
-        """The shape a day of `samples` training samples trains: one model where the day is
-        over `members_up_to_samples`."""
+        """The shape a day of `samples` training samples trains: `members_beyond` models
+        where the day is over `members_up_to_samples`."""
         if self.members_up_to_samples is None or samples <= self.members_up_to_samples:
             return self
-        return self.model_copy(update={"members": 1, "members_up_to_samples": None})
+        return self.model_copy(
+            update={"members": self.members_beyond, "members_up_to_samples": None}
+        )
 
 
 class DedupConfig(_Strict):

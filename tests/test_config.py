@@ -40,11 +40,12 @@ def test_the_builtin_movielens_pipeline_trains_as_its_file_says(tmp_path: Path):
     movielens = load_pipeline_config(dataset="movielens")
     assert movielens.train.batch_size == movielens.preprocess.batch_size
     # ml-100k's 80k training ratings in batches of 256 and five models; ml-1m's 800k in
-    # batches of 1024 and one model; ten times that in the batch size asked for
+    # batches of 1024 and two models; ten times that in the batch size asked for
     batch_of = lambda rows: scaled_batch_size(rows, movielens.preprocess)  # noqa: E731
     assert [batch_of(n) for n in (80_000, 800_000, 8_000_000)] == [256, 1024, 4096]
     model = movielens.train.model
-    assert model.for_samples(72_000).members == 5 and model.for_samples(720_000).members == 1
+    assert model.for_samples(72_000).members == 5 and model.for_samples(720_000).members == 2
+    assert model.cross_layers == 2
     assert movielens.train.epochs == 20
     assert not movielens.train.restart_tables and movielens.train.cooccurrence_weight == 0
     synthetic = load_pipeline_config(dataset="synthetic")

@@ -51,14 +51,19 @@ def _grads(model, batch):
     return logits.detach(), grads
 
 
-def test_dedup_and_baseline_give_the_same_logits_and_gradients(fresh_warehouse):
+@pytest.mark.parametrize("cross_layers", [0, 2])
+def test_dedup_and_baseline_give_the_same_logits_and_gradients(fresh_warehouse, cross_layers):
+    """Also with DCN-v2's cross layers over the interaction vectors (MovieLens' config)."""
     table = fresh_warehouse.read("samples", DAY, layout="clustered").slice(0, 700)
     features = feature_set_of(table.schema)
     plan = plan_dedup(table, features, DedupConfig(), 700)
     assert "user_history" in plan.groups["user"] and "item_id" not in plan.grouped
     dedup, base = make_batch(table, features, plan), make_batch(table, features, None)
     assert dedup.groups["user"].num_unique < 100 < 700 == dedup.size
-    model = DLRM(features, SMALL_MODEL)
+    model = DLRM(features, SMALL_MODEL.model_copy(update={"cross_layers": cross_layers}))
+    with torch.no_grad():  # cross layers start as the identity: make them count
+        for p in model.cross.parameters():
+            p.normal_(0, 0.05)
     l1, g1 = _grads(model, dedup)
     l2, g2 = _grads(model, base)
     torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-6)

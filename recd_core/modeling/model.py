@@ -5,7 +5,8 @@
     item-side dense floats ─── item bottom MLP ─────┤
     each id / id-list feature ─ EmbeddingBag ───────┤── pairwise dots ─┬ top MLP ─┐
     the history sequence ────── HistoryEncoder ─────┤  (+ the bottom    └ weighted ─┴ + ─ raw logit
-      └ its tokens, attended by the sample's item ──┘   MLP outputs)      sum (FM)        │
+      └ its tokens, attended by the sample's item ──┘   MLP outputs,      sum (FM)        │
+                    all of them side by side ── cross layers ─ (`cross_layers`) ┘         │
                                     logit = slope * raw logit + offset (the calibration) ─┘
 
 Why this shape: the dot interaction only sees what arrives as separate vectors. Dense
@@ -24,7 +25,10 @@ attention runs per sample. The dots also reach the logit through one learned wei
 (a factorization machine's second-order term, zero at first): through the top MLP alone a
 pair's signal arrives as one of hundreds of inputs, and on one day's data the tables learned
 the pairs that matter (the user's topics against the item's) more slowly (next-day NE 0.878
-without it, 0.872 with it, on the standard preset's first day). The calibration is a
+without it, 0.872 with it, on the standard preset's first day). With `cross_layers`,
+the vectors side by side also pass DCN-v2's cross layers (x_{l+1} = x_0 * (W x_l + b) +
+x_l) into the top MLP: products of single coordinates of any two vectors, which a dot of
+whole vectors sums away (MovieLens: docs/benchmarks.md). The calibration is a
 buffer, the identity while training; training fits it on the validation slice at the end
 (modeling/calibration.py), so a served or evaluated model's scores are calibrated.
 
@@ -142,6 +146,23 @@ def target_attention(tokens: torch.Tensor, valid: torch.Tensor, query: torch.Ten
     return torch.bmm(weights.unsqueeze(1), tokens).squeeze(1)
 
 
+class CrossLayer(nn.Module):
+    """DCN-v2's cross layer: x0 * (W x + b) + x, W full rank or U V^T of `rank`."""
+
+    def __init__(self, width: int, rank: int | None):
+        super().__init__()
+        if rank is None:
+            self.w = nn.Linear(width, width)
+        else:
+            self.w = nn.Sequential(nn.Linear(width, rank, bias=False), nn.Linear(rank, width))
+        last = self.w if rank is None else self.w[1]
+        nn.init.zeros_(last.weight)  # the identity at first: the vectors pass as they are
+        nn.init.zeros_(last.bias)
+
+    def forward(self, x0: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x0 * self.w(x) + x
+
+
 class Calibrated(nn.Module):
     """What every model here ends in: logit = slope * raw logit + offset, the calibration a
     buffer, the identity while training (training fits it on the validation slice after,
@@ -232,8 +253,12 @@ class DLRM(Calibrated):
         self.order = [*self.sparse_names, *self.sequence_names]
         n_vec = 1 + n_dense + len(self.order) + len(self.targeted)
         self.register_buffer("_tri", torch.triu_indices(n_vec, n_vec, offset=1), persistent=False)
+        self.cross = nn.ModuleList(
+            CrossLayer(n_vec * d, cfg.cross_rank) for _ in range(cfg.cross_layers)
+        )
+        crossed = n_vec * d if cfg.cross_layers else 0
         self.top = nn.Sequential(
-            mlp([n_dense * d + n_vec * (n_vec - 1) // 2, *cfg.top_mlp]),
+            mlp([n_dense * d + n_vec * (n_vec - 1) // 2 + crossed, *cfg.top_mlp]),
             nn.Linear(cfg.top_mlp[-1], 1),
         )
         # the dots also reach the logit directly, each with a learned weight (zero at
@@ -347,7 +372,13 @@ class DLRM(Calibrated):
         order = [*self.order, *(f"{n}@item" for n in self.targeted)]
         vecs = torch.stack([const, *sides, *(emb[n] for n in order)], dim=1)  # [B, n, d]
         dots = torch.bmm(vecs, vecs.transpose(1, 2))[:, self._tri[0], self._tri[1]]
-        logit = self.top(torch.cat([*sides, dots], dim=1))
+        crossed = []
+        if len(self.cross):
+            x0 = x = vecs.flatten(1)
+            for layer in self.cross:
+                x = layer(x0, x)
+            crossed = [x]
+        logit = self.top(torch.cat([*sides, dots, *crossed], dim=1))
         if self.fm is not None:
             logit = logit + self.fm(dots)
         return logit.squeeze(1)
