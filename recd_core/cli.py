@@ -169,11 +169,19 @@ for _name, _text in STAGE_COMMANDS.items():
     _stage_command(_name, _text)
 
 
-def _day_or_yesterday(ds: str | None) -> str:
-    return ds or (dt.datetime.now(dt.UTC).date() - dt.timedelta(days=1)).isoformat()
+def training_day_or_default(ds: str | None, now: dt.datetime | None = None) -> str:
+    """`ds`, or the schedule's training day for a run starting `now`: the day before the
+    last complete day, which the model is scored on (orchestration/schedule.py)."""
+    from recd_core.orchestration.schedule import training_day
+
+    return ds or training_day(now or dt.datetime.now(dt.UTC))
 
 
-RunDsOpt = Annotated[str | None, typer.Option(help="the training day (default: yesterday, UTC)")]
+RunDsOpt = Annotated[
+    str | None,
+    typer.Option(help="the training day (default: the day before yesterday, UTC, so that "
+                 "its evaluation day, yesterday, is over)"),
+]  # fmt: skip
 EvalDsOpt = Annotated[
     str | None, typer.Option(help="the evaluation day (default: the day after --ds)")
 ]
@@ -192,7 +200,7 @@ def _run_graph(
     if handle is not None:
         handle.tracker.log_config(handle.run_id, _pipeline(config))
     args = {
-        "warehouse": warehouse, "ds": _day_or_yesterday(ds), "eval_ds": eval_ds,
+        "warehouse": warehouse, "ds": training_day_or_default(ds), "eval_ds": eval_ds,
         "logs": str(logs), "config": str(config) if config else None, "synthesize": synthesize,
         "tracking_uri": handle.tracker.uri if handle else None, "pipeline": graph.name,
         **({"experiment": handle.tracker.experiment} if handle else {}),

@@ -178,3 +178,17 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args, message):
     r = recd(*(a.format(tmp=tmp_path) for a in args), check=False)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().count("\n") == 0 and message in r.stderr, r.stderr
+
+
+def test_run_without_a_day_trains_on_the_day_before_the_last_complete_one():
+    """`recd run` / `recd compare` without `--ds` follow the schedule's day rule: the model
+    is scored on the last day that is over (yesterday), so it trains on the day before; a
+    run at 00:30 does not score on a day that has just begun."""
+    import datetime as dt
+
+    from recd_core.cli import training_day_or_default
+
+    at = dt.datetime(2026, 11, 27, 0, 30, tzinfo=dt.UTC)
+    assert training_day_or_default(None, at) == "2026-11-25"
+    assert training_day_or_default(None, at.replace(hour=23)) == "2026-11-25"
+    assert training_day_or_default("2026-10-01", at) == "2026-10-01"
