@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from recd_core import metrics
-from recd_core.bench.references import time_split
+from recd_core.bench.references import _dense, time_split
 from recd_core.config import FeatureSet
 
 SEQ_LR = (1e-3, 3e-3)
@@ -108,8 +108,7 @@ def encode(table: pa.Table, features: FeatureSet) -> Inputs:
     for f in features.features:
         col = table[f.name].combine_chunks()
         if f.kind == "dense":
-            flat = col.flatten() if pa.types.is_list(col.type) else col
-            dense.append(np.asarray(flat.fill_null(0), np.float32).reshape(n, f.dim))
+            dense.append(_dense(col, f, n).astype(np.float32))
         elif pa.types.is_list(col.type):
             lists[f.name] = torch.from_numpy(_padded(col, f.table_size or 1, f.max_length or 128))
         else:
@@ -274,15 +273,6 @@ MODELS = {"din": DIN, "dcn_v2": DCNv2, "sim": SIM}
 SEQUENTIAL = tuple(MODELS)
 
 
-def batch_size(rows: int, largest: int = 1024, smallest: int = 256, steps: int = 500) -> int:
-    """As ours scales its batch (`preprocess.min_steps_per_pass`): `largest` halved until a
-    pass over `rows` has `steps` steps, not below `smallest` (ml-100k 256, ml-1m 1024)."""
-    size = largest
-    while size > smallest and rows / size < steps:
-        size //= 2
-    return size
-
-
 def _scores(model: nn.Module, x: Inputs, batch: int = 8192) -> np.ndarray:
     model.eval()
     device = x.label.device
@@ -325,7 +315,7 @@ def sequential_reference(
     features: FeatureSet,
     per_user: bool = True,
     d: int = 16,
-    batch: int | None = None,
+    batch: int = 256,
     max_passes: int = 4,
     learning_rates: tuple[float, ...] = SEQ_LR,
     seed: int = 0,
@@ -333,7 +323,7 @@ def sequential_reference(
 ) -> dict:
     """NE, log loss and AUC on `test` of `MODELS[name]` tuned on the latest 10% of
     `train` (the learning rate and the steps), then refit on all of `train`. `batch`:
-    `batch_size` of the training rows unless given; `device` "auto": CUDA where the machine
+    `batch`: the bench passes ours' (its batch scales with the data); `device` "auto": CUDA where the machine
     has it, as ours trains (`train.device`)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -342,7 +332,6 @@ def sequential_reference(
     fit_rows, val_rows = train.filter(pc.invert(late)), train.filter(late)
     x_fit, x_val = encode(fit_rows, features).to(device), encode(val_rows, features).to(device)
     y_val = x_val.label.double().cpu().numpy()
-    batch = batch or batch_size(train.num_rows)
     dense_dim = x_fit.dense.shape[1]
     extra = (genre_masks([train, test], features),) if name == "sim" else ()
 
