@@ -55,7 +55,7 @@ def _datasets(stage: str, args: StageArgs, table: str) -> tuple[dict, dict]:
 
         uris = [str(logs_for_day(args.logs, d)) for d in days]
         return {"partitions": uris}, {"uris": uris, "days": days}
-    wh = args.store()
+    wh = args.open_warehouse()
     parts, rows, nbytes = [], 0, 0
     for day in days:
         for keys in wh.keys_on(table, day):

@@ -8,11 +8,11 @@ gate, 4 an unusable tracking server).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import inspect
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -141,6 +141,14 @@ STAGE_COMMANDS = {
 }
 
 
+def _option_param(o, default=None, help: str | None = None) -> inspect.Parameter:
+    """A `stage_args.Option` as a typer option (a flag pair for a bool)."""
+    flag = f"{o.flag}/--no-{o.flag[2:]}" if o.annotation is bool else o.flag
+    option = typer.Option(flag, help=help or o.help, show_default=False)
+    return inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=Annotated[o.annotation, option])  # fmt: skip
+
+
 def _stage_command(name: str, text: str) -> None:
     """`recd <name>`, its options generated from the stage's arguments
     (`stage_args.stage_options`: name, type, default and help declared once, in
@@ -150,11 +158,7 @@ def _stage_command(name: str, text: str) -> None:
     keyword = inspect.Parameter.KEYWORD_ONLY
     params = [inspect.Parameter("ctx", keyword, annotation=typer.Context)]
     for o in stage_options(name, wiring=False):
-        flag = f"{o.flag}/--no-{o.flag[2:]}" if o.annotation is bool else o.flag
-        option = typer.Option(flag, help=o.help, show_default=False)
-        default = inspect.Parameter.empty if o.required else o.default
-        params.append(inspect.Parameter(o.name, keyword, default=default,
-                                        annotation=Annotated[o.annotation, option]))  # fmt: skip
+        params.append(_option_param(o, inspect.Parameter.empty if o.required else o.default))
     params.append(inspect.Parameter("summary", keyword, default=None, annotation=SummaryOpt))
 
     def command(ctx: typer.Context, summary: Path | None = None, **args) -> None:
@@ -177,32 +181,63 @@ def training_day_or_default(ds: str | None, now: dt.datetime | None = None) -> s
     return ds or training_day(now or dt.datetime.now(dt.UTC))
 
 
-RunDsOpt = Annotated[
-    str | None,
-    typer.Option(help="the training day (default: the day before yesterday, UTC, so that "
-                 "its evaluation day, yesterday, is over)"),
-]  # fmt: skip
-EvalDsOpt = Annotated[
-    str | None, typer.Option(help="the evaluation day (default: the day after --ds)")
-]
-LogsOpt = Annotated[Path, typer.Option(help="raw logs root; days without logs are synthesized")]
+RUN_ARGS = ("warehouse", "ds", "eval_ds", "logs", "config", "synthesize")  # a run's own
 
 
-def _run_graph(
-    graph, warehouse: str, ds: str | None, eval_ds: str | None, logs: Path,
-    config: Path | None, handle, out: Path | None, synthesize: bool = True,
-) -> dict:  # fmt: skip
-    """`graph` run in this process by the local runner; the result: finish's merged summary
-    (every stage's contract keys; an arm's suffixed with its mode). The comparison's chart is
-    also copied under `out`, when there is one, whether the quality gate passed or not."""
+def _graph_params(warehouse: str, logs: str, exclude: tuple[str, ...] = ()) -> list:
+    """`recd run` / `recd compare`'s options, generated from `StageArgs` as the stages' are:
+    the run's arguments (`RUN_ARGS`, with these commands' defaults) and every config
+    override (`stage_args.override_fields`), which the runner hands to the stages that
+    take it."""
+    from recd_core.orchestration.stage_args import field_option, override_fields
+
+    defaults = {"warehouse": warehouse, "logs": logs, "ds": None}
+    helps = {"ds": "the training day (default: the day before yesterday, UTC, so that its "
+             "evaluation day, yesterday, is over)",
+             "logs": "raw logs root; days without logs are synthesized"}  # fmt: skip
+    params = []
+    for name in (*RUN_ARGS, *(n for n in override_fields() if n not in exclude)):
+        o = field_option(name)
+        if name == "ds":
+            o = dataclasses.replace(o, annotation=str | None, required=False)
+        params.append(_option_param(o, defaults.get(name, o.default), helps.get(name)))
+    return params
+
+
+def _graph_command(name: str, doc: str, params: list, body, decision: bool = True) -> None:
+    """`recd <name>`: `params` (`_graph_params` and the command's own), `--summary`;
+    `body(handle, args, **own)` runs the graph with the run's arguments given (None:
+    unset); with `decision`, the registry's decision is printed."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    names = {p.name for p in params}
+
+    def command(ctx: typer.Context, summary: Path | None = None, **given) -> None:
+        args = {k: v for k, v in given.items() if k in names and v is not None}
+        own = {k: v for k, v in given.items() if k not in names}
+        result = _run(ctx, name, summary, lambda h: body(h, args, **own), tracked=True)
+        if decision:
+            _print_decision(result)
+
+    command.__signature__ = inspect.Signature([
+        inspect.Parameter("ctx", keyword, annotation=typer.Context), *params,
+        inspect.Parameter("summary", keyword, default=None, annotation=SummaryOpt)])  # fmt: skip
+    command.__doc__ = doc
+    app.command(name)(command)
+
+
+def _run_graph(graph, args: dict, handle, out: Path | None) -> dict:
+    """`graph` run in this process by the local runner with the run's `args`; the result:
+    finish's merged summary (every stage's contract keys; an arm's suffixed with its mode).
+    The comparison's chart is also copied under `out`, when there is one, whether the
+    quality gate passed or not."""
     from recd_core.orchestration.runner import run_graph
 
+    config = Path(args["config"]) if args.get("config") else None
     if handle is not None:
         handle.tracker.log_config(handle.run_id, _pipeline(config))
     args = {
-        "warehouse": warehouse, "ds": training_day_or_default(ds), "eval_ds": eval_ds,
-        "logs": str(logs), "config": str(config) if config else None, "synthesize": synthesize,
-        "tracking_uri": handle.tracker.uri if handle else None, "pipeline": graph.name,
+        **args, "ds": training_day_or_default(args.get("ds")), "pipeline": graph.name,
+        "tracking_uri": handle.tracker.uri if handle else None,
         **({"experiment": handle.tracker.experiment} if handle else {}),
     }  # fmt: skip
     try:
@@ -243,58 +278,51 @@ def _print_decision(result: dict) -> None:
     )
 
 
-@app.command("run")
-def run_cmd(
-    ctx: typer.Context,
-    warehouse: WarehouseOpt = "data/default/warehouse",
-    ds: RunDsOpt = None,
-    eval_ds: EvalDsOpt = None,
-    logs: LogsOpt = Path("data/default/logs"),
-    mode: Annotated[str, typer.Option(help="training arm(s): dedup, baseline or both")] = "dedup",
-    config: ConfigOpt = None,
-    out: Annotated[
-        Path | None, typer.Option(help="also copy the comparison chart here (--mode both)")
-    ] = None,
-    synthesize: Annotated[
-        bool, typer.Option(help="synthesize logs for days without any (embedded default)")
-    ] = True,
-    summary: SummaryOpt = None,
-):
-    """The daily graph in-process: ingest, generate, DPP, train, evaluate on the next day;
-    with a tracking URI also register the model and decide the champion by NE. `--mode both`
-    runs both arms on the same samples and compares them (exit 3 when they differ)."""
+def _run_body(handle, args: dict, mode: str, out: Path | None) -> dict:
     from recd_core.orchestration.graph import ARMS, pipeline_graph
 
-    def body(handle):
-        if mode not in ("dedup", "baseline", "both"):
-            raise BadInput(f"--mode must be dedup, baseline or both, got {mode!r}")
-        arms = ARMS if mode == "both" else (mode,)
-        graph = pipeline_graph(arms, register=True, compare=mode == "both", name="recd run")
-        return _run_graph(graph, warehouse, ds, eval_ds, logs, config, handle, out, synthesize)
-
-    _print_decision(_run(ctx, "run", summary, body, tracked=True))
+    arms = ARMS if mode == "both" else (mode,)
+    graph = pipeline_graph(arms, register=True, compare=mode == "both", name="recd run")
+    return _run_graph(graph, args, handle, out)
 
 
-@app.command("compare")
-def compare_cmd(
-    ctx: typer.Context,
-    warehouse: WarehouseOpt = "data/compare/warehouse",
-    ds: RunDsOpt = None,
-    eval_ds: EvalDsOpt = None,
-    logs: LogsOpt = Path("data/compare/logs"),
-    config: ConfigOpt = None,
-    out: Annotated[Path, typer.Option(help="also copy the chart here")] = Path("build/compare"),
-    summary: SummaryOpt = None,
-):
-    """The comparison graph in-process (the `recd_dedup_vs_baseline` DAG): both arms on the
-    same data, a table, a PNG chart (the warehouse's reports/compare/, MLflow, --out), and
-    exit 3 when the arms' next-day NE or AUC differ beyond the configured tolerance."""
+_graph_command(
+    "run",
+    """The daily graph in-process: ingest, generate, DPP, train, evaluate on the next day;
+    with a tracking URI also register the model and decide the champion by NE. `--mode both`
+    runs both arms on the same samples and compares them (exit 3 when they differ). Every
+    config override (--epochs, --nproc, ...) goes to the stages that take it.""",
+    [
+        *_graph_params("data/default/warehouse", "data/default/logs", exclude=("mode",)),
+        inspect.Parameter("mode", inspect.Parameter.KEYWORD_ONLY, default="dedup",
+                          annotation=Annotated[Literal["dedup", "baseline", "both"],
+                                               typer.Option(help="training arm(s)")]),
+        inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+            Path | None, typer.Option(help="also copy the comparison chart here (--mode both)")]),
+    ],
+    _run_body,
+)  # fmt: skip
+
+
+def _compare_body(handle, args: dict, out: Path) -> dict:
     from recd_core.orchestration.graph import COMPARISON
 
-    def body(handle):
-        return _run_graph(COMPARISON, warehouse, ds, eval_ds, logs, config, handle, out)
+    return _run_graph(COMPARISON, args, handle, out)
 
-    _run(ctx, "compare", summary, body, tracked=True)  # the compare stage printed the table
+
+_graph_command(
+    "compare",
+    """The comparison graph in-process (the `recd_dedup_vs_baseline` DAG): both arms on the
+    same data, a table, a PNG chart (the warehouse's reports/compare/, MLflow, --out), and
+    exit 3 when the arms' next-day NE or AUC differ beyond the configured tolerance.""",
+    [
+        *_graph_params("data/compare/warehouse", "data/compare/logs", exclude=("mode",)),
+        inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, default=Path("build/compare"),
+                          annotation=Annotated[Path, typer.Option(help="also copy the chart here")]),
+    ],
+    _compare_body,
+    decision=False,  # the compare stage printed its table
+)  # fmt: skip
 
 
 @app.command("bench")
@@ -437,8 +465,6 @@ _serve_command()
 
 
 def main() -> None:
-    # Adagrad rebuilds sparse gradients internally and torch warns about invariant checks.
-    warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
     try:
         app()
     except KeyboardInterrupt:

@@ -45,8 +45,7 @@ class FeatureSpec(_Strict):
       (with as many rows as distinct ids, 63% of the ids share theirs). False: the ids
       already are row indices below `table_size` (a vocabulary-mapped log, the synthetic
       generator's ids): no two share a row, and ingest quarantines an id at or beyond
-      `table_size`. On the synthetic standard preset's first day the shared rows cost
-      0.005-0.009 next-day NE.
+      `table_size`.
     side: which entity owns the value. User-side values are snapshotted at session start and
       are identical for every sample of a session: that is the duplication RecD removes.
     """
@@ -338,24 +337,20 @@ class TrainConfig(_Strict):
     # at most this many passes over the day; validation stops earlier and keeps the best
     # state. CTR models overfit after about one pass (the "one-epoch phenomenon") unless
     # the tables restart each pass (`restart_tables`); with restarts a day trained from
-    # scratch still gains up to about seven passes (the standard day: next-day NE 0.8435
-    # after 3, 0.8308 after 7), and a warm-started day stops after its best pass and
-    # `pass_patience` more
+    # scratch gains for several passes, and a warm-started day stops after its best pass
+    # and `pass_patience` more
     epochs: int = Field(default=7, gt=0)
     max_steps: int | None = Field(default=None, gt=0)
     # the longest a day's training may run before its orchestrator stops it and retries
     # (Airflow's execution_timeout on the train task): a hung step, not a slow day
     timeout_minutes: int = Field(default=180, gt=0)
     # each pass after the first starts the embedding tables (and their Adagrad state) again
-    # from where the run started (scratch or the warm start) and keeps the dense layers:
-    # the tables see the day once, the layers above them several times, with new tables
-    # each time (MEDA, Fan et al. 2024), because a second pass over tables that have seen
-    # the day memorizes it (validation NE jumps by ~0.15 at its start). Off for small tables
-    # that need many passes (MovieLens' ids)
+    # from where the run started and keeps the dense layers (why: modeling/early_stopping.py).
+    # Off for small tables that need many passes (MovieLens' ids)
     restart_tables: bool = True
     # with `restart_tables`: each pass after the first multiplies the dense layers' learning
     # rate by this (1: constant): later passes refine layers that already fit the day's
-    # one-pass tables, where at a constant rate they wander (next-day NE 0.8362 -> 0.8308)
+    # one-pass tables, where at a constant rate they wander
     lr_dense_pass_decay: float = Field(default=0.7, gt=0, le=1)
     validations_per_epoch: int = Field(default=4, gt=0)
     # without `restart_tables`: stop after this many validations in a row without a better
@@ -369,8 +364,8 @@ class TrainConfig(_Strict):
     # the auxiliary loss that predicts each user-side list's ids from the rest of the list
     # (modeling/cooccurrence.py), added to the click loss with this weight (0: off), with
     # this many sampled negatives: it teaches the tables what ids go together, which helps
-    # where users carry several topical lists (the synthetic day's next-day NE 0.868 ->
-    # 0.848) and hurts where the one list is the history (MovieLens turns it off)
+    # where users carry several topical lists and hurts where the one list is the history
+    # (MovieLens turns it off)
     cooccurrence_weight: float = Field(default=3.0, ge=0)
     cooccurrence_negatives: int = Field(default=1024, gt=0)
     # after training, fit a slope and an offset of the logit on the validation slice (the
@@ -378,13 +373,11 @@ class TrainConfig(_Strict):
     # (modeling/calibration.py); off: the model's raw scores
     calibrate: bool = True
     # then the tables take one pass over the validation slice (dense layers and calibration
-    # stay): the day's latest rows, which they would otherwise never see, as the bench's
-    # references are refit on all their training rows (MovieLens-100k: AUC 0.7710 -> 0.7797)
+    # stay): the day's latest rows, which they would otherwise never see (modeling/train.py)
     fold_in_validation: bool = True
     lr_dense: float = Field(default=3e-3, gt=0)
     # the dense layers' learning rate when training starts from a saved model (a warm start,
-    # the daily retrain): layers that already fit take smaller steps, as fine-tuning does
-    # (the standard preset's second day: next-day NE 0.8338 -> 0.8281 at 1e-3; 3e-4 lower again).
+    # the daily retrain): layers that already fit take smaller steps, as fine-tuning does.
     # None: lr_dense
     lr_dense_warm: float | None = Field(default=3e-4, gt=0)
     # embedding tables: row-wise Adagrad (modeling/optim.py); its per-row accumulator starts here
@@ -407,7 +400,7 @@ class TrainConfig(_Strict):
     nproc: int = Field(default=1, ge=1)
     # with several processes: "none" replicates every table in every process (data
     # parallel); otherwise the tables are sharded across the processes through TorchRec
-    # (modeling/sharding.py), placed by its planner (`auto`) or table-, row- or column-wise,
+    # (modeling/sharded/), placed by its planner (`auto`) or table-, row- or column-wise,
     # and each process takes a slice of every batch
     sharding: Sharding = "none"
     # with `sharding`: the memory a process may give its shards of the tables (MB); the
@@ -491,7 +484,7 @@ class PreprocessConfig(_Strict):
 
 
 class RegistryConfig(_Strict):
-    """How trained models are registered and judged (mlops/registry.py, mlops/compare.py)."""
+    """How trained models are registered and judged (mlops/versions.py, mlops/registry.py, mlops/compare.py)."""
 
     model_name: str = Field(default="recd-dlrm", min_length=1)
     # a challenger is promoted when its NE on the evaluation day is at most the champion's

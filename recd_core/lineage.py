@@ -44,7 +44,8 @@ from pathlib import Path
 
 from recd_core.config import FeatureSet
 from recd_core.errors import BadInput
-from recd_core.warehouse import PartitionDamaged, Warehouse
+from recd_core.stored_files import PartitionDamaged
+from recd_core.warehouse import Warehouse
 
 # the stage that writes each table (the pipeline's graph declares it; `status` and the
 # refusals name it)

@@ -3,11 +3,11 @@
 OpenMP's worker threads (torch's intra-op pool) spin for a while after each parallel region,
 waiting for the next one, by default. A training step runs hundreds of small ops, so on a
 machine that is shared (a neighbour process, a pod under a CPU limit) the spinning threads
-take the time slices the working ones need. Measured on 2 cores with one 2-thread torch
-neighbour (docs/benchmarks.md, "Training", "Beside a neighbour"; the probe in
-docs/journal.md): the dedup step 6,896 ms at torch's defaults, 556 ms with passive threads
-(376 ms idle). recd therefore asks for passive waiting unless the environment already says
-otherwise; idle, that costs the dedup step ~20%.
+take the time slices the working ones need: beside a neighbour process the dedup step
+ran an order of magnitude slower with spinning threads than with passive ones
+(docs/benchmarks.md, "Training", "Beside a neighbour"). recd therefore asks for passive
+waiting unless the environment already says otherwise; idle, that costs the dedup step a
+little (the figures: docs/journal.md).
 
 torch sizes its pool by the machine's cores, not by what the process may use: a pod limited
 to 2 CPUs on a 64-core node would run 32+ threads in 2 CPUs' time. `cpu_budget` reads the

@@ -72,19 +72,24 @@ import re
 import shutil
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
-from zlib_ng import zlib_ng as zlib
 
-from recd_core.errors import BadInput, RecdError, first_line, network_failure, unreachable
+from recd_core.errors import BadInput, network_failure, unreachable
 from recd_core.leftovers import held, hold
+from recd_core.partition_writer import MANIFEST, PartitionInfo, PartitionWriter
+from recd_core.stored_files import (
+    Normalized,
+    PartitionDamaged,
+    StoredFile,
+    damage_named,
+    file_crc32,
+    stored_files,
+)
 
-MANIFEST = "_manifest.json"
 WRITER_LOCK = "_writer.lock"  # inside a staging directory, held (flock) by its live writer
 READER_LOCK = "_reader.lock"
 READ_ONLY = (
@@ -98,12 +103,6 @@ class PartitionNotFound(BadInput, FileNotFoundError):
     """A partition a stage reads does not exist (yet): run the stage that writes it."""
 
 
-class PartitionDamaged(BadInput):
-    """A committed partition whose manifest or files cannot be trusted (damaged, truncated,
-    missing, or a name that leads outside it): named, never read. Rerun the stage that
-    writes it; a retry of the reader cannot help."""
-
-
 _PLAIN_NAME = re.compile(r"[^/\\\x00]+")
 
 
@@ -111,107 +110,6 @@ def _plain(name) -> bool:
     """Whether a manifest entry is a plain file name inside its partition."""
     return (isinstance(name, str) and bool(_PLAIN_NAME.fullmatch(name))
             and name not in (".", "..", MANIFEST))  # fmt: skip
-
-
-@contextlib.contextmanager
-def damage_named(path: str) -> Iterator[None]:
-    """Reading `path`, a file of a committed partition: what Arrow or the OS raise about its
-    bytes becomes a `PartitionDamaged` naming it (a permission error stays what it is)."""
-    try:
-        yield
-    except (PermissionError, RecdError):
-        raise
-    except (pa.ArrowException, OSError) as e:
-        first = first_line(e, 200, type(e).__name__)
-        raise PartitionDamaged(
-            f"{path} is damaged ({first}): rerun the stage that writes it"
-        ) from None
-
-
-class _Verified:
-    """A `ParquetFile` whose every call (read, read_row_group, metadata, ...) turns damage
-    into a `PartitionDamaged` naming the file (iterators: `read_batches`)."""
-
-    def __init__(self, pf: pq.ParquetFile, path: str):
-        self._pf, self._path = pf, path
-
-    def __getattr__(self, name: str):
-        with damage_named(self._path):
-            attr = getattr(self._pf, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args, **kwargs):
-            with damage_named(self._path):
-                return attr(*args, **kwargs)
-
-        return call
-
-
-def open_parquet(fs: pafs.FileSystem, path: str) -> pq.ParquetFile:
-    """A Parquet file of the warehouse, opened so that every page read verifies its CRC-32
-    and damage is a `PartitionDamaged` naming it."""
-    with damage_named(path):
-        return _Verified(
-            pq.ParquetFile(fs.open_input_file(path), page_checksum_verification=True), path
-        )
-
-
-def read_batches(fs: pafs.FileSystem, path: str, batch_size: int) -> Iterator[pa.RecordBatch]:
-    """A warehouse Parquet file's record batches, verified as read (`open_parquet`): damage
-    is a `PartitionDamaged` naming it; what the caller does with a batch is not wrapped."""
-    batches = open_parquet(fs, path).iter_batches(batch_size=batch_size)
-    while True:
-        with damage_named(path):
-            batch = next(batches, None)
-        if batch is None:
-            return
-        yield batch
-
-
-def file_crc32(fs: pafs.FileSystem, path: str) -> int:
-    """The CRC-32 of a file's bytes, read in pieces (zlib-ng: several GB/s)."""
-    crc = 0
-    with fs.open_input_stream(path) as f:
-        while chunk := f.read(8 << 20):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-@dataclass(frozen=True)
-class PartitionInfo:
-    path: str
-    files: list[str]
-    rows: int
-    bytes: int
-
-
-@dataclass(frozen=True)
-class Normalized:
-    """Rows of a normalized partition as stored: `rows` (the per-row columns), `index` (each
-    row's position in `side`) and `side` (the normalized columns, one row per run, in row
-    order; a run cut by a row-group boundary appears once on each side of it)."""
-
-    rows: pa.Table
-    index: np.ndarray
-    side: pa.Table
-
-
-def _expand(rows: pa.Table, index: np.ndarray, side: pa.Table, order: list[str], meta) -> pa.Table:
-    """The full rows: each row's normalized columns taken from its side row, in `order`."""
-    if side.num_columns:
-        taken = side.take(pa.array(index, pa.int32()))
-        cols = {
-            **{n: rows[n] for n in rows.column_names},
-            **{n: taken[n] for n in side.column_names},
-        }
-    else:
-        cols = {n: rows[n] for n in rows.column_names}
-    names = [n for n in order if n in cols]
-    fields = [
-        rows.schema.field(n) if n in rows.column_names else side.schema.field(n) for n in names
-    ]
-    return pa.Table.from_arrays([cols[n] for n in names], schema=pa.schema(fields, metadata=meta))
 
 
 def validate_ds(ds: str) -> str:
@@ -400,13 +298,13 @@ class Warehouse:
 
     def _commit_by_manifest(self, staging: str, live: str) -> None:
         with self.fs.open_input_stream(f"{staging}/{MANIFEST}") as f:
-            files = _stored_files(json.loads(f.read()))
+            files = stored_files(json.loads(f.read()))
         replaced: list[str] = []  # the version a pinned reader may still be reading
         with (
             contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError),
             self.fs.open_input_stream(f"{live}/{MANIFEST}") as f,
         ):
-            replaced = _stored_files(json.loads(f.read()))
+            replaced = stored_files(json.loads(f.read()))
         for name in files:
             self.fs.copy_file(f"{staging}/{name}", f"{live}/{name}")
         self.fs.copy_file(f"{staging}/{MANIFEST}", f"{live}/{MANIFEST}")  # the commit point
@@ -435,7 +333,7 @@ class Warehouse:
                 try:
                     os.makedirs(pin)
                     fd = hold(f"{pin}/{READER_LOCK}")
-                    for n in (*_stored_files(m), MANIFEST):
+                    for n in (*stored_files(m), MANIFEST):
                         os.link(f"{base}/{n}", f"{pin}/{n}")
                     base = pin
                 except OSError:  # a read-only warehouse: no writer to pin against
@@ -513,7 +411,7 @@ class Warehouse:
         if not (isinstance(m, dict) and isinstance(m.get("files"), list) and m["files"]):
             raise PartitionDamaged(f"{path} lists no files: rerun the stage that writes it")
         try:
-            names = _stored_files(m)
+            names = stored_files(m)
         except (AttributeError, KeyError, TypeError):
             names = [None]
         foreign = next((n for n in names if not _plain(n)), "")
@@ -557,7 +455,7 @@ class Warehouse:
         """Every file of the partition: its data files and, normalized, their side files."""
         self.manifest(table, ds, **keys)
         base = self._base(table, ds, keys)
-        return [f"{base}/{name}" for name in _stored_files(self.manifest(table, ds, **keys))]
+        return [f"{base}/{name}" for name in stored_files(self.manifest(table, ds, **keys))]
 
     def info(self, table: str, ds: str, **keys: str) -> PartitionInfo:
         m = self.manifest(table, ds, **keys)
@@ -582,10 +480,10 @@ class Warehouse:
             raise PartitionNotFound(f"partition {self._rel(table, ds, keys)} holds no files")
         return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
 
-    def _file(self, base: str, name: str, manifest: dict) -> _StoredFile:
-        return _StoredFile(self.fs, base, name, manifest.get("normalized"))
+    def _file(self, base: str, name: str, manifest: dict) -> StoredFile:
+        return StoredFile(self.fs, base, name, manifest.get("normalized"))
 
-    def _files(self, table: str, ds: str, keys: dict[str, str]) -> list[_StoredFile]:
+    def _files(self, table: str, ds: str, keys: dict[str, str]) -> list[StoredFile]:
         m = self.manifest(table, ds, **keys)
         base = self._base(table, ds, keys)
         return [self._file(base, name, m) for name in m["files"]]
@@ -688,208 +586,8 @@ class Warehouse:
         )
 
 
-def _stored_files(manifest: dict) -> list[str]:
-    """Every file a manifest names: the data files and, normalized, their side files."""
-    sides = (manifest.get("normalized") or {}).get("sides", {})
-    return [*manifest["files"], *(sides[n] for n in manifest["files"] if n in sides)]
-
-
-class _StoredFile:
-    """One data file of a partition, with its side file where the partition is normalized."""
-
-    def __init__(self, fs: pafs.FileSystem, base: str, name: str, normalized: dict | None):
-        self.fs, self.path = fs, f"{base}/{name}"
-        self.norm = normalized if normalized and name in normalized.get("sides", {}) else None
-        self.side_path = f"{base}/{self.norm['sides'][name]}" if self.norm else None
-        self._pf: pq.ParquetFile | None = None
-        self._side: pq.ParquetFile | None = None
-
-    def pf(self) -> pq.ParquetFile:
-        if self._pf is None:
-            self._pf = open_parquet(self.fs, self.path)
-        return self._pf
-
-    def side(self) -> pq.ParquetFile:
-        if self._side is None:
-            self._side = open_parquet(self.fs, self.side_path)
-        return self._side
-
-    def schema(self) -> pa.Schema:
-        main = self.pf().schema_arrow
-        if not self.norm:
-            return main
-        side = self.side().schema_arrow
-        fields = [main.field(n) if n in main.names else side.field(n) for n in self.norm["order"]]
-        return pa.schema(fields, metadata=main.metadata)
-
-    def row_group_sizes(self) -> list[int]:
-        meta = self.pf().metadata
-        return [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
-
-    def read(self, columns: list[str] | None) -> pa.Table:
-        if not self.norm:
-            return self.pf().read(columns=columns)
-        parts = [self.read_row_group(rg, columns) for rg in range(self.pf().num_row_groups)]
-        return pa.concat_tables(parts) if parts else self.schema().empty_table()
-
-    def read_row_group(
-        self, rg: int, columns: list[str] | None, lo: int = 0, hi: int | None = None
-    ) -> pa.Table:
-        """Rows [lo, hi) of row group `rg`, whole (normalized: only those rows expanded)."""
-        if not self.norm:
-            t = self.pf().read_row_group(rg, columns=columns)
-            return t.slice(lo, (t.num_rows if hi is None else hi) - lo)
-        rows, index, side = self.read_row_group_normalized(rg, columns)
-        hi = rows.num_rows if hi is None else hi
-        order = columns if columns is not None else self.norm["order"]
-        meta = self.pf().schema_arrow.metadata
-        return _expand(rows.slice(lo, hi - lo), index[lo:hi], side, order, meta)
-
-    def read_row_group_normalized(
-        self, rg: int, columns: list[str] | None
-    ) -> tuple[pa.Table, np.ndarray, pa.Table]:
-        if not self.norm:
-            rows = self.pf().read_row_group(rg, columns=columns)
-            return rows, np.arange(rows.num_rows), pa.table({})  # every row its own run
-        wanted = self.norm["order"] if columns is None else columns
-        side_cols = [c for c in wanted if c in self.norm["columns"]]
-        row_cols = [c for c in wanted if c not in self.norm["columns"]]
-        key = self.norm["index"]
-        rows = self.pf().read_row_group(rg, columns=[*row_cols, key])
-        index = np.asarray(rows[key], np.int64)
-        side = self.side().read_row_group(rg, columns=side_cols) if side_cols else pa.table({})
-        if index.size and (index.min() < 0 or index.max() >= side.num_rows > 0):
-            raise PartitionDamaged(f"{self.path}: row group {rg} points past its side file's "
-                                   f"{side.num_rows} rows: rerun the stage that writes it")  # fmt: skip
-        return rows.drop_columns([key]), index, side
-
-
 def _reason(e: OSError) -> str:
     """An OS error in a few words: pyarrow's "[Errno 13] Cannot create directory '…'. Detail:
     …" as "Cannot create directory '…' (permission denied)"."""
     text = str(e).split(". Detail")[0].removeprefix(f"[Errno {e.errno}] ")
     return f"{text} ({os.strerror(e.errno).lower()})" if e.errno else text
-
-
-class PartitionWriter:
-    """Writes Parquet files into a staging directory; the warehouse commits them."""
-
-    def __init__(self, fs: pafs.FileSystem, staging: str, write_id: str):
-        self.fs, self.staging, self.write_id = fs, staging, write_id
-        self._files: list[str] = []
-        self._rows: list[int] = []
-        self._writer: pq.ParquetWriter | None = None
-        self.info: PartitionInfo | None = None
-        self._totals: tuple[list[str], int, int] | None = None
-        self.extra: dict = {}  # more manifest fields
-        self.rows: int | None = None  # the row count, for files written through add_file
-        self._normalized: dict | None = None  # columns, index, order, sides (module doc)
-
-    def path(self, name: str) -> str:
-        """Where a file named `name` of this write goes (registered later with `add_file`)."""
-        return f"{self.staging}/{name}"
-
-    def add_file(self, name: str, rows: int = 0) -> str:
-        """Register a file that someone else writes into the staging directory (`rows`: its
-        row count, where known); its path."""
-        self._close_file()
-        self._files.append(name)
-        self._rows.append(rows)
-        return f"{self.staging}/{name}"
-
-    def normalize(self, columns: list[str], index: str, order: list[str]) -> None:
-        """Store the partition normalized (module doc): `columns` once per run in side files,
-        the data files' `index` column pointing into them; `order` is the whole rows'."""
-        self._normalized = {"columns": columns, "index": index, "order": order, "sides": {}}
-
-    def add_side_file(self, name: str) -> str:
-        """Register the side file of data file `name` (normalized partitions); its path."""
-        assert self._normalized is not None, "normalize() first"
-        side = f"_side-{name}"  # '_': not a data file to Hive-style readers
-        self._normalized["sides"][name] = side
-        return f"{self.staging}/{side}"
-
-    def write(
-        self, table: pa.Table, *, max_rows_per_file: int = 1 << 40, **parquet_options
-    ) -> None:
-        """Append rows, starting a new file every `max_rows_per_file` rows."""
-        start = 0
-        while start < table.num_rows:
-            if self._writer is None or self._rows[-1] >= max_rows_per_file:
-                self._start_file(table.schema, parquet_options)
-            room = max_rows_per_file - self._rows[-1]
-            chunk = table.slice(start, room)
-            self._writer.write_table(chunk, row_group_size=parquet_options.get("row_group_size"))
-            self._rows[-1] += chunk.num_rows
-            start += chunk.num_rows
-        if table.num_rows == 0 and self._writer is None:
-            self._start_file(table.schema, parquet_options)
-            self._writer.write_table(table)
-
-    def end_file(self) -> str | None:
-        """Close the file being written (the next `write` starts another); its name."""
-        if self._writer is None:
-            return None
-        self._close_file()
-        return self._files[-1]
-
-    def read_file(self, name: str, columns: list[str] | None = None) -> pa.Table:
-        """Read back a closed file of this write (a later check looks at its rows)."""
-        return open_parquet(self.fs, f"{self.staging}/{name}").read(columns=columns)
-
-    def rewrite(self, name: str, table: pa.Table, **parquet_options) -> None:
-        """Replace a closed file of this write (rows dropped after a later check)."""
-        i = self._files.index(name)
-        pq.write_table(table, f"{self.staging}/{name}", filesystem=self.fs, **parquet_options)
-        self._rows[i] = table.num_rows
-
-    def _start_file(self, schema: pa.Schema, options: dict) -> None:
-        self._close_file()
-        name = f"part-{len(self._files):05d}-{self.write_id}.parquet"
-        opts = {k: v for k, v in options.items() if k != "row_group_size"}
-        self._writer = pq.ParquetWriter(
-            f"{self.staging}/{name}", schema, filesystem=self.fs, **opts
-        )
-        self._files.append(name)
-        self._rows.append(0)
-
-    def _close_file(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
-    def _sizes(self) -> dict[str, int]:
-        stored = _stored_files({"files": self._files, "normalized": self._normalized})
-        return {n: int(self.fs.get_file_info(f"{self.staging}/{n}").size or 0) for n in stored}
-
-    def totals(self) -> tuple[list[str], int, int]:
-        if self._totals is not None:
-            return self._totals
-        rows = self.rows if self.rows is not None else sum(self._rows)
-        return list(self._files), rows, sum(self._sizes().values())
-
-    def close(self) -> None:
-        self._close_file()
-        files, rows, nbytes = self._totals = self.totals()
-        sizes = self._sizes()
-        # Parquet carries page checksums; the other formats (Arrow IPC) a CRC-32 here
-        crcs = {n: file_crc32(self.fs, f"{self.staging}/{n}")
-                for n in sizes if not n.endswith(".parquet")}  # fmt: skip
-        manifest = {
-            "write_id": self.write_id,
-            "files": files,
-            "rows": rows,
-            "bytes": nbytes,
-            "rows_per_file": self._rows,
-            "file_bytes": sizes,
-            **({"file_crc32": crcs} if crcs else {}),
-            "written_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            **({"normalized": self._normalized} if self._normalized else {}),
-            **self.extra,
-        }
-        with self.fs.open_output_stream(f"{self.staging}/{MANIFEST}") as f:
-            f.write(json.dumps(manifest, indent=1).encode())
-
-    def abort(self) -> None:
-        with contextlib.suppress(Exception):
-            self._close_file()

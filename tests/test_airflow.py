@@ -18,7 +18,8 @@ from k8s_checks import assert_restricted
 from mlflow.tracking import MlflowClient
 
 from recd_core.orchestration.graph import DAILY
-from recd_core.orchestration.stages import STAGES as ALL_STAGES
+from recd_core.orchestration.graph import STAGES as ALL_STAGES
+from recd_core.orchestration.stage_args import override_fields
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -125,14 +126,16 @@ def test_the_dags_parse_with_their_schedule_and_structure(airflow_home, tmp_path
     assert daily["catchup"] is False and daily["description"]
     # a manual run is not queued behind a scheduled run waiting for its logs
     assert daily["max_active_runs"] == 2
-    assert daily["params"] == ["config", "ds", "mode"]
+    overrides = set(override_fields())  # the config overrides, each a param (empty: unset)
+    assert set(daily["params"]) == {"config", "ds", "mode"} | overrides
     # the trigger form: nothing to type (Airflow marks a non-null empty param required and
     # keeps Trigger disabled); the day with a date picker
     shown = daily["params_as_shown"]
     assert isinstance(shown, dict), shown
     assert shown["ds"] is None and shown["mode"] == "dedup"  # config: RECD_CONFIG or None
-    for name in ("ds", "config"):
-        assert "null" in daily["param_schemas"][name]["type"]
+    for name in ("ds", "config", *overrides - {"mode"}):
+        assert "null" in daily["param_schemas"][name]["type"], name
+        assert shown[name] is None or name == "config", name
     assert daily["param_schemas"]["ds"]["format"] == "date"
     assert daily["dagrun_timeout"] == "12:00:00" and daily["deadline"]
     assert daily["on_failure"] == "on_run_failure"
@@ -158,7 +161,7 @@ def test_the_dags_parse_with_their_schedule_and_structure(airflow_home, tmp_path
     cmp = bag["dags"]["recd_dedup_vs_baseline"]
     assert cmp["description"] and cmp["deadline"] and cmp["on_failure"] == "on_run_failure"
     assert cmp["timetable"] == "NullTimetable"  # triggered only
-    assert cmp["params"] == ["batch_size", "days", "ds", "preset"]
+    assert set(cmp["params"]) == {"batch_size", "days", "ds", "preset"} | overrides - {"mode"}
     assert cmp["params_as_shown"]["ds"] == "2026-11-01"
     ct = cmp["tasks"]
     for mode in ("dedup", "baseline"):

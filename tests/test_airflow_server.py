@@ -8,7 +8,6 @@ the task supervisor talking to the execution API: the path production runs take.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +19,12 @@ import pytest
 from airflow_env import airflow_env
 from mlflow.tracking import MlflowClient
 
+from recd_core.modeling.launch import free_port
 from recd_core.orchestration.graph import COMPARISON, DAILY
 
 AIRFLOW = Path(sys.executable).parent / "airflow"
 REPO = Path(__file__).resolve().parents[1]
 USER, PASSWORD = "recd", "recd-test-password"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Api:
@@ -74,7 +68,7 @@ def airflow(tmp_path_factory):
     home = root / "home"
     home.mkdir()
     (home / "passwords.json").write_text(json.dumps({USER: PASSWORD}))
-    port = _free_port()
+    port = free_port()
     env = {
         # trigger only (no scheduled run); real logs: the daily run waits for their markers
         **airflow_env(home, root, schedule="", retries=0, synthesize="false", logs_poke_s=3),

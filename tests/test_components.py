@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from recd_core.errors import BadInput
-from recd_core.orchestration.stages import STAGES, run_stage, with_upstream
+from recd_core.orchestration.graph import STAGES
+from recd_core.orchestration.stages import run_stage, with_upstream
 
 REPO = Path(__file__).resolve().parents[1]
 DAY = "2026-11-01"

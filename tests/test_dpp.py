@@ -19,7 +19,7 @@ from recd_core.dpp.transforms import (
     transform_ids,
     truncate,
 )
-from recd_core.warehouse import PartitionDamaged
+from recd_core.stored_files import PartitionDamaged
 
 DAY, NEXT = "2026-11-01", "2026-11-02"
 

@@ -24,6 +24,7 @@ from recd_core.data.generate import generate
 from recd_core.dpp.batch_store import BatchStore
 from recd_core.dpp.preprocess import preprocess
 from recd_core.leftovers import TMP_MARK, hold, sweep_files
+from recd_core.modeling.launch import free_port
 from recd_core.warehouse import MANIFEST, Warehouse
 
 RECD = str(Path(sys.executable).with_name("recd"))
@@ -266,12 +267,6 @@ def test_a_full_disk_fails_cleanly_and_freeing_space_is_enough(small_disk, small
     assert _leftover_files(wh) == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _mlflow_server(db: Path, port: int) -> subprocess.Popen:
     mlflow = Path(sys.executable).with_name("mlflow")
     server = subprocess.Popen(
@@ -303,7 +298,7 @@ def test_a_tracking_server_killed_mid_run_is_told_truthfully_and_cleaned_up(tmp_
     closed FAILED by the next command once the server is back."""
     from mlflow.tracking import MlflowClient
 
-    port, db = _free_port(), tmp_path / "mlflow.db"
+    port, db = free_port(), tmp_path / "mlflow.db"
     uri = f"http://127.0.0.1:{port}"
     server = _mlflow_server(db, port)
     cmd = [RECD, "--tracking-uri", uri, "run", "--warehouse", str(tmp_path / "wh"),

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from recd_core.orchestration.graph import DAILY
-from recd_core.orchestration.stages import STAGES as ALL_STAGES
+from recd_core.orchestration.graph import STAGES as ALL_STAGES
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "dags" / "kubeflow"))
@@ -44,7 +44,11 @@ def test_the_compiled_pipeline_has_a_container_component_per_stage(tmp_path):
     inputs = {n: c.get("inputDefinitions", {}).get("parameters", {}) for n, c in comps.items()}
     assert set(inputs["comp-recd-finish"]) >= {"u_train", "start"}
     shared = set(recd_pipeline.SHARED)
-    assert set(inputs["comp-recd-ingest"]) == shared | {"days_of", "start"}
+    # and the config overrides its stage takes (the common ones, ingest's own)
+    overrides = set(recd_pipeline._overrides("ingest"))
+    assert {"batch_size", "workers", "max_quarantine_fraction"} <= overrides
+    assert not overrides & {"nproc", "epochs", "users"}
+    assert set(inputs["comp-recd-ingest"]) == shared | {"days_of", "start"} | overrides
     assert inputs["comp-recd-ingest"]["synthesize"]["parameterType"] == "BOOLEAN"
     assert not any(
         i.startswith("u_") for n, c in inputs.items() if n != "comp-recd-finish" for i in c

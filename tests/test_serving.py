@@ -6,7 +6,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,14 +17,10 @@ import mlflow.artifacts
 import pytest
 from mlflow.tracking import MlflowClient
 
+from recd_core.modeling.launch import free_port
+
 BIN = Path(sys.executable).parent
 DAY = "2026-11-01"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +87,7 @@ class Server:
 
 
 def recd_serve(uri: str, *limits: str) -> Server:
-    port = _port()
+    port = free_port()
     return Server([str(BIN / "recd"), "serve", "--model", "models:/recd-dlrm@champion",
                    "--port", str(port), *limits], uri, port)  # fmt: skip
 
@@ -122,7 +117,7 @@ def test_both_servers_score_the_champions_example_alike(champion):
             assert json.loads(r.read())["model"] == "models:/recd-dlrm@champion"
     finally:
         ours.stop()
-    port = _port()
+    port = free_port()
     theirs = Server([str(BIN / "mlflow"), "models", "serve", "-m", "models:/recd-dlrm@champion",
                      "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)], uri, port)  # fmt: skip
     cols = example["dataframe_split"]["columns"]

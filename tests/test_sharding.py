@@ -12,11 +12,16 @@ import torch
 from test_train import DAY, SMALL_MODEL
 
 from recd_core.config import PreprocessConfig, TrainConfig
-from recd_core.dedup.sparse import InverseKeyedJaggedTensor, KeyedJaggedTensor, to_torchrec
+from recd_core.dedup.sparse import (
+    InverseKeyedJaggedTensor,
+    KeyedJaggedTensor,
+    from_torchrec,
+    to_torchrec,
+)
 from recd_core.dpp.preprocess import preprocess
 from recd_core.errors import BadInput
 from recd_core.modeling.saved import load_model, read_optimizer
-from recd_core.modeling.sharding import ShardingRefused, from_torchrec
+from recd_core.modeling.sharded.plan import ShardingRefused
 from recd_core.modeling.train import train
 
 SHARDED = dict(batch_size=256, epochs=2, model=SMALL_MODEL, threads=1,
@@ -128,7 +133,7 @@ def test_sigkill_of_a_sharded_run_then_resume_matches_an_uninterrupted_run(
         """
         import os, signal
         import torch.distributed as dist
-        from recd_core.modeling.checkpoints import ShardedCheckpoints
+        from recd_core.modeling.sharded.checkpoints import ShardedCheckpoints
         real = ShardedCheckpoints.save
         def save_then_die(self, state):
             path = real(self, state)
@@ -212,8 +217,10 @@ def _vbe_rank(rank: int, world: int, port: str, out: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
+    from recd_core.bench.sharded import counted_all_to_all
     from recd_core.dpp.batch_store import Batch
-    from recd_core.modeling.sharding import ShardedTables, TableSpec, counted_all_to_all, shard
+    from recd_core.modeling.sharded.plan import shard
+    from recd_core.modeling.sharded.tables import ShardedTables, TableSpec
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -252,10 +259,10 @@ def test_a_variable_batch_kjt_comes_back_per_sample_and_padded_unique_rows_do_no
 
     import torch.multiprocessing as mp
 
-    from recd_core.modeling.launch import _free_port
+    from recd_core.modeling.launch import free_port
 
     out = tmp_path / "probe.json"
-    mp.start_processes(_vbe_rank, args=(2, str(_free_port()), str(out)), nprocs=2,
+    mp.start_processes(_vbe_rank, args=(2, str(free_port()), str(out)), nprocs=2,
                        start_method="spawn")  # fmt: skip
     probe = json.loads(out.read_text())
     assert probe["padded_rows"] == {"u": 2, "h": 3}  # the unique rows' ids

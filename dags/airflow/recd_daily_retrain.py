@@ -16,7 +16,9 @@ day at a time, in order, each warm-started from the champion the day before left
 catch-up a manual run can go beside a scheduled run still waiting for its logs.
 
 **Parameters** (a manual run): `ds` (the training day; empty: from the run's time), `config`
-(a pipeline config YAML), `mode` (the arm: dedup or baseline).
+(a pipeline config YAML), `mode` (the arm: dedup or baseline), and under "Config
+overrides" each value the config holds that a run may change (`epochs`, `nproc`,
+`sharding`, ...; empty: the config's).
 
 **Operations.** Every task has an execution timeout (training's from the config's
 `train.timeout_minutes`), the run a `dagrun_timeout`; a failed run and a run past its
@@ -27,7 +29,7 @@ partitions (idempotent) and records a new MLflow run.
 
 from airflow.sdk import Param, dag
 from airflow.timetables.trigger import CronTriggerTimetable
-from recd_tasks import SETTINGS, build, dag_options
+from recd_tasks import SETTINGS, build, dag_options, override_args, override_params
 
 from recd_core.orchestration.graph import DAILY
 from recd_core.orchestration.schedule import training_day
@@ -62,6 +64,7 @@ TRAIN_DAY = "{{ params.ds or recd_training_day(data_interval_end or dag_run.run_
         ),
         "config": Param(SETTINGS.config or None, **param_schema("config", nullable=True)),
         "mode": Param("dedup", **param_schema("mode")),
+        **override_params(exclude=("mode",)),
     },
     **dag_options(DAILY.name),
 )
@@ -77,6 +80,7 @@ def recd_daily_retrain():
             "synthesize": SETTINGS.synthesize,
             "tracking_uri": SETTINGS.tracking_uri,
             "pipeline": "recd_daily_retrain " + TRAIN_DAY,
+            **override_args(exclude=("mode",)),
         },
     )
 

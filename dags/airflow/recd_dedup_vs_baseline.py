@@ -14,7 +14,7 @@ logs under `<logs>/_compare/`, so runs never mix workloads or touch the daily pa
 """
 
 from airflow.sdk import Param, dag
-from recd_tasks import SETTINGS, build, dag_options
+from recd_tasks import SETTINGS, build, dag_options, override_args, override_params
 
 from recd_core.orchestration.graph import COMPARISON
 from recd_core.orchestration.stage_args import param_schema
@@ -37,6 +37,7 @@ LOGS = f"{SETTINGS.logs}/_compare/{PRESET}"  # raw logs stay files (the logs vol
         "days": Param(1, **param_schema("days")),
         "preset": Param("small", **param_schema("preset")),
         "batch_size": Param(512, **param_schema("batch_size")),
+        **override_params(exclude=("batch_size", "mode")),
     },
     **dag_options(COMPARISON.name),
 )
@@ -52,6 +53,7 @@ def recd_dedup_vs_baseline():
         "synthesize": True,  # the comparison runs on the synthetic workload of `preset`
         "tracking_uri": SETTINGS.tracking_uri,
         "pipeline": "recd_dedup_vs_baseline {{ params.ds }} x{{ params.days }} {{ params.preset }}",
+        **override_args(exclude=("batch_size", "mode")),
     }
     # the warehouse is per preset (a template): no Asset can name it, and no consumer needs it
     build(COMPARISON, base, assets=False)

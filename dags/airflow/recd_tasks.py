@@ -21,12 +21,13 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from airflow.sdk import Asset, task
+from airflow.sdk import Asset, Param, task
 from pydantic import BaseModel, ConfigDict
 
 from recd_core.data.logs_root import MARKER
 from recd_core.orchestration.alerts import DEFAULT as ALERTS_DEFAULT
 from recd_core.orchestration.graph import STAGES, Graph
+from recd_core.orchestration.stage_args import for_stage, override_fields, param_schema
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -98,6 +99,21 @@ def xcoms_json(task_ids: list[str]) -> str:
     return "{{ ti.xcom_pull(task_ids=" + json.dumps(task_ids) + ") | tojson }}"
 
 
+def override_params(exclude: tuple[str, ...] = ()) -> dict[str, Param]:
+    """Every config override (`stage_args.override_fields`, declared once in `StageArgs`)
+    as a trigger-form param in a section of its own: empty, the config's value holds."""
+    return {n: Param(None, section="Config overrides (empty: the config's value)",
+                     **param_schema(n, nullable=True))
+            for n in override_fields() if n not in exclude}  # fmt: skip
+
+
+def override_args(exclude: tuple[str, ...] = ()) -> dict[str, str]:
+    """Each override's param as a task argument (a template; empty when the param is:
+    unset, and `build` hands it only to the stages that take it)."""
+    return {n: "{{ '' if params." + n + " is none else params." + n + " }}"
+            for n in override_fields() if n not in exclude}  # fmt: skip
+
+
 def asset(table: str, warehouse: str = SETTINGS.warehouse) -> Asset:
     """The Asset a stage produces: one warehouse table (partitions per ds in the event extra)."""
     uri = warehouse if "://" in warehouse else Path(warehouse).resolve().as_uri()
@@ -116,7 +132,7 @@ def build(graph: Graph, args: dict, assets: bool = True) -> dict:
     tasks: dict = {}
     arms = {t.mode for t in graph.tasks} - {None}
     for t in graph.order():
-        targs = {**args, **t.args()}
+        targs = {**for_stage(t.stage, args), **t.args()}
         if t.mode and len(arms) == 1 and args.get("mode"):
             targs["mode"] = args["mode"]
         targs |= {pull.arg: xcom(src, pull.key) for pull, src in graph.pulls(t)}

@@ -21,6 +21,7 @@ recurring run's days come from its scheduled time (`orchestration.schedule`).
 import argparse
 import inspect
 from pathlib import Path
+from typing import Optional  # noqa: UP035 - KFP reads Optional[T], not T | None
 
 from kfp import compiler, dsl, kubernetes
 
@@ -33,7 +34,7 @@ from recd_core.orchestration.graph import (
     Graph,
     outputs,
 )
-from recd_core.orchestration.stage_args import param_schema
+from recd_core.orchestration.stage_args import for_stage, override_fields, param_schema
 
 IMAGE = "ghcr.io/recd-project/recd-components:0.1.0"
 # the run's arguments every stage takes, as pipeline inputs, typed as `StageArgs` declares
@@ -42,9 +43,18 @@ RUN_INPUTS = ("ds", "warehouse", "logs", "tracking_uri", "config", "synthesize",
 KFP_TYPES = {"boolean": bool, "integer": int, "number": float}
 SHARED = {**{n: KFP_TYPES.get(param_schema(n)["type"], str) for n in RUN_INPUTS},
           "scheduled_time": str}  # fmt: skip
+# the config overrides (`StageArgs`, `arg(config=...)`) as optional pipeline inputs, typed;
+# unset, the config's value holds. `mode` is the graph's (a task's arm), not the run's.
+OVERRIDES = {n: KFP_TYPES.get(param_schema(n)["type"], str) for n in override_fields()
+             if n != "mode"}  # fmt: skip
 ARTIFACTS = {"dataset": dsl.Dataset, "model": dsl.Model, "metrics": dsl.Metrics,
              "markdown": dsl.Markdown}  # fmt: skip
 GRAPHS = (DAILY, COMPARISON)
+
+
+def _overrides(stage: str) -> list[str]:
+    """The overrides `stage` takes (the common ones and its own)."""
+    return [n for n in OVERRIDES if for_stage(stage, {n: None})]
 
 
 def _task_args(stage: str) -> list[str]:
@@ -129,6 +139,8 @@ def container_stage(name: str, image: str = IMAGE):
     params += [_param("summary", dsl.OutputPath(str))]
     params += [_param(n, dsl.Output[ARTIFACTS[kind]]) for n, kind in outputs(name).items()]
     params += [_param(k, str, "") for k in task_args]
+    overrides = [n for n in _overrides(name) if n not in task_args]
+    params += [_param(n, Optional[OVERRIDES[n]], None) for n in overrides]  # noqa: UP045
     params += [_param(n, str, "{}") for n in upstream]
     # what it reads, as the producing step's artifact (optional: a day's first stage has no
     # producer in the run): the run's lineage graph links the steps
@@ -142,6 +154,9 @@ def container_stage(name: str, image: str = IMAGE):
         gathered = [given[n] for n in upstream if n.startswith("u_")]
         cmd = stage_command(name, flags, sources, gathered, given["summary"],
                             dsl.PIPELINE_TASK_EXECUTOR_INPUT_PLACEHOLDER)  # fmt: skip
+        # an override left unset is no flag at all (the config's value holds)
+        cmd += [dsl.IfPresentPlaceholder(input_name=n, then=[f"--{n.replace('_', '-')}", given[n]])
+                for n in overrides]  # fmt: skip
         return dsl.ContainerSpec(image=image, command=cmd[:3], args=cmd[3:])
 
     stage.__name__ = f"recd_{name}"
@@ -222,6 +237,18 @@ NAMES = {DAILY.name: ("recd-daily-retrain", "recd: one day of dedup-aware DLRM r
 
 
 GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+# the run's inputs' defaults in a cluster (their types and descriptions: `StageArgs`)
+RUN_DEFAULTS = {"ds": "", "warehouse": "s3://recd/warehouse", "logs": LOGS_MOUNT,
+                "tracking_uri": TRACKING_URI, "config": "", "synthesize": False}  # fmt: skip
+# the pipeline's own inputs (where its steps run), with their types and defaults
+PIPELINE_INPUTS = {
+    "train_accelerator": (str, "nvidia.com/gpu"),
+    "train_accelerators": (int, 0),
+    "train_node_selector": (dict, {}),
+    "train_tolerations": (list, GPU_TOLERATIONS),
+    "logs_pvc": (str, "recd-logs"),
+    "s3_secret": (str, "recd-s3"),
+}
 # what the UI shows beside each input (kfp compiles a pipeline's docstring `Args:` into input
 # descriptions); the stages' own arguments are described where they are declared (StageArgs)
 INPUT_HELP = {
@@ -245,10 +272,12 @@ def pipeline_doc(description: str) -> str:
     """The pipeline's docstring: its description, and `Args:` describing every input (the
     run's arguments from `StageArgs`, the pipeline's own from `INPUT_HELP`)."""
     names = [*(n for n in RUN_INPUTS if n != "pipeline"), *(n for n in INPUT_HELP
-             if n not in RUN_INPUTS)]  # fmt: skip
+             if n not in RUN_INPUTS), *OVERRIDES]  # fmt: skip
     lines = [description, "", "Args:"]
     for n in names:
         text = INPUT_HELP.get(n) or param_schema(n).get("description", n)
+        if n in OVERRIDES:
+            text += " (empty: the config's value)"
         lines.append(f"    {n}: {' '.join(text.split())}")
     return "\n".join(lines)
 
@@ -279,43 +308,40 @@ def build_pipeline(
             step.set_accelerator_type(accelerator[0]).set_accelerator_limit(accelerator[1])
         return step
 
-    def recd_pipeline(
-        ds: str = "",
-        logs: str = LOGS_MOUNT,
-        warehouse: str = "s3://recd/warehouse",
-        tracking_uri: str = TRACKING_URI,
-        config: str = "",
-        synthesize: bool = False,
-        train_accelerator: str = "nvidia.com/gpu",
-        train_accelerators: int = 0,
-        train_node_selector: dict = {},  # noqa: B006 - a pipeline input's default, never mutated
-        train_tolerations: list = GPU_TOLERATIONS,  # noqa: B006
-        logs_pvc: str = "recd-logs",
-        s3_secret: str = "recd-s3",
-    ):
-        shared = {"ds": ds, "warehouse": warehouse, "logs": logs, "tracking_uri": tracking_uri,
-                  "config": config, "synthesize": synthesize, "pipeline": "recd kubeflow",
+    params = [_param(n, SHARED[n], RUN_DEFAULTS[n]) for n in RUN_INPUTS if n != "pipeline"]
+    params += [_param(n, t, d) for n, (t, d) in PIPELINE_INPUTS.items()]
+    params += [_param(n, Optional[t], None) for n, t in OVERRIDES.items()]  # noqa: UP045
+    names = [p.name for p in params]
+
+    def recd_pipeline(*values):
+        inputs = dict(zip(names, values, strict=True))
+        overrides = {n: inputs[n] for n in OVERRIDES}
+        shared = {**{n: inputs[n] for n in RUN_INPUTS if n != "pipeline"},
+                  "pipeline": "recd kubeflow",
                   # the backend fills it for a recurring run's jobs; `ds` wins when given
                   "scheduled_time": dsl.PIPELINE_JOB_SCHEDULE_TIME_UTC_PLACEHOLDER
                   if scheduled else ""}  # fmt: skip
+        accelerator = (inputs["train_accelerator"], inputs["train_accelerators"])
 
         def wired(task, **upstream):
-            step = op(task, shared, (train_accelerator, train_accelerators), **upstream)
-            kubernetes.mount_pvc(step, pvc_name=logs_pvc, mount_path=LOGS_MOUNT)
+            mine = {n: overrides[n] for n in _overrides(task.stage) if n not in task.args()}
+            step = op(task, {**shared, **mine}, accelerator, **upstream)
+            kubernetes.mount_pvc(step, pvc_name=inputs["logs_pvc"], mount_path=LOGS_MOUNT)
             # optional: a warehouse that is not on S3 needs no keys
-            kubernetes.use_secret_as_env(step, secret_name=s3_secret, optional=True,
+            kubernetes.use_secret_as_env(step, secret_name=inputs["s3_secret"], optional=True,
                                          secret_key_to_env={k: k for k in S3_KEYS})  # fmt: skip
             kubernetes.add_pod_label(step, *MLFLOW_CLIENT_LABEL)
             accelerated = STAGES[task.stage].accelerated
             kubernetes.set_timeout(step, TIMEOUT_S[accelerated])
             if accelerated:
-                kubernetes.add_node_selector_json(step, train_node_selector)
-                kubernetes.add_toleration_json(step, train_tolerations)
+                kubernetes.add_node_selector_json(step, inputs["train_node_selector"])
+                kubernetes.add_toleration_json(step, inputs["train_tolerations"])
             return step
 
         graph(wired, g, artifacts=True)
 
     recd_pipeline.__doc__ = pipeline_doc(description)
+    _with_inputs(recd_pipeline, inspect.Parameter.VAR_POSITIONAL, params)
     return dsl.pipeline(name=name, description=description)(recd_pipeline)
 
 

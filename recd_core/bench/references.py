@@ -193,6 +193,27 @@ class FactorizationMachine:
             return torch.sigmoid(self.logit(xs)).numpy().astype(np.float64)
 
 
+def tune(grid, fit, validate, patience: int) -> tuple[float, object, int]:
+    """The grid value, and the step, at which a reference's validation NE is lowest: for each
+    value `fit(value, each)` trains a fresh model, calling `each(step, model)` at every
+    validation point, which validates it (`validate(model)` -> NE) and says whether to go on
+    (`patience` steps at most past the value's best). Returns (NE, value, step)."""
+    best = (np.inf, None, 0)
+    for value in grid:
+        mine = [np.inf, 0]  # this value's best NE, and its step
+
+        def each(step: int, model, mine=mine) -> bool:
+            ne = validate(model)
+            if ne < mine[0]:
+                mine[:] = [ne, step]
+            return step - mine[1] < patience
+
+        fit(value, each)
+        if mine[0] < best[0]:
+            best = (mine[0], value, mine[1])
+    return best
+
+
 def factorization_machine(
     train: pa.Table,
     test: pa.Table,
@@ -224,20 +245,16 @@ def factorization_machine(
     max_passes = max(1, max_epochs // len(x_fit))
     patience_passes = max(2, -(-patience // len(x_fit)))
     y_val = _labels(val_rows)
-    best = (np.inf, None, 0)  # (validation NE, l2, passes)
-    for l2 in strengths:
-        fm, mine = FactorizationMachine(d, k), [np.inf, 0]  # this strength's best NE, pass
+    y_fit = _labels(fit_rows)
 
-        def each(epoch: int, fm=fm, mine=mine) -> bool:
-            ne = metrics.normalized_entropy(y_val, fm.predict(x_val))
-            if ne < mine[0]:
-                mine[:] = [ne, epoch + 1]
-            return epoch + 1 - mine[1] < patience_passes
+    def fit(l2: float, each) -> None:
+        fm = FactorizationMachine(d, k)
+        fm.fit(x_fit, y_fit, l2, max_passes, lr, lambda epoch: each(epoch + 1, fm))
 
-        fm.fit(x_fit, _labels(fit_rows), l2, max_passes, lr, each)
-        if mine[0] < best[0]:
-            best = (mine[0], l2, mine[1])
-    _, l2, passes = best
+    def validate(fm) -> float:
+        return metrics.normalized_entropy(y_val, fm.predict(x_val))
+
+    _, l2, passes = tune(strengths, fit, validate, patience_passes)
     fm = FactorizationMachine(d, k).fit(
         FactorizationMachine.parts(design(train)), _labels(train), l2, passes, lr
     )

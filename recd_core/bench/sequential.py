@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from recd_core import metrics
-from recd_core.bench.references import _dense, time_split
+from recd_core.bench.references import _dense, time_split, tune
 from recd_core.config import FeatureSet
 
 SEQ_LR = (1e-3, 3e-3)
@@ -340,20 +340,16 @@ def sequential_reference(
         return MODELS[name](features, d, dense_dim, *extra).to(device)
 
     every = max(1, math.ceil(len(x_fit) / batch / 2))  # validate every half pass
-    best = (np.inf, None, 0)  # (validation NE, lr, steps)
-    for lr in learning_rates:
-        model, mine = build(), [np.inf, 0]
 
-        def each(step: int, model=model, mine=mine) -> bool:
-            ne = metrics.normalized_entropy(y_val, _scores(model, x_val))
-            if ne < mine[0]:
-                mine[:] = [ne, step]
-            return step - mine[1] < 2 * every
+    def fit(lr: float, each) -> None:
+        model = build()
+        _fit(model, x_fit, lr, max_passes * 2 * every, batch, seed,
+             lambda step: each(step, model), every)  # fmt: skip
 
-        _fit(model, x_fit, lr, max_passes * 2 * every, batch, seed, each, every)
-        if mine[0] < best[0]:
-            best = (mine[0], lr, mine[1])
-    _, lr, steps = best
+    def validate(model) -> float:
+        return metrics.normalized_entropy(y_val, _scores(model, x_val))
+
+    _, lr, steps = tune(learning_rates, fit, validate, 2 * every)
     x_train = encode(train, features).to(device)
     # as many passes over all of `train` as the best state had over its earlier 90%
     steps = round(steps * len(x_train) / len(x_fit))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,15 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+from recd_core.modeling.launch import free_port
+
 SIZES = (1, 100, 10_000)
 REQUESTS = {1: 100, 100: 30, 10_000: 5}  # timed requests per size (recd serve)
 REFERENCE_REQUESTS = {1: 30, 100: 10, 10_000: 2}  # mlflow models serve: 10k rows take ~30 s
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(port: int, server: subprocess.Popen, limit_s: float = 180) -> None:
@@ -118,7 +113,7 @@ def _run_server(cmd: list[str], port: int, requests: dict, bodies: dict) -> dict
 
 def serving_figures(model_uri: str, warehouse: str, ds: str, reference: bool = True) -> dict:
     """`serving.*` figures (module docstring) for the model at `model_uri`."""
-    from recd_core.mlops.registry import NON_FEATURE_COLUMNS, save_pyfunc
+    from recd_core.mlops.pyfunc import NON_FEATURE_COLUMNS, save_pyfunc
     from recd_core.modeling.saved import model_dir
     from recd_core.warehouse import Warehouse
 
@@ -127,7 +122,7 @@ def serving_figures(model_uri: str, warehouse: str, ds: str, reference: bool = T
     records = rows.select(keep).to_pylist()
     bodies = {n: json.dumps({"dataframe_split": {"columns": keep, "data": [
         [r[c] for c in keep] for r in records[:n]]}}).encode() for n in SIZES}  # fmt: skip
-    port = _port()
+    port = free_port()
     ours = _run_server([sys.executable, "-m", "recd_core.cli", "serve", "--model", model_uri,
                         "--port", str(port), "--max-rows", str(max(SIZES))], port,
                        REQUESTS, bodies)  # fmt: skip
@@ -140,7 +135,7 @@ def serving_figures(model_uri: str, warehouse: str, ds: str, reference: bool = T
         with tempfile.TemporaryDirectory(prefix="recd-bench-pyfunc-") as tmp, \
                 model_dir(model_uri) as local:  # fmt: skip
             save_pyfunc(local, rows, Path(tmp) / "model")
-            port = _port()
+            port = free_port()
             mlflow_bin = str(Path(sys.executable).parent / "mlflow")
             theirs = _run_server([mlflow_bin, "models", "serve", "-m", str(Path(tmp) / "model"),
                                   "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],

@@ -3,7 +3,7 @@ a step costs, dedup vs baseline, with the tables sharded across N processes (glo
 nccl on CUDA), and a table larger than a process's memory budget.
 
 communication   each rank sends, per step, through `all_to_all_single` (counted by
-                modeling/sharding.py's `counted_all_to_all`): ids and lengths (the input
+                `counted_all_to_all`): ids and lengths (the input
                 distribution) and vectors (the output distribution, forward, and their
                 gradients, backward). Both modes train their own copy of one model on the
                 same batches, each rank its slice; the dedup arm sends a group's unique
@@ -22,6 +22,7 @@ each spawns its ranks):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 
 SHARDINGS = ("table_wise", "row_wise")
 
@@ -51,10 +53,10 @@ def sharded_figures(table_path: str, cfg_json: str, budget_mb: int = 400) -> dic
 def _spawn(fn, nproc: int, *args) -> dict:
     import torch.multiprocessing as mp
 
-    from recd_core.modeling.launch import _free_port
+    from recd_core.modeling.launch import free_port
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/rank0.json"
         mp.start_processes(fn, args=(nproc, out, *args), nprocs=nproc, start_method="spawn")
@@ -63,18 +65,21 @@ def _spawn(fn, nproc: int, *args) -> dict:
 
 
 def _rank_setup(rank: int, world: int):
+    """This rank in the process group, and the run's strategy for the tables sharded
+    (modeling/sharded/strategy.py: what `recd train` uses)."""
     import warnings
 
     import torch
 
     from recd_core.modeling.launch import join_process_group, resolve_device
+    from recd_core.modeling.sharded.strategy import Sharded
     from recd_core.runtime import cpu_budget
 
     warnings.filterwarnings("ignore")
     device = join_process_group(rank, world, resolve_device("auto"))
     if device.type == "cpu":
         torch.set_num_threads(max(cpu_budget() // world, 1))
-    return device
+    return device, Sharded(rank, world, device)
 
 
 def _comm_rank(rank: int, world: int, out: str, table_path: str, cfg_json: str,
@@ -85,15 +90,9 @@ def _comm_rank(rank: int, world: int, out: str, table_path: str, cfg_json: str,
 
     from recd_core.bench.training import _batches
     from recd_core.config import TrainConfig
-    from recd_core.modeling.sharding import (
-        FusedTables,
-        ShardedDLRM,
-        counted_all_to_all,
-        shard,
-    )
-    from recd_core.modeling.step import cooccurrence_term, make_optimizers, train_step
+    from recd_core.modeling.step import cooccurrence_term, train_step
 
-    device = _rank_setup(rank, world)
+    device, strategy = _rank_setup(rank, world)
     cfg = TrainConfig.model_validate_json(cfg_json)
     table = pq.read_table(table_path)
     features, _, dedup, base = _batches(table, cfg, steps + 1, torch.device("cpu"))
@@ -108,19 +107,18 @@ def _comm_rank(rank: int, world: int, out: str, table_path: str, cfg_json: str,
     for sharding in SHARDINGS:
         c = cfg.model_copy(update={"sharding": sharding})
         for mode, batches in parts.items():
-            model = ShardedDLRM(features, c.model)
-            net = shard(model, c, world, device)
-            opt_dense, _ = make_optimizers(net.module, c, sparse=False)
-            none = FusedTables(net.module.sharded, c.lr_sparse)  # its step is in the backward
-            train_step(net, batches[0], opt_dense, none, False,
-                       cooccurrence_term(net.module, c, 0))  # warm-up  # fmt: skip
+            model = strategy.placed(features, c)
+            net = strategy.net
+            opt_dense, fused = strategy.optimizers(model, c, warm=False)
+            train_step(net, batches[0], opt_dense, fused, False,
+                       cooccurrence_term(model, c, 0))  # warm-up  # fmt: skip
             times, sent = [], []
             for k, b in enumerate(batches[1:], 1):
-                aux = cooccurrence_term(net.module, c, k)
+                aux = cooccurrence_term(model, c, k)
                 dist.barrier()
                 with counted_all_to_all() as counter:
                     t0 = time.perf_counter()
-                    train_step(net, b, opt_dense, none, False, aux)
+                    train_step(net, b, opt_dense, fused, False, aux)
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     times.append(time.perf_counter() - t0)
@@ -158,17 +156,11 @@ def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
     from recd_core.bench.training import _batches
     from recd_core.config import TrainConfig
     from recd_core.modeling.launch import peak_mem
-    from recd_core.modeling.sharding import (
-        FusedTables,
-        ShardedDLRM,
-        ShardingRefused,
-        plan_table,
-        shard,
-        shard_bytes,
-    )
-    from recd_core.modeling.step import cooccurrence_term, make_optimizers, train_step
+    from recd_core.modeling.sharded.model import ShardedDLRM
+    from recd_core.modeling.sharded.plan import ShardingRefused, plan_table, shard, shard_bytes
+    from recd_core.modeling.step import cooccurrence_term, train_step
 
-    device = _rank_setup(rank, world)
+    device, strategy = _rank_setup(rank, world)
     budget_mb = int(budget)
     cfg = TrainConfig(batch_size=1024, sharding="auto", memory_budget_mb=budget_mb)
     table = pq.read_table(table_path)
@@ -180,18 +172,17 @@ def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
         f.model_copy(update={"table_size": big})
         if f.kind != "dense" and features.table_of(f.name) == item_table else f
         for f in features.features]})  # fmt: skip
-    model = ShardedDLRM(features, cfg.model)  # the tables on the meta device
-    before = _rss()  # the runtime (python, torch, torchrec), the batches, the dense layers
-    net = shard(model, cfg, world, device)
-    opt_dense, _ = make_optimizers(net.module, cfg, sparse=False)
-    fused = FusedTables(net.module.sharded, cfg.lr_sparse)  # its step is in the backward
+    before = _rss()  # the runtime (python, torch, torchrec), the batches
+    model = strategy.placed(features, cfg)  # the tables placed: each rank's shards only
+    net = strategy.net
+    opt_dense, fused = strategy.optimizers(model, cfg, warm=False)
     for k, b in enumerate(dedup):
-        aux = cooccurrence_term(net.module, cfg, k)
+        aux = cooccurrence_term(model, cfg, k)
         train_step(net, b.part(rank, world).to(device), opt_dense, fused, False, aux)
     peak = torch.tensor([float(peak_mem(device))])
     peaks = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(peaks, peak)
-    held = shard_bytes(net.module)
+    held = shard_bytes(model)
     plan = plan_table(net)[f"t_{item_table}"]
     refused = ""
     try:
@@ -213,6 +204,34 @@ def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
             }, f)  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def counted_all_to_all():
+    """Count the bytes this rank sends to other ranks through `all_to_all_single` (what
+    TorchRec's input and output distributions use) while inside; yields a Counter by
+    dtype (int64/int32: ids and lengths; float32: vectors and their gradients)."""
+    import torch.distributed as dist
+
+    sent: Counter = Counter()
+    original = dist.all_to_all_single
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def counting(output, input, output_split_sizes=None, input_split_sizes=None,
+                 group=None, async_op=False):  # fmt: skip
+        rows = input.shape[0] if input.dim() else 0
+        row_bytes = input[0].numel() * input.element_size() if rows else 0
+        splits = input_split_sizes or [rows // world] * world
+        sent[str(input.dtype).removeprefix("torch.")] += row_bytes * sum(
+            n for j, n in enumerate(splits) if j != rank
+        )
+        return original(output, input, output_split_sizes, input_split_sizes, group, async_op)
+
+    dist.all_to_all_single = counting
+    try:
+        yield sent
+    finally:
+        dist.all_to_all_single = original
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from recd_core.dpp.preprocess import batch_ranges, make_batch
 from recd_core.modeling.cooccurrence import list_features, rows_loss
 from recd_core.modeling.launch import peak_mem
 from recd_core.modeling.model import DLRM
-from recd_core.modeling.optim import RowWiseAdagrad
+from recd_core.modeling.optim import RowWiseAdagrad, quiet_sparse_warnings
 from recd_core.modeling.step import cooccurrence_term, make_optimizers, train_step
 from recd_core.schema import feature_set_of
 
@@ -116,6 +116,7 @@ def dedupable_share(
 def bench_train(
     table: pa.Table, cfg: TrainConfig, repeats: int = 5, n_batches: int = 4, device: str = "cpu"
 ) -> dict:
+    quiet_sparse_warnings()
     dev = torch.device(device)
     features, plan, dedup, base = _batches(table, cfg, n_batches, dev)
     if not dedup:
@@ -168,9 +169,7 @@ def bench_train(
 def _memory_probe(args) -> int:
     """Peak memory of a few training steps in one mode (run in a fresh process)."""
     table_path, cfg_json, mode, device = args
-    import warnings
-
-    warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
+    quiet_sparse_warnings()
     import pyarrow.parquet as pq
 
     cfg = TrainConfig.model_validate_json(cfg_json)

@@ -34,7 +34,8 @@ from recd_core.errors import BadInput
 from recd_core.leftovers import owned_tempdir
 from recd_core.lineage import check_reads, record
 from recd_core.schema import SIDE_ROW, feature_set_of, sessions_checked
-from recd_core.warehouse import Warehouse, open_parquet, read_batches
+from recd_core.stored_files import open_parquet, read_batches
+from recd_core.warehouse import Warehouse
 
 LAYOUTS = ("clustered", "shuffled")
 

@@ -243,3 +243,23 @@ def to_torchrec(x: KeyedJaggedTensor | InverseKeyedJaggedTensor):
         stride_per_key_per_rank=[[n] for _ in x.keys],
         inverse_indices=(x.keys, inverse),
     )
+
+
+def from_torchrec(kjt) -> KeyedJaggedTensor | InverseKeyedJaggedTensor:
+    """TorchRec's KJT -> recd's: a variable-batch KJT with `inverse_indices` (one stride per
+    key, as `to_torchrec` writes an IKJT) becomes an IKJT, a plain one a KJT."""
+    keys = list(kjt.keys())
+    values, lengths = kjt.values(), kjt.lengths().to(torch.int64)
+    if kjt.variable_stride_per_key():
+        strides = kjt.stride_per_key()
+        if len(set(strides)) != 1:
+            raise BadInput(f"a variable-batch KJT with strides {strides}: one per IKJT group")
+        inverse = kjt.inverse_indices_or_none()
+        if inverse is None:
+            raise BadInput("a variable-batch KJT without inverse_indices is no IKJT")
+        inv_keys, inv = inverse
+        if list(inv_keys) != keys or not bool((inv == inv[:1]).all()):
+            raise BadInput("an IKJT's keys share one inverse_indices row; this KJT's differ")
+        unique = KeyedJaggedTensor(keys, values, lengths)
+        return InverseKeyedJaggedTensor(unique, inv[0].to(torch.int64))
+    return KeyedJaggedTensor(keys, values, lengths)

@@ -17,7 +17,8 @@ import torch
 
 from recd_core.config import FeatureSet
 from recd_core.dedup.sparse import InverseKeyedJaggedTensor, KeyedJaggedTensor
-from recd_core.warehouse import Warehouse, damage_named
+from recd_core.stored_files import damage_named
+from recd_core.warehouse import Warehouse
 
 
 @dataclass
@@ -101,6 +102,14 @@ def expand(batch: Batch) -> Batch:
 
 def read_manifest(wh: Warehouse, ds: str, mode: str) -> dict:
     return wh.manifest("batches", ds, mode=mode)
+
+
+def model_shape(wh: Warehouse, ds: str, mode: str) -> tuple[FeatureSet, int]:
+    """What a day's training batches size the model by, from the manifest alone (no batch
+    file read or verified): the model's features and `BatchStore.samples()`."""
+    manifest = read_manifest(wh, ds, mode)
+    features = FeatureSet.model_validate(manifest["prepared"]["model"])
+    return features, manifest["batches"] * manifest["batch_size"]
 
 
 SPLIT_PREFIX = {"train": "shard-", "validation": "valid-"}

@@ -1,7 +1,7 @@
 """A training run's checkpoints, and the key that names the run.
 
     <warehouse>/checkpoints/<run>/step-NNNNNNNN.pt     written atomically, `keep` newest kept
-                                 step-NNNNNNNN.dcp/    a sharded run's (`ShardedCheckpoints`)
+                                 step-NNNNNNNN.dcp/    a sharded run's (sharded/checkpoints.py)
         {"model": state dict, "optimizer": {"dense", "sparse"} (as the saved model's
          optimizer.pt), "step": steps taken, "config": the TrainConfig JSON,
          "early": EarlyStopping's state (best state, history)}
@@ -16,14 +16,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import re
-import warnings
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
 from recd_core.config import TrainConfig
-from recd_core.errors import RecdError, first_line
+from recd_core.errors import RecdError
 from recd_core.leftovers import sweep_files
 from recd_core.modeling.saved import (
     CheckpointError,
@@ -138,105 +136,3 @@ def checkpoint_state(model, optimizer: dict, step: int, cfg: TrainConfig, early)
         "config": cfg.model_dump_json(),
         "early": early.state(),
     }
-
-
-class ShardedCheckpoints:
-    """A sharded run's checkpoints, through torch.distributed.checkpoint (DCP):
-
-        <warehouse>/checkpoints/<run>/step-NNNNNNNN.dcp/
-            __R_0.distcp   rank R's shards: the tables' weights and accumulators (the
-                           live ones, and the best validated state's), as ShardedTensors
-            .metadata      the layout, written last: a step without it is incomplete
-        "rest": the dense weights, Adam's state, the step, the config and early
-        stopping's history, one copy (the same on every rank), as bytes of a tensor file
-
-    Every rank writes its own file through the warehouse (any filesystem it supports: DCP
-    writes to a local staging directory first); rank 0 writes `.metadata` after every rank
-    has written. Loading reshards: a run resumed with another number of processes, or
-    another placement, reads the same checkpoint. `save` takes and `latest` gives the state
-    as the training loop holds it (`checkpoint_state`: a sharded model's local layout)."""
-
-    def __init__(self, wh: Warehouse, run: str, keep: int, tables):
-        self.wh, self.run, self.keep, self.tables = wh, run, keep, tables
-        self.dir = f"{wh.root}/checkpoints/{run}"
-
-    def steps(self, complete: bool = True) -> list[int]:
-        """The checkpoints' steps, oldest first (`complete=False`: the ones a killed save
-        left without `.metadata`)."""
-        if self.wh.fs.get_file_info(self.dir).type != pafs.FileType.Directory:
-            return []
-        mine = re.compile(r"step-(\d{8})\.dcp")
-        infos = self.wh.fs.get_file_info(pafs.FileSelector(self.dir))
-        found = [(mine.fullmatch(i.base_name), i.path) for i in infos]
-        return sorted(int(m.group(1)) for m, path in found
-                      if m and self.wh.exists_file(f"{path}/.metadata") == complete)  # fmt: skip
-
-    def path(self, step: int) -> str:
-        return f"{self.dir}/step-{step:08d}.dcp"
-
-    def save(self, state: dict) -> str:
-        import tempfile
-
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-
-        from recd_core.modeling.sharding import to_dcp
-
-        path = self.path(state["step"])
-        with tempfile.TemporaryDirectory() as tmp, _quiet_dcp():
-            dcp.save(to_dcp(self.tables, state, torch_bytes), checkpoint_id=tmp)
-            names = sorted(os.listdir(tmp))
-            for name in names:  # this rank's data; rank 0's metadata after everyone's
-                if name != ".metadata":
-                    write_bytes(self.wh, f"{path}/{name}", _read(f"{tmp}/{name}"))
-            dist.barrier()
-            if dist.get_rank() == 0:
-                write_bytes(self.wh, f"{path}/.metadata", _read(f"{tmp}/.metadata"))
-                old = self.steps()[: -self.keep] + self.steps(complete=False)
-                for step in old:
-                    self.wh.fs.delete_dir(self.path(step))
-        dist.barrier()
-        return path
-
-    def latest(self) -> dict | None:
-        """The newest complete checkpoint, in the loop's layout (resharded to this run)."""
-        import tempfile
-
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from recd_core.modeling.sharding import dcp_target, from_dcp
-
-        steps = self.steps()
-        if not steps:
-            return None
-        path = self.path(steps[-1])
-        with tempfile.TemporaryDirectory() as tmp:
-            for info in self.wh.fs.get_file_info(pafs.FileSelector(path)):
-                with open(f"{tmp}/{info.base_name}", "wb") as f:
-                    f.write(read_bytes(self.wh, info.path))
-            try:
-                with _quiet_dcp():
-                    metadata = dcp.FileSystemReader(tmp).read_metadata()
-                    target = dcp_target(self.tables, metadata)
-                    dcp.load(target, checkpoint_id=tmp)
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
-                raise CheckpointError(
-                    f"{path} is corrupt or not a recd checkpoint ({type(e).__name__}: "
-                    f"{first_line(e, 160)}); delete it to resume from the previous checkpoint"
-                ) from None
-        return from_dcp(self.tables, target, lambda data: torch_load(data, path))
-
-
-@contextlib.contextmanager
-def _quiet_dcp():
-    """TorchRec 1.8's state is ShardedTensors, which torch warns it deprecates, on every
-    save and load: not the user's concern."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Please use DTensor instead")
-        yield
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()

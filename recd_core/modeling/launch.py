@@ -82,7 +82,7 @@ def launch(
     with tempfile.TemporaryDirectory() as tmp:
         result = f"{tmp}/rank0.json"
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
         mp.start_processes(
             _spawned,
             args=(
@@ -131,7 +131,8 @@ def _spawned(
             json.dump(summary, f)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (a rendezvous, a server a test or bench starts)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -24,8 +24,7 @@ attention, as in DIN): the history's encoder runs once per unique user row, only
 attention runs per sample. The dots also reach the logit through one learned weight each
 (a factorization machine's second-order term, zero at first): through the top MLP alone a
 pair's signal arrives as one of hundreds of inputs, and on one day's data the tables learned
-the pairs that matter (the user's topics against the item's) more slowly (next-day NE 0.878
-without it, 0.872 with it, on the standard preset's first day). With `cross_layers`,
+the pairs that matter (the user's topics against the item's) more slowly. With `cross_layers`,
 the vectors side by side also pass DCN-v2's cross layers (x_{l+1} = x_0 * (W x_l + b) +
 x_l) into the top MLP: products of single coordinates of any two vectors, which a dot of
 whole vectors sums away (MovieLens: docs/benchmarks.md). The calibration is a

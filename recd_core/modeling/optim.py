@@ -16,7 +16,16 @@ state at one float per row (a table of N x d weights carries N, not N x d, float
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+
+def quiet_sparse_warnings() -> None:
+    """Adagrad on sparse gradients rebuilds them internally, and torch warns once per
+    process that their invariant checks are off: not the user's concern. Every process
+    that trains calls this (a training run's ranks, the bench's probes)."""
+    warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
 
 
 class RowWiseAdagrad(torch.optim.Optimizer):

@@ -20,19 +20,26 @@ from recd_core.modeling.model import Model
 from recd_core.modeling.optim import RowWiseAdagrad
 
 
-def make_optimizers(model: Model, cfg: TrainConfig, warm: bool = False, sparse: bool = True):
+def make_optimizers(model: Model, cfg: TrainConfig, warm: bool = False):
+    """(`dense_optimizer`, `table_optimizer`): a single-process model's optimizers."""
+    return dense_optimizer(model, cfg, warm), table_optimizer(model, cfg)
+
+
+def dense_optimizer(model: Model, cfg: TrainConfig, warm: bool = False) -> torch.optim.Adam:
     """Adam for the dense layers (at `lr_dense_warm` on a warm start: layers that already
-    fit are fine-tuned), row-wise Adagrad for the tables (`sparse=False`: None, the
-    sharded tables' is fused into TorchRec's backward)."""
-    if sparse:
-        sparse = RowWiseAdagrad(
-            model.sparse_parameters(),
-            lr=cfg.lr_sparse,
-            initial_accumulator=cfg.adagrad_initial_accumulator,
-        )
+    fit are fine-tuned)."""
     rate = cfg.lr_dense_warm if warm and cfg.lr_dense_warm is not None else cfg.lr_dense
-    dense = torch.optim.Adam(model.dense_parameters(), lr=rate)
-    return dense, sparse or None
+    return torch.optim.Adam(model.dense_parameters(), lr=rate)
+
+
+def table_optimizer(model: Model, cfg: TrainConfig) -> RowWiseAdagrad:
+    """Row-wise Adagrad for the tables (a sharded model's is fused into TorchRec's
+    backward: sharded/state.py's `FusedAdagrad`)."""
+    return RowWiseAdagrad(
+        model.sparse_parameters(),
+        lr=cfg.lr_sparse,
+        initial_accumulator=cfg.adagrad_initial_accumulator,
+    )
 
 
 def train_step(model, batch, opt_dense, opt_sparse, amp: bool, aux=None, scale=1.0) -> float:

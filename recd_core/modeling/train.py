@@ -10,12 +10,10 @@ losses and weights agree to float tolerance. A run reads in three parts:
     fit     the loop: a batch, a step, now and then a validation and a checkpoint
     finish  the best state back, its calibration, the fold-in, the summary, the saved model
 
-Validation and passes (early_stopping.py): training validates on the day's latest rows, which
-DPP held out, keeps the state with the best validation NE and stops when it stops improving;
-each pass after the first restarts the embedding tables from where the run started and keeps
-the dense layers (`restart_tables`; a second pass over tables that have seen the day
-memorizes it: validation NE jumped from 0.870 to 1.04 at its start on the standard day).
-The saved model is the best state, with that step's optimizer state (what the next day's
+Validation and passes (early_stopping.py, which says why): training validates on the day's
+latest rows, which DPP held out, keeps the state with the best validation NE and stops when
+it stops improving; each pass after the first restarts the embedding tables from where the
+run started and keeps the dense layers (`restart_tables`). The saved model is the best state, with that step's optimizer state (what the next day's
 warm start continues).
 
 Calibration (`calibrate`, default on): the best state's logit gets a slope and an offset
@@ -27,7 +25,8 @@ compared); `train.val_ne_calibrated` the same slice after the fit.
 Fold-in (`fold_in_validation`, default on): then the tables take one pass over the
 validation slice, the dense layers and the calibration staying as chosen (step.py's
 `fold_in`): without it the tables would never see the day's latest rows, nor would
-tomorrow's warm start (MovieLens-100k: AUC 0.7710 -> 0.7797). The validation figures in
+tomorrow's warm start, while the references are refit on all their training rows. The
+validation figures in
 the summary are the chosen state's, before the fold-in.
 
 The trained model is saved as a state dict plus model.json (saved.py: the format, and
@@ -39,26 +38,18 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import time
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from recd_core.config import FeatureSet, TrainConfig
 from recd_core.dpp.batch_store import BatchStore
-from recd_core.errors import BadInput, first_line
+from recd_core.errors import BadInput
 from recd_core.lineage import check_reads, record, staleness, write_ids
 from recd_core.modeling.calibration import calibrate
-from recd_core.modeling.checkpoints import (
-    Checkpoints,
-    ShardedCheckpoints,
-    checkpoint_state,
-    one_writer,
-    run_name,
-)
+from recd_core.modeling.checkpoints import Checkpoints, checkpoint_state, one_writer, run_name
 from recd_core.modeling.early_stopping import EarlyStopping, TableStart, on_cpu
 from recd_core.modeling.launch import (
     join_process_group,
@@ -68,22 +59,18 @@ from recd_core.modeling.launch import (
     peak_mem,
     resolve_device,
 )
-from recd_core.modeling.model import Model, build_model
+from recd_core.modeling.model import Model
+from recd_core.modeling.optim import quiet_sparse_warnings
+from recd_core.modeling.parallel import Replicated, check, parallelism
 from recd_core.modeling.saved import save_model
-from recd_core.modeling.sharding import (
-    FusedTables,
-    ShardedDLRM,
-    check_config,
-    full_state,
-    plan_table,
-    shard,
-    shard_bytes,
-    torchrec_validation,
-)
-from recd_core.modeling.step import cooccurrence_term, fold_in, make_optimizers, train_step
+from recd_core.modeling.step import cooccurrence_term, fold_in, train_step
 from recd_core.modeling.warm_start import Init, continue_optimizers, initial_state
 from recd_core.runtime import cpu_budget
 from recd_core.warehouse import Warehouse
+
+if TYPE_CHECKING:
+    from recd_core.modeling.sharded.checkpoints import ShardedCheckpoints
+    from recd_core.modeling.sharded.strategy import Sharded
 
 
 class BatchMismatch(BadInput, ValueError):
@@ -108,8 +95,7 @@ def train(
     check_reads(warehouse, "train", [warehouse.partition_name("batches", ds, mode=cfg.mode)],
                 features)  # fmt: skip
     nproc = cfg.nproc if nproc is None else nproc
-    if cfg.sharding != "none":
-        check_config(cfg, nproc)
+    check(cfg, nproc)  # before any process starts
     # one live writer per day and arm (a rank that torchrun started: its rank 0 holds it)
     lock = one_writer(warehouse, ds, cfg.mode) if launched_rank() in (None, 0) else None
     with lock or contextlib.nullcontext():
@@ -142,7 +128,8 @@ class Run:
     valid: BatchStore  # the day's latest rows, held out by DPP
     days: list[str]
     model: Model
-    net: torch.nn.Module  # the model, or its DDP wrapper
+    parallel: Replicated | Sharded  # how the processes share the model (parallel.py)
+    net: torch.nn.Module  # what a step runs: the model, or its DDP / DMP wrapper
     opt_dense: torch.optim.Optimizer
     opt_sparse: torch.optim.Optimizer
     init: Init
@@ -151,7 +138,6 @@ class Run:
     checkpoints: Checkpoints | ShardedCheckpoints
     per_epoch: int  # steps a pass (every rank takes as many)
     total: int  # steps at most
-    sharded: bool = False  # tables sharded (modeling/sharding.py): a rank takes a batch's slice
     lineage: dict = field(default_factory=dict)  # what the model is built from (lineage.py)
     validation: str = "ok"  # whether the validation slice chooses states (validation_use)
 
@@ -165,7 +151,7 @@ class Run:
     seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
 
-    def optimizers(self) -> dict:
+    def optimizer_states(self) -> dict:
         return {"dense": self.opt_dense.state_dict(), "sparse": self.opt_sparse.state_dict()}
 
 
@@ -177,7 +163,7 @@ def fit(run: Run) -> None:
     amp = cfg.amp and run.device.type == "cuda"
     every = max(1, run.per_epoch // cfg.validations_per_epoch)
     if run.validating and run.step == 0:
-        early.update(0, validate(model, valid, run.device), model, run.optimizers())
+        early.update(0, validate(model, valid, run.device), model, run.optimizer_states())
     while run.step < run.total and not early.stop:
         t0 = time.perf_counter()
         epoch, k = divmod(run.step, run.per_epoch)
@@ -185,13 +171,8 @@ def fit(run: Run) -> None:
             run.restart.restore(model, run.opt_sparse)
             for group in run.opt_dense.param_groups:  # saved with the optimizer: kept on resume
                 group["lr"] *= cfg.lr_dense_pass_decay
-        order, scale = epoch_order(len(run.store), cfg.seed, epoch), 1.0
-        if run.sharded:  # every rank the same batch, its slice of it
-            whole = run.store[int(order[k])]
-            batch = whole.part(run.rank, run.world).to(run.device)
-            scale = run.world * batch.size / whole.size
-        else:
-            batch = run.store[int(order[run.rank :: run.world][k])].to(run.device)
+        order = epoch_order(len(run.store), cfg.seed, epoch)
+        batch, scale = run.parallel.step_batch(run.store, order, k)
         aux = cooccurrence_term(model, cfg, run.step)
         loss = train_step(run.net, batch, run.opt_dense, run.opt_sparse, amp, aux, scale)
         run.losses.append(loss)
@@ -206,14 +187,14 @@ def fit(run: Run) -> None:
         if run.validating and (step % every == 0 or step == run.total
                                or (early.per_pass and pass_end)):  # fmt: skip
             scores = validate(model, valid, run.device)
-            early.update(step, scores, model, run.optimizers())
+            early.update(step, scores, model, run.optimizer_states())
         if run.rank == 0 and (scores is not None or step % max(run.total // 10, 1) == 0):
             report_progress(run, scores)
         if run.validating and pass_end:
             early.pass_done(step - run.per_epoch)
         save = step % cfg.checkpoint_every == 0 or step == run.total or early.stop
-        if save and (run.rank == 0 or run.sharded):  # sharded: every rank its own part
-            state = checkpoint_state(model, run.optimizers(), step, cfg, early)
+        if save and run.parallel.writes_checkpoints:
+            state = checkpoint_state(model, run.optimizer_states(), step, cfg, early)
             run.checkpoints.save(state)
 
 
@@ -237,8 +218,7 @@ def setup(
     device = join_process_group(rank, world, resolve_device(cfg.device))
     if device.type == "cpu":  # the CPUs this process may use, shared by the run's processes
         torch.set_num_threads(cfg.threads or max(cpu_budget() // world, 1))
-    # Adagrad rebuilds sparse gradients internally; torch warns about invariant checks.
-    warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
+    quiet_sparse_warnings()
     wh = Warehouse(wh_uri)
     with wh.pinned("batches", ds, mode=cfg.mode) as manifest:  # one version: both splits
         store = BatchStore(wh, ds, cfg.mode)
@@ -257,17 +237,10 @@ def setup(
     }
     # the shape a day of this size trains (one model past `members_up_to_samples`)
     cfg = cfg.model_copy(update={"model": cfg.model.for_samples(store.samples())})
-    sharded = cfg.sharding != "none"
-    if sharded:
-        check_config(cfg, world)
-        model, net, init = _sharded_model(store, cfg, init_from, init_label, world, device)
-        opt_dense, _ = make_optimizers(model, cfg, warm=init.state is not None, sparse=False)
-        opt_sparse = FusedTables(model.sharded, cfg.lr_sparse)
-    else:
-        model, init = _initial_model(store, cfg, init_from, init_label)
-        model = model.to(device)
-        net = DistributedDataParallel(model) if world > 1 else model
-        opt_dense, opt_sparse = make_optimizers(model, cfg, warm=init.state is not None)
+    parallel = parallelism(cfg, rank, world, device)
+    init = initial_state(init_from, store.model_features, cfg, init_label)
+    model, net, init = parallel.build(store.model_features, cfg, init, store.click_rate())
+    opt_dense, opt_sparse = parallel.optimizers(model, cfg, warm=init.state is not None)
     if init.optimizer is not None:  # a warm start from a model saved with it
         continue_optimizers(opt_dense, opt_sparse, init.optimizer)
     # where every pass's tables start (before a checkpoint moves them): scratch or warm start
@@ -277,8 +250,7 @@ def setup(
     name = run_name(ds, cfg, str(manifest.get("write_id", "")) + (init.uri or ""))
     patience = cfg.pass_patience if restart is not None else cfg.patience
     early = EarlyStopping(patience, per_pass=restart is not None)
-    checkpoints = (ShardedCheckpoints(wh, name, cfg.keep_checkpoints, model.sharded) if sharded
-                   else Checkpoints(wh, name, cfg.keep_checkpoints))  # fmt: skip
+    checkpoints = parallel.checkpoints(wh, name, cfg.keep_checkpoints, model)
     step = 0
     state = checkpoints.latest()
     if state is not None:
@@ -287,10 +259,7 @@ def setup(
         opt_sparse.load_state_dict(state["optimizer"]["sparse"])
         step = int(state["step"])
         early = EarlyStopping.from_state(patience, state.get("early"), restart is not None)
-    # every rank takes the same number of steps (DDP all-reduces each one): the batches
-    # past the last full round of `world` are left out of that epoch (a different set each
-    # epoch, the order being seeded per epoch)
-    per_epoch = len(store) // world if world > 1 and not sharded else len(store)
+    per_epoch = parallel.steps_per_epoch(len(store))
     if per_epoch == 0:
         raise BatchMismatch(
             f"batches/mode={cfg.mode}/ds={ds} holds {len(store)} batches for {world} processes"
@@ -302,9 +271,9 @@ def setup(
     lineage = record("train", inputs, cfg, (manifest.get("lineage") or {}).get("features"))
     lineage["trained_days"] = sorted({*init.trained_days, *days})
     return Run(
-        cfg, rank, world, device, wh, store, valid, days, model, net, opt_dense, opt_sparse,
-        init, restart, early, checkpoints, per_epoch, total, step=step, resumed_at=step,
-        sharded=sharded, lineage=lineage, validation=validation,
+        cfg, rank, world, device, wh, store, valid, days, model, parallel, net, opt_dense,
+        opt_sparse, init, restart, early, checkpoints, per_epoch, total, step=step,
+        resumed_at=step, lineage=lineage, validation=validation,
     )  # fmt: skip
 
 
@@ -324,62 +293,15 @@ def validation_use(valid: BatchStore) -> str:
             "the configured passes trained")  # fmt: skip
 
 
-def _sharded_model(
-    store: BatchStore, cfg: TrainConfig, init_from: str | None, init_label: str | None,
-    world: int, device: torch.device,
-):  # fmt: skip
-    """The DLRM with its tables sharded (modeling/sharding.py): (the model, its
-    DistributedModelParallel wrapper, the init). A warm start's weights, saved in the
-    single-process layout by a run of any N, are scattered to the shards."""
-    nets = []
-
-    def build() -> ShardedDLRM:
-        model = ShardedDLRM(store.model_features, cfg.model)
-        tables, model.sharded = model.sharded, None  # the dense part to the device;
-        model.to(device)
-        model.sharded = tables  # DMP places the tables' shards
-        nets.append(shard(model, cfg, world, device))
-        return nets[-1].module
-
-    model, init = _initial_model(store, cfg, init_from, init_label, build)
-    return model, nets[-1], init
-
-
-def _initial_model(
-    store: BatchStore, cfg: TrainConfig, init_from: str | None, init_label: str | None,
-    build: Callable[[], Model] | None = None,
-) -> tuple[Model, Init]:  # fmt: skip
-    """The model at its starting point (warm start or scratch), uncalibrated: training
-    fits the raw logit, and a warm start's calibration is fitted again. `build`: a fresh
-    model (default: `build_model` of the config)."""
-    features = store.model_features
-    build = build or (lambda: build_model(features, cfg.model))
-    model = build()
-    init = initial_state(init_from, features, cfg, init_label)
-    if init.state is not None:
-        try:
-            model.load_state_dict(init.state)
-        except RuntimeError as e:  # saved by another version of the model code
-            reason = f"from scratch: the saved weights do not fit this model ({first_line(e, 120)})"
-            init = Init(None, None, reason)
-            model = build()  # the load may have written part of it
-    if init.state is None:
-        model.init_output_bias(store.click_rate())
-    model.reset_calibration()
-    return model, init
-
-
 def finish(run: Run) -> dict:
     """The best validated state (and its optimizers) back in place of the last, calibrated
     and folded in; the summary; rank 0 saves the model."""
     cfg, model, valid, early = run.cfg, run.model, run.valid, run.early
-    optimizer = run.optimizers()
+    optimizer = run.optimizer_states()
     if early.best_state is not None and early.best_step != run.step:
         model.load_state_dict(early.best_state)
         optimizer = early.best_optimizer
-    checked = {}
-    if run.sharded and run.validating:  # the chosen state by torchrec.metrics, over the ranks
-        checked = torchrec_validation(model, valid, run.device)
+    checked = run.parallel.cross_check(model, valid) if run.validating else {}
     calibration = calibrate(model, valid, run.device) if cfg.calibrate and run.validating else {}
     folded = 0
     if cfg.fold_in_validation and len(valid):
@@ -414,12 +336,8 @@ def finish(run: Run) -> dict:
         **checked,
         **calibration,
     }
-    state = None
-    if run.sharded:  # the single-process layout, gathered onto rank 0
-        summary["train.sharding"] = plan_table(run.net)
-        summary["train.shard_bytes_per_rank"] = shard_bytes(model)
-        run.opt_sparse.load_state_dict(optimizer["sparse"])
-        state, optimizer = full_state(model, optimizer["dense"], run.opt_sparse) or (None, None)
+    figures, state, optimizer = run.parallel.saved_state(model, run.net, optimizer, run.opt_sparse)
+    summary.update(figures)
     if run.rank == 0:
         summary["train.model_uri"] = save_model(
             run.wh, run.checkpoints.run, model, cfg, run.store.manifest["prepared"], summary,

@@ -4,14 +4,17 @@ A saved model's weights are the starting point when its feature set and model co
 this run's, else training starts from scratch and says why (`Init.reason`, the summary's
 `train.init_reason`). Its optimizer state (`optimizer.pt`) is continued too, as incremental
 training does: a restarted Adam and Adagrad take full-size first steps on every row and undo
-much of yesterday's model (the second day's next-day NE: 0.859 restarted, 0.850 continued).
+much of yesterday's model.
 Ids never seen before still start at full speed (their Adagrad accumulator is zero)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from recd_core.config import FeatureSet, TrainConfig
+from recd_core.errors import first_line
+from recd_core.modeling.model import Model
 from recd_core.modeling.saved import (
     CheckpointError,
     read_optimizer,
@@ -65,6 +68,25 @@ def initial_state(
     state = torch_load(weights, where, "model")
     return Init(state, name, f"warm start from {name}", read_optimizer(init_from),
                 tuple(trained_days(meta)))  # fmt: skip
+
+
+def starting_model(build: Callable[[], Model], init: Init, click_rate: float) -> tuple[Model, Init]:
+    """A model from `build()` at its starting point, uncalibrated (training fits the raw
+    logit; a warm start's calibration is fitted again): `init`'s weights loaded, or, when
+    they do not fit this model (saved by another version of the model code), a fresh one
+    (the load may have written part of the first), its output bias at `click_rate`."""
+    model = build()
+    if init.state is not None:
+        try:
+            model.load_state_dict(init.state)
+        except RuntimeError as e:
+            reason = f"from scratch: the saved weights do not fit this model ({first_line(e, 120)})"
+            init = Init(None, None, reason)
+            model = build()
+    if init.state is None:
+        model.init_output_bias(click_rate)
+    model.reset_calibration()
+    return model, init
 
 
 def trained_days(meta: dict) -> list[str]:

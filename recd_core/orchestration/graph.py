@@ -6,9 +6,9 @@ runner behind `recd run` / `recd compare` (`recd_core.orchestration.runner`), th
 work of each stage is `recd_core.orchestration.stages`; adding a stage means a `Stage` here, its function
 there, and a `Task` in the graphs that run it.
 
-A `Stage` says what it reads and writes in the warehouse, the arguments of its own it
-takes (`options`: `StageArgs` fields beyond the common ones) and which it takes from an
-upstream stage's summary (`Pull`). A `Task` places a stage in a graph: its id, the arm it
+A `Stage` says what it reads and writes in the warehouse and which arguments it takes from
+an upstream stage's summary (`Pull`); the arguments of its own are declared with the
+arguments (`stage_args.StageArgs`, `arg(stages=...)`). A `Task` places a stage in a graph: its id, the arm it
 runs for, fixed arguments, the tasks it waits for, and the tasks whose summaries it merges
 (compare, finish). The evaluation day is prepared by tasks of its own (`ingest_eval`,
 `generate_eval`: the same stages on the run's evaluation days, `days_of`), beside the
@@ -63,7 +63,6 @@ class Stage:
     gathers: bool = False  # works on upstream stages' summaries (compare, finish)
     run_edge: bool = False  # opens or closes the pipeline's MLflow run (start, finish)
     accelerated: bool = False  # the stage a GPU (and the most memory) is for
-    options: tuple[str, ...] = ()  # its own `StageArgs` fields (the common ones: every stage)
 
 
 STAGES: dict[str, Stage] = {
@@ -71,30 +70,20 @@ STAGES: dict[str, Stage] = {
     for s in (
         Stage("start", "opens the pipeline's MLflow run", pulls=(), run_edge=True),
         Stage("synth", "synthesizes logs for days without any (embedded default)",
-              writes=("logs",), options=("days_of", "samples_per_day", "users", "items",
-                                         "mean_session_length", "seed", "features")),
+              writes=("logs",)),
         Stage("ingest", "validates raw logs; bad rows quarantined with a reason",
-              reads=("logs",), writes=("events", "quarantine"),
-              options=("days_of", "source", "format", "max_quarantine_fraction", "engine",
-                       "workers")),
+              reads=("logs",), writes=("events", "quarantine")),
         Stage("generate", "session-clustered and shuffled samples, storage figures",
-              reads=("events",), writes=("samples",),
-              options=("days_of", "layout", "row_group_size", "engine", "workers")),
+              reads=("events",), writes=("samples",)),
         Stage("preprocess", "DPP: transforms once per unique value, IKJT (or KJT) batches",
-              reads=("samples",), writes=("batches",), per_arm=True,
-              options=("engine", "workers", "threads", "stats_from")),
+              reads=("samples",), writes=("batches",), per_arm=True),
         Stage("train", "the DLRM, warm-started from the champion, checkpointed",
-              reads=("batches",), writes=("models",), per_arm=True, accelerated=True,
-              options=("init_from", "device", "nproc", "sharding", "memory_budget_mb",
-                       "epochs", "max_steps",
-                       "checkpoint_every", "amp", "train_config")),
+              reads=("batches",), writes=("models",), per_arm=True, accelerated=True),
         Stage("evaluate", "NE, AUC, log loss, calibration on the next day",
-              reads=("models", "samples"), pulls=(RUN, MODEL), per_arm=True,
-              options=("model_uri", "eval_batch_size")),
+              reads=("models", "samples"), pulls=(RUN, MODEL), per_arm=True),
         Stage("register", "MLflow model version `challenger`; `champion` if no worse",
               reads=("models", "samples"), per_arm=True,
-              pulls=(RUN, MODEL, Pull("register_run_id", "train", "mlflow.run_id")),
-              options=("model_uri", "register_run_id")),
+              pulls=(RUN, MODEL, Pull("register_run_id", "train", "mlflow.run_id"))),
         Stage("compare", "both arms side by side: table, chart, quality gate",
               gathers=True),
         Stage("finish", "closes the pipeline's MLflow run with every stage's figures",

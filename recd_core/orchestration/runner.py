@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from recd_core.errors import RecdError
 from recd_core.orchestration.graph import STAGES, Graph
+from recd_core.orchestration.stage_args import for_stage
 from recd_core.orchestration.stages import run_stage, with_upstream
 
 
@@ -28,7 +29,7 @@ def run_graph(
     done: dict[str, dict] = {}
     order = graph.order()
     for i, task in enumerate(order):
-        targs = {**args, **task.args()}
+        targs = {**for_stage(task.stage, args), **task.args()}
         edge = STAGES[task.stage].run_edge
         if run_id is not None and edge:
             targs.pop("tracking_uri", None)  # the caller's run: neither opened nor closed here

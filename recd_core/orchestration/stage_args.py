@@ -3,7 +3,7 @@ options of `recd <stage>`, the components' `--flags`, and the parameters of the 
 Airflow pipelines, all generated from it (`stage_options`).
 
 Common arguments (where the warehouse is, which days, the config) every stage takes; a
-stage's own (`graph.Stage.options`) only that stage, and another's is refused, so a
+stage's own (`arg(stages=...)`) only that stage, and another's is refused, so a
 misdirected flag fails instead of doing nothing. Unset, an argument leaves the config's
 value."""
 
@@ -18,13 +18,30 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from recd_core.config import PipelineConfig, Sharding, load_feature_set, load_pipeline_config
 from recd_core.errors import BadInput
 from recd_core.mlops.tracking import Tracker
-from recd_core.orchestration.graph import STAGES
 from recd_core.warehouse import Warehouse, validate_ds
 
-OPTIONS = {o for s in STAGES.values() for o in s.options}  # the stages' own arguments
 # what an orchestrator wires between stages (the MLflow run, the pipeline's name): not typed
 # by a person at `recd <stage>`, whose tracking URI and experiment are `recd`'s own options
 WIRING = ("tracking_uri", "experiment", "parent_run_id", "pipeline", "register_run_id")
+
+
+def arg(
+    description: str, *, stages: str = "", config: str | tuple[str, ...] = (),
+    when_set: Any = True, **field: Any,
+) -> Any:  # fmt: skip
+    """A `StageArgs` field, declared once. `stages` ("ingest, generate"): the stages that take
+    it as their own (another stage refuses it; empty: every stage takes it). `config`: the
+    config paths it overrides when set ("train.sharding"; None, and a flag left off, leave
+    the config's value; a flag set writes `when_set`). From this come the stage's options on
+    every runner (`stage_options`), the config overlay (`overrides`), `recd run`'s options
+    and the Airflow and Kubeflow pipelines' override inputs (`override_fields`)."""
+    paths = (config,) if isinstance(config, str) else tuple(config)
+    extra = {"stages": [s for s in stages.split(", ") if s], "config": list(paths)}
+    if when_set is not True:
+        extra["when_set"] = when_set
+    field.setdefault("default", None)
+    text = f"{stages}: {description}" if stages else description
+    return Field(description=text, json_schema_extra=extra, **field)
 
 
 class StageArgs(BaseModel):
@@ -33,124 +50,122 @@ class StageArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    warehouse: str | None = Field(
-        default=None,
-        description="warehouse root: a directory or a URI (s3://...); every stage but synth",
+    warehouse: str | None = arg(
+        "warehouse root: a directory or a URI (s3://...); every stage but synth"
     )
-    ds: str = Field(description="the (first) training day, YYYY-MM-DD")
-    days: int = Field(default=1, ge=1, le=31, description="consecutive training days")
-    eval_ds: str | None = Field(
-        default=None,
-        description="the evaluation day of a one-day run (default: the day after each training day)",
+    ds: str = arg("the (first) training day, YYYY-MM-DD", default=...)
+    days: int = arg("consecutive training days", default=1, ge=1, le=31)
+    eval_ds: str | None = arg(
+        "the evaluation day of a one-day run (default: the day after each training day)"
     )
-    logs: str | None = Field(
-        default=None, description="raw JSON-lines logs root (<logs>/ds=YYYY-MM-DD/)"
+    logs: str | None = arg("raw JSON-lines logs root (<logs>/ds=YYYY-MM-DD/)")
+    synthesize: bool = arg("synthesize logs for days without any (embedded default)", default=True)
+    config: str | None = arg("pipeline config YAML (default: the built-in synthetic one)")
+    preset: Literal["small", "default", "standard"] | None = arg(
+        "synthetic workload size; overrides the config's synth preset"
     )
-    synthesize: bool = Field(
-        default=True, description="synthesize logs for days without any (embedded default)"
+    batch_size: int | None = arg(
+        "the batch size of generate's dedup profile, DPP and training (they must agree)",
+        config=("generate.batch_size", "preprocess.batch_size", "train.batch_size"), gt=0,
+    )  # fmt: skip
+    mode: Literal["dedup", "baseline"] = arg(
+        "the training arm: dedup (IKJT) or baseline (KJT)", default="dedup",
+        config=("preprocess.mode", "train.mode"),
+    )  # fmt: skip
+    tracking_uri: str | None = arg("MLflow tracking URI; off if unset")
+    experiment: str = arg("MLflow experiment", default="recd")
+    parent_run_id: str | None = arg("the pipeline's MLflow run (start's mlflow.run_id)")
+    pipeline: str = arg("the pipeline run's name in MLflow", default="recd")
+    # the stages' own arguments: unset, the config's value holds
+    days_of: Literal["training", "evaluation", "run"] = arg(
+        "the run's training days (--ds and --days), its evaluation days that are not "
+        "training days (the day after each, or --eval-ds), or both; generate writes "
+        "evaluation days clustered, the layout every arm is scored on",
+        stages="synth, ingest, generate", default="training",
+    )  # fmt: skip
+    samples_per_day: int | None = arg(
+        "impressions a day", stages="synth", config="synth.samples_per_day", ge=1
     )
-    config: str | None = Field(
-        default=None, description="pipeline config YAML (default: the built-in synthetic one)"
+    users: int | None = arg("users", stages="synth", config="synth.users", ge=1)
+    items: int | None = arg("items", stages="synth", config="synth.items", ge=2)
+    mean_session_length: float | None = arg(
+        "mean impressions a session", stages="synth", config="synth.mean_session_length",
+        ge=1.0,
+    )  # fmt: skip
+    seed: int | None = arg("the workload's seed", stages="synth", config="synth.seed")
+    features: str | None = arg(
+        "a feature set (name or YAML) in place of the config's", stages="synth"
     )
-    preset: Literal["small", "default", "standard"] | None = Field(
-        default=None, description="synthetic workload size; overrides the config's synth preset"
+    source: str | None = arg(
+        "a log file or a directory of them, ingested as the one day --ds (instead of "
+        "<logs>/ds=<day>/)", stages="ingest",
+    )  # fmt: skip
+    format: Literal["events", "movielens"] | None = arg(
+        "the raw logs' format (movielens: ml-100k's files)", stages="ingest",
+        config="ingest.format",
+    )  # fmt: skip
+    max_quarantine_fraction: float | None = arg(
+        "the share of bad rows that fails the day", stages="ingest",
+        config="ingest.max_quarantine_fraction", ge=0.0, le=1.0,
+    )  # fmt: skip
+    engine: Literal["local", "ray"] | None = arg(
+        "work here or as Ray Data tasks", stages="ingest, generate, preprocess",
+        config=("ingest.engine", "generate.engine", "preprocess.engine"),
+    )  # fmt: skip
+    workers: int | None = arg(
+        "parallel workers", stages="ingest, generate, preprocess",
+        config=("ingest.workers", "generate.workers", "preprocess.workers"), ge=1,
+    )  # fmt: skip
+    layout: Literal["clustered", "shuffled", "both"] | None = arg(
+        "the samples layout(s) written (default: both for training days, clustered for "
+        "evaluation days)", stages="generate",
+    )  # fmt: skip
+    row_group_size: int | None = arg(
+        "Parquet rows", stages="generate", config="generate.row_group_size", ge=1
     )
-    batch_size: int | None = Field(
-        default=None,
-        gt=0,
-        description="the batch size of generate's dedup profile, DPP and training (they "
-        "must agree)",
+    threads: bool = arg(
+        "local workers as threads instead of processes", stages="preprocess",
+        config="preprocess.executor", when_set="thread", default=False,
+    )  # fmt: skip
+    stats_from: str | None = arg(
+        "the standardization statistics of this preprocessed day", stages="preprocess"
     )
-    mode: Literal["dedup", "baseline"] = Field(
-        default="dedup", description="the training arm: dedup (IKJT) or baseline (KJT)"
+    init_from: str | None = arg(
+        "the model to start from (a model directory, <warehouse>/models/<run> or "
+        "models:/<name>@<alias>); default: the champion when the config's train.warm_start",
+        stages="train",
+    )  # fmt: skip
+    device: Literal["auto", "cpu", "cuda"] | None = arg(
+        "where to train (auto: CUDA where there is one)", stages="train", config="train.device"
     )
-    tracking_uri: str | None = Field(default=None, description="MLflow tracking URI; off if unset")
-    experiment: str = Field(default="recd", description="MLflow experiment")
-    parent_run_id: str | None = Field(
-        default=None, description="the pipeline's MLflow run (start's mlflow.run_id)"
+    nproc: int | None = arg(
+        "processes (gloo on CPU, nccl on GPU)", stages="train", config="train.nproc", ge=1
     )
-    pipeline: str = Field(default="recd", description="the pipeline run's name in MLflow")
-    # the stages' own arguments (`graph.Stage.options`): unset, the config's value holds
-    days_of: Literal["training", "evaluation", "run"] = Field(
-        default="training",
-        description="synth, ingest, generate: the run's training days (--ds and --days), its "
-        "evaluation days that are not training days (the day after each, or --eval-ds), or "
-        "both; generate writes evaluation days clustered, the layout every arm is scored on",
+    sharding: Sharding | None = arg(
+        "shard the tables across the --nproc processes (TorchRec) instead of a copy in each",
+        stages="train", config="train.sharding",
+    )  # fmt: skip
+    memory_budget_mb: int | None = arg(
+        "MB a process may hold of the sharded tables", stages="train",
+        config="train.memory_budget_mb", ge=1,
+    )  # fmt: skip
+    epochs: int | None = arg("passes at most", stages="train", config="train.epochs", ge=1)
+    max_steps: int | None = arg("steps at most", stages="train", config="train.max_steps", ge=1)
+    checkpoint_every: int | None = arg(
+        "steps between checkpoints", stages="train", config="train.checkpoint_every", ge=1
     )
-    samples_per_day: int | None = Field(default=None, ge=1, description="synth: impressions a day")
-    users: int | None = Field(default=None, ge=1, description="synth: users")
-    items: int | None = Field(default=None, ge=2, description="synth: items")
-    mean_session_length: float | None = Field(
-        default=None, ge=1.0, description="synth: mean impressions a session"
+    amp: bool = arg("bf16 autocast on CUDA", stages="train", config="train.amp", default=False)
+    train_config: str | None = arg(
+        "a TrainConfig YAML in place of the config's train part", stages="train"
     )
-    seed: int | None = Field(default=None, description="synth: the workload's seed")
-    features: str | None = Field(
-        default=None, description="synth: a feature set (name or YAML) in place of the config's"
+    model_uri: str | None = arg(
+        "the trained model(s), ';'-joined over days", stages="evaluate, register"
     )
-    source: str | None = Field(
-        default=None,
-        description="ingest: a log file or a directory of them, ingested as the one day --ds "
-        "(instead of <logs>/ds=<day>/)",
+    eval_batch_size: int | None = arg(
+        "rows a batch", stages="evaluate", config="registry.eval_batch_size", ge=1
     )
-    format: Literal["events", "movielens"] | None = Field(
-        default=None, description="ingest: the raw logs' format (movielens: ml-100k's files)"
-    )
-    max_quarantine_fraction: float | None = Field(
-        default=None, ge=0.0, le=1.0, description="ingest: the share of bad rows that fails the day"
-    )
-    engine: Literal["local", "ray"] | None = Field(
-        default=None, description="ingest, generate, preprocess: work here or as Ray Data tasks"
-    )
-    workers: int | None = Field(
-        default=None, ge=1, description="ingest, generate, preprocess: parallel workers"
-    )
-    layout: Literal["clustered", "shuffled", "both"] | None = Field(
-        default=None,
-        description="generate: the samples layout(s) written (default: both for training "
-        "days, clustered for evaluation days)",
-    )
-    row_group_size: int | None = Field(default=None, ge=1, description="generate: Parquet rows")
-    threads: bool = Field(
-        default=False, description="preprocess: local workers as threads instead of processes"
-    )
-    stats_from: str | None = Field(
-        default=None,
-        description="preprocess: the standardization statistics of this preprocessed day",
-    )
-    init_from: str | None = Field(
-        default=None,
-        description="train: the model to start from (a model directory, <warehouse>/models/<run> "
-        "or models:/<name>@<alias>); default: the champion when the config's train.warm_start",
-    )
-    device: Literal["auto", "cpu", "cuda"] | None = Field(
-        default=None, description="train: where to train (auto: CUDA where there is one)"
-    )
-    nproc: int | None = Field(
-        default=None, ge=1, description="train: processes (gloo on CPU, nccl on GPU)"
-    )
-    sharding: Sharding | None = Field(
-        default=None,
-        description="train: shard the tables across the --nproc processes (TorchRec) "
-        "instead of a copy in each",
-    )
-    memory_budget_mb: int | None = Field(
-        default=None, ge=1, description="train: MB a process may hold of the sharded tables"
-    )
-    epochs: int | None = Field(default=None, ge=1, description="train: passes at most")
-    max_steps: int | None = Field(default=None, ge=1, description="train: steps at most")
-    checkpoint_every: int | None = Field(
-        default=None, ge=1, description="train: steps between checkpoints"
-    )
-    amp: bool = Field(default=False, description="train: bf16 autocast on CUDA")
-    train_config: str | None = Field(
-        default=None, description="train: a TrainConfig YAML in place of the config's train part"
-    )
-    model_uri: str | None = Field(
-        default=None, description="evaluate, register: the trained model(s), ';'-joined over days"
-    )
-    eval_batch_size: int | None = Field(default=None, ge=1, description="evaluate: rows a batch")
-    register_run_id: str | None = Field(
-        default=None, description="register: the train stage's MLflow run, which logs the model"
+    register_run_id: str | None = arg(
+        "the train stage's MLflow run, which logs the model", stages="register"
     )
 
     @field_validator("ds", "eval_ds")
@@ -204,51 +219,67 @@ class StageArgs(BaseModel):
         if self.train_config:  # laid over the config's training: it names what it changes
             over = merged(train.model_dump(mode="json"), load_yaml(self.train_config))
             train = parse_config(TrainConfig, over, self.train_config)
-        sections = {
-            "ingest": (cfg.ingest, {"format": self.format, "engine": self.engine,
-                                    "workers": self.workers,
-                                    "max_quarantine_fraction": self.max_quarantine_fraction}),
-            "generate": (cfg.generate, {"batch_size": self.batch_size, "engine": self.engine,
-                                        "workers": self.workers,
-                                        "row_group_size": self.row_group_size}),
-            "preprocess": (cfg.preprocess, {"mode": self.mode, "batch_size": self.batch_size,
-                                            "engine": self.engine, "workers": self.workers,
-                                            "executor": "thread" if self.threads else None}),
-            "train": (train, {"mode": self.mode, "batch_size": self.batch_size,
-                              "device": self.device, "epochs": self.epochs,
-                              "max_steps": self.max_steps, "amp": self.amp or None,
-                              "checkpoint_every": self.checkpoint_every,
-                              "nproc": self.nproc, "sharding": self.sharding,
-                              "memory_budget_mb": self.memory_budget_mb}),
-            "registry": (cfg.registry, {"eval_batch_size": self.eval_batch_size}),
-        }  # fmt: skip
+        over = overrides(self)
+        sections = {"ingest": cfg.ingest, "generate": cfg.generate, "preprocess": cfg.preprocess,
+                    "train": train, "registry": cfg.registry}  # fmt: skip
         update = {
-            name: type(section).model_validate(
-                {**section.model_dump(), **{k: v for k, v in over.items() if v is not None}}
-            )
-            for name, (section, over) in sections.items()
+            name: type(section).model_validate({**section.model_dump(), **over.get(name, {})})
+            for name, section in sections.items()
         }
-        sizes = {"samples_per_day": self.samples_per_day, "users": self.users,
-                 "items": self.items, "mean_session_length": self.mean_session_length,
-                 "seed": self.seed}  # fmt: skip
         update["synth"] = SynthConfig.model_validate(
             {
                 **cfg.synth.model_dump(),
                 **(SYNTH_PRESETS[self.preset] if self.preset else {}),
-                **{k: v for k, v in sizes.items() if v is not None},
+                **over.get("synth", {}),
             }  # fmt: skip
         )
         if self.features:
             update["features"] = load_feature_set(self.features)
         return cfg.model_copy(update=update)
 
-    def store(self) -> Warehouse:
+    def open_warehouse(self) -> Warehouse:
         if not self.warehouse:
             raise BadInput("no --warehouse given")
         return Warehouse(self.warehouse)
 
     def tracker(self) -> Tracker | None:
         return Tracker(self.tracking_uri, self.experiment) if self.tracking_uri else None
+
+
+def _extra(name: str) -> dict:
+    return StageArgs.model_fields[name].json_schema_extra or {}
+
+
+def own_options(stage: str) -> tuple[str, ...]:
+    """The arguments `stage` takes as its own (`arg(stages=...)`), in declaration order."""
+    return tuple(n for n in StageArgs.model_fields if stage in _extra(n).get("stages", ()))
+
+
+def stages_options() -> set[str]:
+    """Every stage's own arguments (a field outside them is common: every stage takes it)."""
+    return {n for n in StageArgs.model_fields if _extra(n).get("stages")}
+
+
+def override_fields() -> tuple[str, ...]:
+    """The arguments that override the config (`arg(config=...)`), in declaration order:
+    what `recd run` and the pipelines' override inputs offer."""
+    return tuple(n for n in StageArgs.model_fields if _extra(n).get("config"))
+
+
+def overrides(args: StageArgs) -> dict[str, dict[str, Any]]:
+    """The config values `args` sets, by section: {"train": {"sharding": "auto"}, ...}
+    (an unset argument and a flag left off set nothing)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in override_fields():
+        value = getattr(args, name)
+        if value is None or value is False:
+            continue
+        extra = _extra(name)
+        value = extra.get("when_set", value) if value is True else value
+        for path in extra["config"]:
+            section, key = path.split(".")
+            out.setdefault(section, {})[key] = value
+    return out
 
 
 def parse_args(args: dict) -> StageArgs:
@@ -269,11 +300,11 @@ def parse_args(args: dict) -> StageArgs:
 
 def stage_args(name: str, args: StageArgs | dict) -> StageArgs:
     """`args` validated for stage `name` (`parse_args`); another stage's own argument
-    (`graph.Stage.options`) is refused, so a misdirected flag fails instead of doing
+    (`arg(stages=...)`) is refused, so a misdirected flag fails instead of doing
     nothing."""
     if isinstance(args, dict):
         args = parse_args(args)
-    foreign = sorted(args.model_fields_set & (OPTIONS - set(STAGES[name].options)))
+    foreign = sorted(args.model_fields_set & (stages_options() - set(own_options(name))))
     if foreign:
         flags = ", ".join("--" + f.replace("_", "-") for f in foreign)
         raise BadInput(f"stage {name} takes no {flags} (another stage's argument)")
@@ -297,25 +328,36 @@ class Option:
 
 def stage_options(stage: str, wiring: bool = True) -> list[Option]:
     """The arguments `stage` takes, in declaration order: the common ones and its own (and,
-    with `wiring`, what orchestrators wire). A stage's own argument is described with the
-    stage's name in front ("train: passes at most"); that prefix is left out here."""
-    own = set(STAGES[stage].options)
-    out = []
-    for name, field in StageArgs.model_fields.items():
-        if (name in OPTIONS and name not in own) or (not wiring and name in WIRING):
-            continue
-        text = field.description or ""
-        head, sep, rest = text.partition(": ")
-        if sep and stage in head.split(", "):
-            text = rest
-        required = field.is_required()
-        if required:
-            text += " (required)"
-        elif "(default" not in text and field.default is not None:
-            text += f" (default: {field.default})"
-        default = None if required else field.default
-        out.append(Option(name, field.annotation, default, required, text))
-    return out
+    with `wiring`, what orchestrators wire)."""
+    own, options = set(own_options(stage)), stages_options()
+    return [field_option(name, stage) for name in StageArgs.model_fields
+            if not (name in options and name not in own)
+            and not (not wiring and name in WIRING)]  # fmt: skip
+
+
+def field_option(name: str, stage: str | None = None) -> Option:
+    """A `StageArgs` field as a command line shows it. A stage's own argument is described
+    with its stages in front ("train: passes at most"); for `stage` that prefix is left
+    out."""
+    field = StageArgs.model_fields[name]
+    text = field.description or ""
+    head, sep, rest = text.partition(": ")
+    if sep and stage in head.split(", "):
+        text = rest
+    required = field.is_required()
+    if required:
+        text += " (required)"
+    elif "(default" not in text and field.default is not None:
+        text += f" (default: {field.default})"
+    return Option(name, field.annotation, None if required else field.default, required, text)
+
+
+def for_stage(stage: str, args: dict) -> dict:
+    """A pipeline's shared `args` as `stage` takes them: the common ones and its own (an
+    override given to the whole run, `recd run --nproc 2`, is for the stages that take
+    it)."""
+    foreign = stages_options() - set(own_options(stage))
+    return {k: v for k, v in args.items() if k not in foreign}
 
 
 def param_schema(name: str, nullable: bool = False) -> dict:
@@ -331,6 +373,8 @@ def param_schema(name: str, nullable: bool = False) -> dict:
     out = {k: prop[k] for k in keys if k in prop}
     if nullable:
         out["type"] = ["null", out["type"]]
+        if "enum" in out:
+            out["enum"] = [None, *out["enum"]]
     return out
 
 

@@ -22,12 +22,10 @@ from pathlib import Path
 
 from recd_core.errors import BadInput, GateFailed, classify
 from recd_core.mlops.tracking import RunRecord
-from recd_core.orchestration.graph import ARM_LAYOUT, ARMS
-from recd_core.orchestration.graph import STAGES as GRAPH_STAGES
-from recd_core.orchestration.stage_args import StageArgs, stage_args
+from recd_core.orchestration.graph import ARM_LAYOUT, ARMS, STAGES
+from recd_core.orchestration.stage_args import StageArgs, own_options, stage_args
 from recd_core.warehouse import PartitionNotFound
 
-STAGES = tuple(GRAPH_STAGES)
 Advance = Callable[[str, int], None]  # a progress bar's `advance(label, n)`
 
 
@@ -98,7 +96,7 @@ def _ingest(args: StageArgs, advance: Advance) -> dict:
     else:
         logs = _logs(args)
         sources = {day: logs_for_day(logs, day) for day in days}
-    cfg, wh = args.pipeline_config(), args.store()
+    cfg, wh = args.pipeline_config(), args.open_warehouse()
     out = {
         day: ingest(src, wh, day, cfg.features, cfg.ingest, cfg.generate, advance)
         for day, src in sources.items()
@@ -118,7 +116,7 @@ def _generate(args: StageArgs, advance: Advance) -> dict:
     chooses otherwise."""
     from recd_core.data.generate import generate
 
-    cfg, wh = args.pipeline_config(), args.store()
+    cfg, wh = args.pipeline_config(), args.open_warehouse()
     training = args.training_days()
 
     def one(day: str) -> dict:
@@ -136,7 +134,7 @@ def _generate(args: StageArgs, advance: Advance) -> dict:
 def _preprocess(args: StageArgs, advance: Advance) -> dict:
     from recd_core.dpp.preprocess import preprocess
 
-    cfg, wh = args.pipeline_config(), args.store()
+    cfg, wh = args.pipeline_config(), args.open_warehouse()
     return _per_day(
         args,
         lambda day: preprocess(
@@ -153,18 +151,18 @@ def _preprocess(args: StageArgs, advance: Advance) -> dict:
 def _train(args: StageArgs, advance: Advance) -> dict:
     """Train each day, warm-started from `init_from` (default: the champion, when the
     config's `train.warm_start` is on and there is one)."""
-    from recd_core.dpp.batch_store import BatchStore
-    from recd_core.mlops.registry import init_model
+    from recd_core.dpp.batch_store import model_shape
+    from recd_core.mlops.warm_start import init_model
     from recd_core.modeling.saved import lineage_key
     from recd_core.modeling.train import train
 
-    cfg, wh = args.pipeline_config(), args.store()
+    cfg, wh = args.pipeline_config(), args.open_warehouse()
     tc = cfg.train
     start = args.init_from or ("champion" if tc.warm_start else None)
     # the champion only when it was trained before the first day trained here (args.ds);
     # when it is of another model config, this config's own newest version
-    store = BatchStore(wh, args.ds, args.mode)  # the model's shape as training sizes it
-    key = lineage_key(store.model_features, tc.model.for_samples(store.samples()))
+    features, samples = model_shape(wh, args.ds, args.mode)  # as training sizes the model
+    key = lineage_key(features, tc.model.for_samples(samples))
     resolved = init_model(args.tracker(), start, cfg.registry.model_name, args.ds, key)
     with resolved as (init_dir, label):
         out = _per_day(args, lambda day: train(wh, day, tc, init_from=init_dir, init_label=label,
@@ -180,7 +178,7 @@ def _evaluate(args: StageArgs, advance: Advance) -> dict:
 
     if not args.model_uri:
         raise BadInput("no --model-uri given")
-    cfg, wh = args.pipeline_config(), args.store()
+    cfg, wh = args.pipeline_config(), args.open_warehouse()
     uris = args.model_uri.split(";")
     if len(uris) != args.days:
         raise BadInput(f"--model-uri names {len(uris)} models for {args.days} training day(s)")
@@ -210,7 +208,7 @@ def _register(args: StageArgs, advance: Advance) -> dict:
         return {"registry.decision": "off (no tracking URI)"}
     if not args.model_uri or not args.register_run_id:
         raise BadInput("--model-uri and --register-run-id are required")
-    cfg, wh = args.pipeline_config(), args.store()
+    cfg, wh = args.pipeline_config(), args.open_warehouse()
     eval_ds, uri = args.eval_day(args.training_days()[-1]), args.model_uri.split(";")[-1]
     # scored here again (seconds), so the stage needs only the train stage's outputs
     scored = evaluate(
@@ -236,7 +234,7 @@ def _compare(args: StageArgs, upstream: list[dict]) -> dict:
     if missing:
         raise BadInput(f"upstream summaries lack {', '.join(missing)}")
     print_table(summary, console)  # in the task log; `recd compare` shows it the same way
-    wh = args.store()
+    wh = args.open_warehouse()
     with tempfile.TemporaryDirectory() as tmp:
         png = chart(summary, Path(tmp) / f"compare-{args.ds}.png")
         target = f"{wh.root}/reports/compare/ds={args.ds}"
@@ -295,7 +293,7 @@ def with_upstream(stage: str, args: dict, summaries: dict[str, str | dict | None
     as {upstream stage: its summary, a dict or JSON}: e.g. the pipeline's MLflow run from
     start's, the trained model(s) and the train run from train's. Given arguments win."""
     out = dict(args)
-    for pull in GRAPH_STAGES[stage].pulls if stage in GRAPH_STAGES else ():
+    for pull in STAGES[stage].pulls if stage in STAGES else ():
         raw = summaries.get(pull.stage)
         summary = json.loads(raw) if isinstance(raw, str) and raw else (raw or {})
         if summary.get(pull.key) is not None:
@@ -321,7 +319,7 @@ def run_stage(
         raise BadInput(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
     args = stage_args(name, args)
     tracker = args.tracker()
-    stage = GRAPH_STAGES[name]
+    stage = STAGES[name]
     record = None
     if tracker is not None and not stage.run_edge:
         params = args.model_dump(exclude_none=True)
@@ -359,20 +357,21 @@ def run_stage(
 def _record_model(record, args: StageArgs, stage, summary: dict) -> dict:
     """The model in MLflow: the stage that trains it logs it as a LoggedModel of its run
     (the Models tab, one per arm); a stage that scores it links its `eval.*` figures to it."""
-    from recd_core.mlops import registry
+    from recd_core.mlops import versions
+    from recd_core.mlops.pyfunc import example_rows
     from recd_core.modeling.saved import model_dir
 
     tracker = record.tracker
     if "models" in stage.writes:
         uri = summary["train.model_uris"].split(";")[-1]
-        example = registry.example_rows(args.store(), args.training_days()[-1])
+        example = example_rows(args.open_warehouse(), args.training_days()[-1])
         with model_dir(uri) as local:
-            model_id = registry.log_model(tracker, record.run_id, local, example, uri)
+            model_id = versions.log_model(tracker, record.run_id, local, example, uri)
         return {"train.logged_model_id": model_id}
     if "models" in stage.reads and "eval.ne" in summary and args.model_uri:
-        model_id = registry.logged_model_of(tracker, args.model_uri.split(";")[-1])
+        model_id = versions.logged_model_of(tracker, args.model_uri.split(";")[-1])
         if model_id:
-            registry.log_model_metrics(tracker, record.run_id, model_id, summary)
+            versions.log_model_metrics(tracker, record.run_id, model_id, summary)
     return {}
 
 
@@ -382,7 +381,7 @@ def stage_inputs(args: StageArgs, stage) -> list[dict]:
     arm's data of the training days (train: its batches; DPP: its samples layout). Each
     dataset's digest is the partition's write id (lineage.py): the run names the exact
     version it read."""
-    wh = args.store()
+    wh = args.open_warehouse()
     scoring = "models" in stage.reads
     days = [args.eval_day(d) for d in args.training_days()] if scoring else args.training_days()
     table = "samples" if scoring or "samples" in stage.reads else "batches"
@@ -402,14 +401,14 @@ def stage_inputs(args: StageArgs, stage) -> list[dict]:
 def stage_days(name: str, args: StageArgs) -> list[str]:
     """The days stage `name` works on: its `days_of` days (synth, ingest, generate), else
     the training days."""
-    return args.data_days() if "days_of" in GRAPH_STAGES[name].options else args.training_days()
+    return args.data_days() if "days_of" in own_options(name) else args.training_days()
 
 
 def run_label(name: str, args: StageArgs) -> str:
     """A stage run's name in MLflow's runs table: the stage, its arm, the day(s) it works
     on (a model's: trained → scored), so `ingest` of the evaluation day and of the training
     day, or the two arms' `train`, read apart."""
-    stage = GRAPH_STAGES[name]
+    stage = STAGES[name]
     days = stage_days(name, args)
     span = days[0] if len(days) == 1 else f"{days[0]}..{days[-1]}"
     if "models" in stage.reads:

@@ -1,7 +1,7 @@
 """`recd serve`: the champion as a scoring service, bounded whatever arrives.
 
 It serves the same registered model `mlflow models serve` serves (the pyfunc of
-mlops/registry.py, by `models:/<name>@champion`, or a trained model's directory) and speaks
+mlops/pyfunc.py, by `models:/<name>@champion`, or a trained model's directory) and speaks
 MLflow's scoring protocol, so a client of one works with the other:
 
     GET  /ping, /health   200 once the model is loaded
@@ -60,9 +60,10 @@ class Scorer:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
+        from recd_core.mlops.pyfunc import samples_features
         from recd_core.schema import events_schema
 
-        self.features = FeatureSet.model_validate(self.meta["prepared"]["raw"])
+        self.features = samples_features(self.meta)
         self.schema = events_schema(self.features)
 
     def score(self, table: pa.Table, batch_rows: int, deadline: float) -> np.ndarray:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from recd_core.data.ingest import first_failure, semantic_checks
+from recd_core.data.checks import first_failure, semantic_checks
 from recd_core.data.sources import _type_problem
 from recd_core.errors import BadInput
 from recd_core.schema import ENVELOPE_COLUMNS

@@ -1,0 +1,92 @@
+"""How a run's processes share the model, as one strategy object the training loop asks
+(train.py branches on neither):
+
+    Replicated   a copy of the whole model in each process (DDP over N > 1): rank r takes
+                 every N-th batch of a pass; rank 0 checkpoints and saves
+    Sharded      the tables sharded across the processes, the dense part replicated
+                 (sharded/strategy.py, TorchRec): every rank takes its slice of every
+                 batch; every rank checkpoints its shards; the saved model is gathered
+
+Each builds the model at its starting point (`build`: a warm start's single-process state,
+loaded or scattered), its optimizers, a step's batch (`step_batch`), the checkpoints, a
+cross-check of the chosen state and the state the saved model is written from
+(`saved_state`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from recd_core.config import FeatureSet, TrainConfig
+from recd_core.dpp.batch_store import Batch, BatchStore
+from recd_core.modeling.checkpoints import Checkpoints
+from recd_core.modeling.model import Model, build_model
+from recd_core.modeling.step import dense_optimizer, table_optimizer
+from recd_core.modeling.warm_start import Init, starting_model
+from recd_core.warehouse import Warehouse
+
+
+@dataclass
+class Replicated:
+    """Data parallel: the whole model in every process (see the module)."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+    def build(self, features: FeatureSet, cfg: TrainConfig, init: Init,
+              click_rate: float) -> tuple[Model, nn.Module, Init]:  # fmt: skip
+        """(the model, what a step runs: the model or its DDP wrapper, the start taken)."""
+        model, init = starting_model(lambda: build_model(features, cfg.model), init, click_rate)
+        model = model.to(self.device)
+        return model, DistributedDataParallel(model) if self.world > 1 else model, init
+
+    def optimizers(self, model: Model, cfg: TrainConfig, warm: bool):
+        """(the dense layers' Adam, the tables' row-wise Adagrad)."""
+        return dense_optimizer(model, cfg, warm), table_optimizer(model, cfg)
+
+    def steps_per_epoch(self, batches: int) -> int:
+        """Every rank takes the same number of steps (DDP all-reduces each one): the batches
+        past the last full round of `world` are left out of a pass (a different set each
+        pass, the order being seeded per pass)."""
+        return batches // self.world
+
+    def step_batch(self, store: BatchStore, order, k: int) -> tuple[Batch, float]:
+        """Step `k` of a pass in `order`: this rank's batch, and the loss's scale (1)."""
+        return store[int(order[self.rank :: self.world][k])].to(self.device), 1.0
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        return self.rank == 0
+
+    def checkpoints(self, wh: Warehouse, run: str, keep: int, model: Model) -> Checkpoints:
+        return Checkpoints(wh, run, keep)
+
+    def cross_check(self, model: Model, valid: BatchStore) -> dict[str, float]:
+        return {}
+
+    def saved_state(self, model: Model, net: nn.Module, optimizer: dict,
+                    opt_sparse) -> tuple[dict, dict | None, dict | None]:  # fmt: skip
+        """(figures for the summary, the state to save: None for the model's own, the
+        optimizers' state to save)."""
+        return {}, None, optimizer
+
+
+def check(cfg: TrainConfig, world: int) -> None:
+    """Refuse, in one line and before any process starts, what the strategy cannot do."""
+    if cfg.sharding != "none":
+        from recd_core.modeling.sharded.plan import check_config
+
+        check_config(cfg, world)
+
+
+def parallelism(cfg: TrainConfig, rank: int, world: int, device: torch.device):
+    """The strategy `cfg` asks for (`train.sharding`)."""
+    if cfg.sharding == "none":
+        return Replicated(rank, world, device)
+    from recd_core.modeling.sharded.strategy import Sharded
+
+    return Sharded(rank, world, device)

@@ -1,0 +1,103 @@
+"""A sharded model's state in the single-process layout: gathered onto rank 0 (`full_state`:
+the saved model, which evaluate, serving and warm starts read as any model) and scattered
+back onto any N (`load_full_state`); and the tables' fused optimizer as the training loop
+sees it (`FusedAdagrad`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from recd_core.modeling.sharded.tables import ShardedTables
+
+
+def full_state(model, dense_optimizer: dict, opt_sparse) -> tuple[dict, dict] | None:
+    """(model state, optimizers) in the single-process layout, on rank 0 (None elsewhere):
+    every rank sends its shards and their accumulators (`dense_optimizer`: Adam's state,
+    the same on every rank). A collective: all ranks call it."""
+    tables: ShardedTables = model.sharded
+    boxes = tables.boxes()
+    weights = [w.detach().cpu().clone() for w in tables.local_weights()]
+    accs = [a.detach().cpu().clone() for a in tables.local_accumulators()]
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object((boxes, weights, accs), parts, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    dim = model.cfg.embedding_dim
+    full_w = [torch.zeros(s.rows, dim) for s in tables.specs]
+    full_acc = [torch.zeros(s.rows) for s in tables.specs]
+    for rank_boxes, rank_w, rank_acc in parts:
+        for (i, (r0, c0), (nr, nc)), w, acc in zip(rank_boxes, rank_w, rank_acc, strict=True):
+            full_w[i][r0 : r0 + nr, c0 : c0 + nc] = w
+            # a column-wise shard's accumulator is the mean over its columns: the row's
+            # accumulator is the column-weighted mean of its shards'
+            full_acc[i][r0 : r0 + nr] += acc.reshape(-1)[:nr] * (nc / dim)
+    state = {k: v.detach().cpu().clone() for k, v in model.dense_state().items()}
+    state.update({s.key: w for s, w in zip(tables.specs, full_w, strict=True)})
+    sparse = {
+        "state": {i: {"sum": acc} for i, acc in enumerate(full_acc)},
+        "param_groups": [{**opt_sparse.param_groups[0], "params": list(range(len(full_acc)))}],
+    }
+    return state, {"dense": dense_optimizer, "sparse": sparse}
+
+
+def load_full_state(model, state: dict) -> None:
+    """The single-process layout (a saved model, a warm start) into this rank's dense
+    weights and shards (`FusedAdagrad.load_state_dict` takes the accumulators)."""
+    tables: ShardedTables = model.sharded
+    keys = {s.key for s in tables.specs}
+    missing = [s.key for s in tables.specs if s.key not in state]
+    if missing:
+        raise RuntimeError(f"the state lacks tables {missing}")
+    model.load_dense_state({k: v for k, v in state.items() if k not in keys})
+    with torch.no_grad():
+        for (i, (r0, c0), (nr, nc)), w in zip(tables.boxes(), tables.local_weights(),
+                                               strict=True):  # fmt: skip
+            full = state[tables.specs[i].key]
+            if tuple(full.shape) != (tables.specs[i].rows, model.cfg.embedding_dim):
+                raise RuntimeError(f"{tables.specs[i].key}: shape {tuple(full.shape)}")
+            w.copy_(full[r0 : r0 + nr, c0 : c0 + nc])
+
+
+class FusedAdagrad:
+    """The tables' optimizer as the training loop sees it: the update itself is fused into
+    the backward pass (TorchRec), so `step` and `zero_grad` do nothing; the state is this
+    rank's accumulators (what the table restarts and early stopping keep per rank)."""
+
+    def __init__(self, tables: ShardedTables, lr: float):
+        self.tables = tables
+        self.param_groups = [{"lr": lr, "eps": 1e-10, "initial_accumulator": 0.0}]
+
+    def step(self, closure=None):
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict:
+        accs = self.tables.local_accumulators()
+        return {
+            "state": {i: {"sum": a.detach().clone()} for i, a in enumerate(accs)},
+            "param_groups": [{**self.param_groups[0], "params": list(range(len(accs)))}],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """This rank's accumulators, or the single-process layout's (one a table: a warm
+        start's, scattered to the shards)."""
+        accs = self.tables.local_accumulators()
+        saved = [state["state"][i]["sum"] for i in sorted(state["state"])]
+        local = len(saved) == len(accs) and all(
+            s.numel() == a.numel() for s, a in zip(saved, accs, strict=True)
+        )
+        full = len(saved) == len(self.tables.specs) and all(
+            s.numel() == spec.rows for s, spec in zip(saved, self.tables.specs, strict=True)
+        )
+        if not (local or full):
+            raise ValueError("the state is neither this rank's shards nor the whole tables'")
+        with torch.no_grad():
+            if local:
+                for s, a in zip(saved, accs, strict=True):
+                    a.copy_(s.view_as(a))
+                return
+            for (i, (r0, _), (nr, _)), a in zip(self.tables.boxes(), accs, strict=True):
+                a.view(-1)[:nr].copy_(saved[i][r0 : r0 + nr])
