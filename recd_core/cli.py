@@ -204,10 +204,12 @@ def _graph_params(warehouse: str, logs: str, exclude: tuple[str, ...] = ()) -> l
     return params
 
 
-def _graph_command(name: str, doc: str, params: list, body, decision: bool = True) -> None:
-    """`recd <name>`: `params` (`_graph_params` and the command's own), `--summary`;
-    `body(handle, args, **own)` runs the graph with the run's arguments given (None:
-    unset); with `decision`, the registry's decision is printed."""
+def _graph_command(
+    name: str, doc: str, params: list, own_params: list, body, decision: bool = True
+) -> None:
+    """`recd <name>`: `params` (`_graph_params`: the run's arguments), the command's own
+    (`own_params`), `--summary`; `body(handle, args, **own)` runs the graph with the run's
+    arguments given (None: unset); with `decision`, the registry's decision is printed."""
     keyword = inspect.Parameter.KEYWORD_ONLY
     names = {p.name for p in params}
 
@@ -219,7 +221,7 @@ def _graph_command(name: str, doc: str, params: list, body, decision: bool = Tru
             _print_decision(result)
 
     command.__signature__ = inspect.Signature([
-        inspect.Parameter("ctx", keyword, annotation=typer.Context), *params,
+        inspect.Parameter("ctx", keyword, annotation=typer.Context), *params, *own_params,
         inspect.Parameter("summary", keyword, default=None, annotation=SummaryOpt)])  # fmt: skip
     command.__doc__ = doc
     app.command(name)(command)
@@ -292,8 +294,8 @@ _graph_command(
     with a tracking URI also register the model and decide the champion by NE. `--mode both`
     runs both arms on the same samples and compares them (exit 3 when they differ). Every
     config override (--epochs, --nproc, ...) goes to the stages that take it.""",
+    _graph_params("data/default/warehouse", "data/default/logs", exclude=("mode",)),
     [
-        *_graph_params("data/default/warehouse", "data/default/logs", exclude=("mode",)),
         inspect.Parameter("mode", inspect.Parameter.KEYWORD_ONLY, default="dedup",
                           annotation=Annotated[Literal["dedup", "baseline", "both"],
                                                typer.Option(help="training arm(s)")]),
@@ -315,8 +317,8 @@ _graph_command(
     """The comparison graph in-process (the `recd_dedup_vs_baseline` DAG): both arms on the
     same data, a table, a PNG chart (the warehouse's reports/compare/, MLflow, --out), and
     exit 3 when the arms' next-day NE or AUC differ beyond the configured tolerance.""",
+    _graph_params("data/compare/warehouse", "data/compare/logs", exclude=("mode",)),
     [
-        *_graph_params("data/compare/warehouse", "data/compare/logs", exclude=("mode",)),
         inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, default=Path("build/compare"),
                           annotation=Annotated[Path, typer.Option(help="also copy the chart here")]),
     ],

@@ -119,6 +119,16 @@ def test_run_is_idempotent_for_a_day(tmp_path: Path):
     )
 
 
+def test_run_takes_every_config_override_and_hands_it_to_its_stages(tmp_path: Path):
+    """`recd run --max-steps 3 --workers 1`: the train stage takes the one, ingest, generate
+    and preprocess the other, and no stage refuses what is another's."""
+    recd("run", "--warehouse", tmp_path / "wh", "--logs", tmp_path / "logs", "--ds", DAY,
+         "--config", SMALL_CONFIG, "--max-steps", "3", "--workers", "1",
+         "--summary", tmp_path / "s.json")  # fmt: skip
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["train.steps"] == 3
+
+
 def test_quarantine_gate_exits_nonzero_with_one_line(tmp_path: Path, day_logs):
     src = tmp_path / "bad.jsonl"
     lines = gzip.decompress(next(iter(sorted(day_logs.glob("*.gz")))).read_bytes()).splitlines()[

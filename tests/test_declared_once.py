@@ -89,5 +89,6 @@ def test_one_declaration_of_an_override_reaches_every_runner(tmp_path):
     assert out["airflow_param"]["type"] == ["null", "number"]
     assert "learning rate" in out["airflow_param"]["description"]
     assert out["airflow_takers"] == ["train"]
-    assert out["kfp_input"]["parameterType"] == "NUMBER_DOUBLE" and out["kfp_input"]["isOptional"]
+    # empty by default, the config's value (kfp.local cannot run optional inputs without one)
+    assert out["kfp_input"]["defaultValue"] == "" and "learning rate" in out["kfp_input"]["description"]
     assert out["kfp_takers"] == ["comp-recd-train"]

@@ -110,7 +110,8 @@ def override_params(exclude: tuple[str, ...] = ()) -> dict[str, Param]:
 def override_args(exclude: tuple[str, ...] = ()) -> dict[str, str]:
     """Each override's param as a task argument (a template; empty when the param is:
     unset, and `build` hands it only to the stages that take it)."""
-    return {n: "{{ '' if params." + n + " is none else params." + n + " }}"
+    # params['items'], not params.items: a dict's attribute is its method
+    return {n: "{{ '' if params['" + n + "'] is none else params['" + n + "'] }}"
             for n in override_fields() if n not in exclude}  # fmt: skip
 
 

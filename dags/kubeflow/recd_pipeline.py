@@ -21,7 +21,6 @@ recurring run's days come from its scheduled time (`orchestration.schedule`).
 import argparse
 import inspect
 from pathlib import Path
-from typing import Optional  # noqa: UP035 - KFP reads Optional[T], not T | None
 
 from kfp import compiler, dsl, kubernetes
 
@@ -43,10 +42,12 @@ RUN_INPUTS = ("ds", "warehouse", "logs", "tracking_uri", "config", "synthesize",
 KFP_TYPES = {"boolean": bool, "integer": int, "number": float}
 SHARED = {**{n: KFP_TYPES.get(param_schema(n)["type"], str) for n in RUN_INPUTS},
           "scheduled_time": str}  # fmt: skip
-# the config overrides (`StageArgs`, `arg(config=...)`) as optional pipeline inputs, typed;
-# unset, the config's value holds. `mode` is the graph's (a task's arm), not the run's.
-OVERRIDES = {n: KFP_TYPES.get(param_schema(n)["type"], str) for n in override_fields()
-             if n != "mode"}  # fmt: skip
+# the config overrides (`StageArgs`, `arg(config=...)`) as pipeline inputs, empty by default
+# (the config's value holds); `mode` is the graph's (a task's arm), not the run's. Text, not
+# `Optional[int] = None`: kfp.local (2.17) cannot run a pipeline whose optional inputs have
+# no default, and a number has no empty value; the stage validates the text as StageArgs
+# types it (a bad value is one line, exit 2).
+OVERRIDES = tuple(n for n in override_fields() if n != "mode")
 ARTIFACTS = {"dataset": dsl.Dataset, "model": dsl.Model, "metrics": dsl.Metrics,
              "markdown": dsl.Markdown}  # fmt: skip
 GRAPHS = (DAILY, COMPARISON)
@@ -140,7 +141,7 @@ def container_stage(name: str, image: str = IMAGE):
     params += [_param(n, dsl.Output[ARTIFACTS[kind]]) for n, kind in outputs(name).items()]
     params += [_param(k, str, "") for k in task_args]
     overrides = [n for n in _overrides(name) if n not in task_args]
-    params += [_param(n, Optional[OVERRIDES[n]], None) for n in overrides]  # noqa: UP045
+    params += [_param(n, str, "") for n in overrides]
     params += [_param(n, str, "{}") for n in upstream]
     # what it reads, as the producing step's artifact (optional: a day's first stage has no
     # producer in the run): the run's lineage graph links the steps
@@ -149,14 +150,11 @@ def container_stage(name: str, image: str = IMAGE):
 
     def stage(*values):
         given = dict(zip(names, values, strict=True))
-        flags = {k: given[k] for k in (*SHARED, *task_args)}
+        flags = {k: given[k] for k in (*SHARED, *task_args, *overrides)}
         sources = [given.get(s, "{}") for s in PULLED_FROM]
         gathered = [given[n] for n in upstream if n.startswith("u_")]
         cmd = stage_command(name, flags, sources, gathered, given["summary"],
                             dsl.PIPELINE_TASK_EXECUTOR_INPUT_PLACEHOLDER)  # fmt: skip
-        # an override left unset is no flag at all (the config's value holds)
-        cmd += [dsl.IfPresentPlaceholder(input_name=n, then=[f"--{n.replace('_', '-')}", given[n]])
-                for n in overrides]  # fmt: skip
         return dsl.ContainerSpec(image=image, command=cmd[:3], args=cmd[3:])
 
     stage.__name__ = f"recd_{name}"
@@ -310,7 +308,7 @@ def build_pipeline(
 
     params = [_param(n, SHARED[n], RUN_DEFAULTS[n]) for n in RUN_INPUTS if n != "pipeline"]
     params += [_param(n, t, d) for n, (t, d) in PIPELINE_INPUTS.items()]
-    params += [_param(n, Optional[t], None) for n, t in OVERRIDES.items()]  # noqa: UP045
+    params += [_param(n, str, "") for n in OVERRIDES]
     names = [p.name for p in params]
 
     def recd_pipeline(*values):

@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from recd_core.bench.serving import serving_markdown
-from recd_core.config import GenerateConfig
-from recd_core.data.generate import generate
+from recd_core.config import PACKAGE_CONFIGS, GenerateConfig
 from recd_core.orchestration.stages import run_stage
 from recd_core.report import human_bytes
 from recd_core.warehouse import Warehouse
@@ -26,8 +25,10 @@ from recd_core.warehouse import Warehouse
 DS = "2026-11-01"
 
 
-def _storage(wh: Warehouse, ds: str, cfg: GenerateConfig) -> dict:
-    g = generate(wh, ds, cfg, layouts=("clustered", "shuffled"))
+def _storage(wh: Warehouse, ds: str, config: str | None = None) -> dict:
+    """Both layouts of day `ds`, written by the generate stage as the pipelines run it
+    (`config`: the pipeline config of the day's feature set; default: the synthetic one)."""
+    g = run_stage("generate", {"warehouse": wh.uri, "ds": ds, "layout": "both", "config": config})
     c, s = g["layouts"]["clustered"], g["layouts"]["shuffled"]
     return {
         "storage_ratio": s["storage.bytes"] / c["storage.bytes"],
@@ -99,7 +100,7 @@ def run_bench(
     run_stage("synth", {"logs": str(logs), "ds": DS, "preset": preset})
     ing = run_stage("ingest", {"warehouse": wh.uri, "ds": DS, "source": str(logs / f"ds={DS}")})
     gen = GenerateConfig()
-    storage = _storage(wh, DS, gen)
+    storage = _storage(wh, DS)
     result = {
         "bench.preset": preset,
         "bench.batch_size": gen.batch_size,
@@ -131,7 +132,7 @@ def run_bench(
     if movielens is not None:
         ml_ing = run_stage("ingest", {"warehouse": wh.uri, "ds": "2026-10-01",
                                       "source": str(movielens), "format": "movielens"})  # fmt: skip
-        ml = _storage(wh, "2026-10-01", gen)
+        ml = _storage(wh, "2026-10-01", str(PACKAGE_CONFIGS / "movielens.yaml"))
         result["bench.movielens.storage_ratio"] = ml["storage_ratio"]
         result["bench.movielens.storage_over_lower_bound"] = ml["clustered_over_lower_bound"]
         result["movielens"] = {
@@ -434,17 +435,13 @@ def dpp_figures(wh: Warehouse, ds: str, repeats: int = 3) -> dict:
     and 1 vs 2 workers in dedup mode."""
     import statistics
 
-    from recd_core.config import PreprocessConfig
-    from recd_core.dpp.preprocess import preprocess
-
-    runs: dict[str, list[dict]] = {"dedup": [], "baseline": [], "dedup_2w": [], "dedup_2t": []}
-    for _ in range(repeats):
-        runs["dedup"].append(preprocess(wh, ds, PreprocessConfig(mode="dedup")))
-        runs["baseline"].append(preprocess(wh, ds, PreprocessConfig(mode="baseline")))
-        runs["dedup_2w"].append(preprocess(wh, ds, PreprocessConfig(mode="dedup", workers=2)))
-        runs["dedup_2t"].append(
-            preprocess(wh, ds, PreprocessConfig(mode="dedup", workers=2, executor="thread"))
-        )
+    arms = {"dedup": {"mode": "dedup"}, "baseline": {"mode": "baseline"},
+            "dedup_2w": {"mode": "dedup", "workers": 2},
+            "dedup_2t": {"mode": "dedup", "workers": 2, "threads": True}}  # fmt: skip
+    runs: dict[str, list[dict]] = {k: [] for k in arms}
+    for _ in range(repeats):  # the preprocess stage, as the pipelines run it
+        for k, args in arms.items():
+            runs[k].append(run_stage("preprocess", {"warehouse": wh.uri, "ds": ds, **args}))
     med = {k: statistics.median(r["dpp.seconds"] for r in v) for k, v in runs.items()}
     work = {
         k: statistics.median(r["dpp.samples"] / r["dpp.worker_samples_per_s"] for r in v)

@@ -122,7 +122,7 @@ def _generate(args: StageArgs, advance: Advance) -> dict:
     def one(day: str) -> dict:
         layouts = _layouts(args.layout or ("both" if day in training else "clustered"))
         s = generate(wh, day, cfg.generate, layouts, advance, cfg.features)
-        per_layout = s.pop("layouts", {layouts[0]: s})  # one layout: its figures at the top
+        per_layout = s.get("layouts", {layouts[0]: s})  # one layout: its figures at the top
         for arm, layout in ARM_LAYOUT.items():
             if layout in per_layout:
                 s[f"storage.bytes.{arm}"] = per_layout[layout]["storage.bytes"]
