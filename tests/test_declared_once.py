@@ -90,5 +90,8 @@ def test_one_declaration_of_an_override_reaches_every_runner(tmp_path):
     assert "learning rate" in out["airflow_param"]["description"]
     assert out["airflow_takers"] == ["train"]
     # empty by default, the config's value (kfp.local cannot run optional inputs without one)
-    assert out["kfp_input"]["defaultValue"] == "" and "learning rate" in out["kfp_input"]["description"]
+    assert (
+        out["kfp_input"]["defaultValue"] == ""
+        and "learning rate" in out["kfp_input"]["description"]
+    )
     assert out["kfp_takers"] == ["comp-recd-train"]

@@ -313,8 +313,13 @@ def test_a_tracking_server_killed_mid_run_is_told_truthfully_and_cleaned_up(tmp_
             return False
         return bool(runs)
 
-    _wait_for(training, timeout=300, every=0.2)
-    _kill(server)
+    try:
+        _wait_for(training, timeout=300, every=0.2)
+    except BaseException:  # neither the server nor the run outlives a failed wait
+        proc.kill()
+        raise
+    finally:
+        _kill(server)
     _, stderr = proc.communicate(timeout=600)
     assert "Traceback" not in stderr, stderr[-3000:]
     assert proc.returncode == 4, stderr

@@ -100,10 +100,11 @@ class StageArgs(BaseModel):
         "a log file or a directory of them, ingested as the one day --ds (instead of "
         "<logs>/ds=<day>/)", stages="ingest",
     )  # fmt: skip
+    # not a config override of a whole run: it also picks the built-in config (MovieLens'
+    # features), which a run's other stages take from --config (pipeline_config)
     format: Literal["events", "movielens"] | None = arg(
-        "the raw logs' format (movielens: ml-100k's files)", stages="ingest",
-        config="ingest.format",
-    )  # fmt: skip
+        "the raw logs' format (movielens: ml-100k's files)", stages="ingest"
+    )
     max_quarantine_fraction: float | None = arg(
         "the share of bad rows that fails the day", stages="ingest",
         config="ingest.max_quarantine_fraction", ge=0.0, le=1.0,
@@ -220,6 +221,8 @@ class StageArgs(BaseModel):
             over = merged(train.model_dump(mode="json"), load_yaml(self.train_config))
             train = parse_config(TrainConfig, over, self.train_config)
         over = overrides(self)
+        if self.format:
+            over.setdefault("ingest", {})["format"] = self.format
         sections = {"ingest": cfg.ingest, "generate": cfg.generate, "preprocess": cfg.preprocess,
                     "train": train, "registry": cfg.registry}  # fmt: skip
         update = {
