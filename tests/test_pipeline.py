@@ -231,8 +231,8 @@ def test_the_next_day_warm_starts_from_the_champion_and_its_version_records_the_
 def test_the_champion_warm_starts_only_days_after_those_it_was_trained_on(daily):
     """A backfill or a comparison of an earlier day must not start from a champion that saw
     that day or later (its labels would leak into the day being evaluated)."""
+    from recd_core.mlops.starting_version import init_model
     from recd_core.mlops.tracking import Tracker
-    from recd_core.mlops.warm_start import init_model
 
     root, uri, _ = daily
     current = MlflowClient(tracking_uri=uri).get_model_version_by_alias("recd-dlrm", "champion")
@@ -255,8 +255,8 @@ def test_a_changed_model_continues_its_own_lineage_instead_of_the_champions(dail
     continues the newest version of the run's own lineage, so a changed model accumulates
     days as the champion did; with none of its own, the champion is offered and training
     starts from scratch, saying why (test_train)."""
+    from recd_core.mlops.starting_version import init_model
     from recd_core.mlops.tracking import Tracker
-    from recd_core.mlops.warm_start import init_model
     from recd_core.modeling.saved import saved_lineage_key
 
     root, uri, _ = daily

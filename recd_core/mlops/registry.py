@@ -2,7 +2,7 @@
 moves only when the new model is no worse on the same evaluation day.
 
 The rooms: `pyfunc.py` (the served model: an MLflow pyfunc scoring sample rows),
-`versions.py` (logging, registering and reading versions back), `warm_start.py` (which
+`versions.py` (logging, registering and reading versions back), `starting_version.py` (which
 version training starts from) and this module (the champion decision).
 
 Aliases, per registered model name:

@@ -24,7 +24,7 @@ from recd_core.config import FeatureSet, TrainConfig
 from recd_core.dpp.batch_store import Batch, BatchStore
 from recd_core.modeling.checkpoints import Checkpoints
 from recd_core.modeling.model import Model, build_model
-from recd_core.modeling.step import dense_optimizer, table_optimizer
+from recd_core.modeling.step import make_optimizers
 from recd_core.modeling.warm_start import Init, starting_model
 from recd_core.warehouse import Warehouse
 
@@ -46,7 +46,7 @@ class Replicated:
 
     def optimizers(self, model: Model, cfg: TrainConfig, warm: bool):
         """(the dense layers' Adam, the tables' row-wise Adagrad)."""
-        return dense_optimizer(model, cfg, warm), table_optimizer(model, cfg)
+        return make_optimizers(model, cfg, warm)
 
     def steps_per_epoch(self, batches: int) -> int:
         """Every rank takes the same number of steps (DDP all-reduces each one): the batches

@@ -152,7 +152,7 @@ def _train(args: StageArgs, advance: Advance) -> dict:
     """Train each day, warm-started from `init_from` (default: the champion, when the
     config's `train.warm_start` is on and there is one)."""
     from recd_core.dpp.batch_store import model_shape
-    from recd_core.mlops.warm_start import init_model
+    from recd_core.mlops.starting_version import init_model
     from recd_core.modeling.saved import lineage_key
     from recd_core.modeling.train import train
 
