@@ -406,6 +406,11 @@ class TrainConfig(_Strict):
     # with `sharding`: the memory a process may give its shards of the tables (MB); the
     # planner places them within it or training refuses. None: the device's memory
     memory_budget_mb: int | None = Field(default=None, gt=0)
+    # how the trained model is saved: "single" one model.pt (every reader loads it whole);
+    # "shards" the tables as shard files, each rank writing its own (readers map the rows
+    # they need: modeling/shard_files.py); "auto" shards when a sharded run's tables and
+    # their accumulators exceed `memory_budget_mb`, so no process could hold them gathered
+    saved_layout: Literal["auto", "single", "shards"] = "auto"
     # torch intra-op threads on CPU; None: the CPUs the process may use (affinity, cgroup
     # quota: recd_core/runtime.py) shared among the run's processes
     threads: int | None = Field(default=None, gt=0)

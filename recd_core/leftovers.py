@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -100,9 +100,9 @@ def sweep_files(fs: pafs.FileSystem, directory: str) -> list[str]:
     return gone
 
 
-def write_atomically(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+def write_atomically(fs: pafs.FileSystem, path: str, data: bytes | Iterable[bytes]) -> None:
     """Write `path` whole or not at all: a temporary name, then a rename (atomic on local
-    filesystems). The temporary file is removed on failure (a full disk); while it is
+    filesystems); `data` bytes, or blocks of them (a large file streamed). The temporary file is removed on failure (a full disk); while it is
     written it is locked, so a killed writer's is recognized and swept by the next writer
     to the directory."""
     directory = path.rsplit("/", 1)[0]
@@ -113,7 +113,8 @@ def write_atomically(fs: pafs.FileSystem, path: str, data: bytes) -> None:
     fd = hold(tmp) if local else None
     try:
         with fs.open_output_stream(tmp) as f:
-            f.write(data)
+            for block in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
+                f.write(block)
         fs.move(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -16,6 +16,7 @@ limit (affinity and the cgroup's CPU quota), and training sizes its pool by it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -83,3 +84,32 @@ def die_with_parent(parent: int) -> None:
         threading.Thread(target=watch, name="recd-watch-parent", daemon=True).start()
     if os.getppid() != parent:  # died before the watch was set
         os._exit(143)
+
+
+def _status_kb(field: str) -> int | None:
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def rss() -> int | None:
+    """This process's resident set now (bytes; None where /proc is not Linux's)."""
+    return _status_kb("VmRSS")
+
+
+def peak_rss() -> int | None:
+    """This process's peak resident set since it started or since `reset_peak_rss`."""
+    return _status_kb("VmHWM")
+
+
+def reset_peak_rss() -> bool:
+    """Start the peak resident set afresh (Linux: /proc/self/clear_refs), so a stage run in a
+    process that ran others reports its own peak; whether it could."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True

@@ -37,7 +37,7 @@ def run_name(ds: str, cfg: TrainConfig, batches_id: str = "") -> str:
     """The training run's key: day, mode, config and the batches partition's write id. A
     retry on the same batches resumes the run's checkpoints; re-preprocessed batches (a new
     write id) start a new run instead of resuming onto other data."""
-    key = cfg.model_dump_json(exclude={"device", "threads", "nproc"}) + batches_id
+    key = cfg.model_dump_json(exclude={"device", "threads", "nproc", "saved_layout"}) + batches_id
     return f"{ds}-{cfg.mode}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
 
 

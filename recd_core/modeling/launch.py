@@ -6,7 +6,6 @@ gradients, rank 0 writes checkpoints and the model and its summary is the run's.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import resource
@@ -19,7 +18,7 @@ import torch.distributed as dist
 
 from recd_core.config import TrainConfig
 from recd_core.errors import BadInput
-from recd_core.runtime import die_with_parent
+from recd_core.runtime import die_with_parent, peak_rss
 
 # worker(rank, world, warehouse URI, ds, cfg, init_from, init_label) -> summary
 Worker = Callable[[int, int, str, str, TrainConfig, str | None, str | None], dict]
@@ -47,6 +46,15 @@ def join_process_group(rank: int, world: int, device: torch.device) -> torch.dev
     return device
 
 
+def every_rank(value, world: int) -> list:
+    """`value` of every rank, in rank order (a collective in a run of several processes)."""
+    if world <= 1:
+        return [value]
+    out = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
 def leave_process_group(world: int) -> None:
     if world > 1:
         dist.barrier()
@@ -59,11 +67,10 @@ def peak_mem(device: torch.device) -> int:
     a big parent's peak in a freshly spawned child."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    with contextlib.suppress(OSError), open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    peak = peak_rss()
+    return (
+        peak if peak is not None else int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    )
 
 
 def launch(

@@ -10,11 +10,11 @@
 Each builds the model at its starting point (`build`: a warm start's single-process state,
 loaded or scattered), its optimizers, a step's batch (`step_batch`), the checkpoints, a
 cross-check of the chosen state and the state the saved model is written from
-(`saved_state`)."""
+(`saved_state`: one file, or the tables as shard files, `train.saved_layout`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -24,9 +24,32 @@ from recd_core.config import FeatureSet, TrainConfig
 from recd_core.dpp.batch_store import Batch, BatchStore
 from recd_core.modeling.checkpoints import Checkpoints
 from recd_core.modeling.model import Model, build_model
+from recd_core.modeling.shard_files import layout, materialized, write_shard
 from recd_core.modeling.step import make_optimizers
 from recd_core.modeling.warm_start import Init, starting_model
 from recd_core.warehouse import Warehouse
+
+
+@dataclass
+class Saved:
+    """What the run's model is saved from (rank 0's; None elsewhere): `figures` for the
+    summary, `state` (None: the model's own state dict), `optimizer`, and `tables`:
+    model.json's shard layout when the tables were written as shard files (then `state`
+    and `optimizer` hold the rest; shard_files.py)."""
+
+    figures: dict
+    state: dict | None
+    optimizer: dict | None
+    tables: dict | None = None
+
+
+def without_tables(state: dict, optimizer: dict, specs) -> tuple[dict, dict]:
+    """The state and optimizer state a sharded layout's model.pt and optimizer.pt hold:
+    everything but the tables and their accumulators (those are in the shard files)."""
+    keys = {s.key for s in specs}
+    dense = {k: v.detach().cpu() for k, v in state.items() if k not in keys}
+    return dense, {"dense": optimizer["dense"],
+                   "sparse": {"param_groups": optimizer["sparse"]["param_groups"]}}  # fmt: skip
 
 
 @dataclass
@@ -39,7 +62,10 @@ class Replicated:
 
     def build(self, features: FeatureSet, cfg: TrainConfig, init: Init,
               click_rate: float) -> tuple[Model, nn.Module, Init]:  # fmt: skip
-        """(the model, what a step runs: the model or its DDP wrapper, the start taken)."""
+        """(the model, what a step runs: the model or its DDP wrapper, the start taken). A
+        warm start saved as shard files is read whole: this process holds the tables."""
+        init = replace(init, state=materialized(init.state),
+                       optimizer=materialized(init.optimizer))  # fmt: skip
         model, init = starting_model(lambda: build_model(features, cfg.model), init, click_rate)
         model = model.to(self.device)
         return model, DistributedDataParallel(model) if self.world > 1 else model, init
@@ -68,15 +94,27 @@ class Replicated:
     def cross_check(self, model: Model, valid: BatchStore) -> dict[str, float]:
         return {}
 
-    def saved_state(self, model: Model, net: nn.Module, optimizer: dict,
-                    opt_sparse) -> tuple[dict, dict | None, dict | None]:  # fmt: skip
-        """(figures for the summary, the state to save: None for the model's own, the
-        optimizers' state to save)."""
-        return {}, None, optimizer
+    def saved_state(self, model: Model, net: nn.Module, optimizer: dict, opt_sparse,
+                    cfg: TrainConfig, fs, base: str) -> Saved:  # fmt: skip
+        """The model's own state, or with `saved_layout: shards` its tables written by rank
+        0 as one shard each under `base` (on filesystem `fs`)."""
+        if cfg.saved_layout != "shards" or self.rank != 0:
+            return Saved({}, None, optimizer)
+        from recd_core.modeling.sharded.tables import table_specs
+
+        specs, state = table_specs(model), model.state_dict()
+        accs = optimizer["sparse"]["state"]
+        entries = [(s.key, write_shard(fs, base, s.name, (0, 0, s.rows, cfg.model.embedding_dim),
+                                       state[s.key], accs.get(i, {}).get("sum")))
+                   for i, s in enumerate(specs)]  # fmt: skip
+        dense, rest = without_tables(state, optimizer, specs)
+        return Saved({}, dense, rest, layout(cfg.model.embedding_dim, 1, specs, entries))
 
 
 def check(cfg: TrainConfig, world: int) -> None:
     """Refuse, in one line and before any process starts, what the strategy cannot do."""
+    if cfg.saved_layout == "shards" and cfg.model.members > 1:
+        raise ValueError("train.saved_layout=shards saves one model: set train.model.members: 1")
     if cfg.sharding != "none":
         from recd_core.modeling.sharded.plan import check_config
 

@@ -12,6 +12,12 @@ warm start): the model directory, its two files, and scoring with it.
         model.json    {"features": the model's FeatureSet, "train": its TrainConfig,
                        "prepared": DPP's transforms, statistics and dedup groups (score with
                        these), "summary": the training summary}
+
+A model whose tables no process holds (a sharded run's, `train.saved_layout`) keeps them as
+shard files beside these, every rank writing its own: model.pt and optimizer.pt then hold
+the rest, model.json's "tables" the layout (shard_files.py). Readers get the same model
+either way: `load_model` maps the shards' rows on demand (`MappedDLRM`), a warm start reads
+the row ranges it places.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from recd_core.dpp.preprocess import Prepared, batch_ranges, encode_batch
 from recd_core.errors import BadInput, first_line
 from recd_core.leftovers import owned_tempdir, write_atomically
 from recd_core.modeling.model import Model, build_model
+from recd_core.modeling.shard_files import files_of, is_sharded, open_tables
 from recd_core.warehouse import Warehouse
 
 
@@ -130,11 +137,14 @@ def save_model(
     optimizer: dict | None = None,
     state: dict | None = None,
     lineage: dict | None = None,
+    tables: dict | None = None,
 ) -> str:
     """`state`: the weights to save when they are not `model.state_dict()` (a sharded
-    run's, gathered into the single-process layout); `lineage`: what it was built from
-    (lineage.py), with the days it trained on."""
-    base = f"{wh.root}/models/{run}"
+    run's, gathered into the single-process layout, or all but its tables); `lineage`:
+    what it was built from (lineage.py), with the days it trained on; `tables`: the shard
+    layout, when the run's ranks wrote the tables as shard files (shard_files.py). model.json
+    is written last: a model without it is incomplete."""
+    base = model_base(wh, run)
     state = model.state_dict() if state is None else state
     write_bytes(wh, f"{base}/model.pt", torch_bytes({k: v.cpu() for k, v in state.items()}))
     if optimizer is not None:
@@ -145,9 +155,15 @@ def save_model(
         "prepared": prepared,  # DPP's transforms, statistics and dedup groups: score with these
         "summary": {k: v for k, v in summary.items() if k != "train.model_uri"},
         **({"lineage": lineage} if lineage else {}),
+        **({"tables": tables} if tables else {}),
     }
     write_bytes(wh, f"{base}/model.json", json.dumps(meta, indent=1).encode())
     return f"{wh.uri.rstrip('/')}/models/{run}"
+
+
+def model_base(wh: Warehouse, run: str) -> str:
+    """Where run `run`'s model is saved, inside the warehouse's filesystem."""
+    return f"{wh.root}/models/{run}"
 
 
 def _model_location(uri: str) -> tuple[Warehouse, str]:
@@ -162,6 +178,14 @@ def load_model(uri: str) -> tuple[Model, dict]:
     directory (a copy, e.g. MLflow's model artifacts), for scoring."""
     meta, weights, where = read_saved(str(uri))
     try:
+        if is_sharded(meta):
+            from recd_core.modeling.mapped_model import MappedDLRM
+
+            features = FeatureSet.model_validate(meta["features"])
+            tables = open_tables(local_model_dir(str(uri), meta), meta)
+            model = MappedDLRM(features, saved_train_config(meta).model, tables)
+            model.load_state_dict(torch_load(weights, where, "model"))
+            return model.eval(), meta
         return model_from(meta, weights, where), meta
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         if isinstance(e, BadInput):
@@ -170,19 +194,49 @@ def load_model(uri: str) -> tuple[Model, dict]:
         raise ModelError(f"{uri} is not a recd model ({what})") from None
 
 
+def _copy_model(wh: Warehouse, base: str, target: Path) -> None:
+    """The saved model's files (model.pt, model.json, optimizer.pt, its shard files) from
+    the warehouse into the local directory `target`."""
+    meta = read_bytes(wh, f"{base}/model.json")
+    names = ["model.pt", *files_of(json.loads(meta))]
+    if wh.exists_file(f"{base}/{OPTIMIZER_FILE}"):  # optional: models saved before it
+        names.append(OPTIMIZER_FILE)
+    for name in names:
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        with wh.fs.open_input_stream(f"{base}/{name}") as src, open(target / name, "wb") as dst:
+            while block := src.read(1 << 24):
+                dst.write(block)
+    (target / "model.json").write_bytes(meta)  # last, as it was written
+
+
 @contextlib.contextmanager
 def model_dir(uri: str):
-    """A local directory holding the saved model's two files (copied from an object store)."""
+    """A local directory holding the saved model's files (copied from an object store)."""
     wh, base = _model_location(uri)
     if wh.fs.type_name == "local":
         yield Path(base)
         return
     with owned_tempdir("recd-model-") as tmp:  # a killed run's: swept
-        for name in ("model.pt", "model.json"):
-            (Path(tmp) / name).write_bytes(read_bytes(wh, f"{base}/{name}"))
-        if wh.exists_file(f"{base}/{OPTIMIZER_FILE}"):  # optional: models saved before it
-            (Path(tmp) / OPTIMIZER_FILE).write_bytes(read_bytes(wh, f"{base}/{OPTIMIZER_FILE}"))
+        _copy_model(wh, base, Path(tmp))
         yield Path(tmp)
+
+
+def local_model_dir(location: str, meta: dict) -> Path:
+    """A local directory holding the model at `location` whole, to map its shard files: the
+    directory itself, or a copy of one in an object store (removed when the process ends)."""
+    if Path(location).is_dir():
+        return Path(location)
+    wh, base = _model_location(location)
+    if wh.fs.type_name == "local":
+        return Path(base)
+    import atexit
+    import shutil
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="recd-mapped-model-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    _copy_model(wh, base, tmp)
+    return tmp
 
 
 def saved_summary(uri: str) -> dict:

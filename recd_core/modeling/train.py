@@ -52,6 +52,7 @@ from recd_core.modeling.calibration import calibrate
 from recd_core.modeling.checkpoints import Checkpoints, checkpoint_state, one_writer, run_name
 from recd_core.modeling.early_stopping import EarlyStopping, TableStart, on_cpu
 from recd_core.modeling.launch import (
+    every_rank,
     join_process_group,
     launch,
     launched_rank,
@@ -62,10 +63,10 @@ from recd_core.modeling.launch import (
 from recd_core.modeling.model import Model
 from recd_core.modeling.optim import quiet_sparse_warnings
 from recd_core.modeling.parallel import Replicated, check, parallelism
-from recd_core.modeling.saved import save_model
+from recd_core.modeling.saved import model_base, save_model
 from recd_core.modeling.step import cooccurrence_term, fold_in, train_step
 from recd_core.modeling.warm_start import Init, continue_optimizers, initial_state
-from recd_core.runtime import cpu_budget
+from recd_core.runtime import cpu_budget, rss
 from recd_core.warehouse import Warehouse
 
 if TYPE_CHECKING:
@@ -140,6 +141,7 @@ class Run:
     total: int  # steps at most
     lineage: dict = field(default_factory=dict)  # what the model is built from (lineage.py)
     validation: str = "ok"  # whether the validation slice chooses states (validation_use)
+    rss_before_model: int | None = None  # this process's memory before the model was built
 
     @property
     def validating(self) -> bool:
@@ -238,6 +240,9 @@ def setup(
     # the shape a day of this size trains (one model past `members_up_to_samples`)
     cfg = cfg.model_copy(update={"model": cfg.model.for_samples(store.samples())})
     parallel = parallelism(cfg, rank, world, device)
+    if cfg.sharding != "none":  # TorchRec's import is part of the runtime's fixed cost
+        import torchrec.distributed.model_parallel  # noqa: F401
+    rss_before_model = rss()  # the runtime and the batches: what the model adds is on top
     init = initial_state(init_from, store.model_features, cfg, init_label)
     model, net, init = parallel.build(store.model_features, cfg, init, store.click_rate())
     opt_dense, opt_sparse = parallel.optimizers(model, cfg, warm=init.state is not None)
@@ -273,7 +278,7 @@ def setup(
     return Run(
         cfg, rank, world, device, wh, store, valid, days, model, parallel, net, opt_dense,
         opt_sparse, init, restart, early, checkpoints, per_epoch, total, step=step,
-        resumed_at=step, lineage=lineage, validation=validation,
+        resumed_at=step, lineage=lineage, validation=validation, rss_before_model=rss_before_model,
     )  # fmt: skip
 
 
@@ -320,6 +325,9 @@ def finish(run: Run) -> dict:
         "train.loss": float(np.mean(run.losses[-10:])) if run.losses else float("nan"),
         "train.seconds": seconds,
         "train.peak_mem_bytes": peak_mem(run.device),
+        # every rank's (a collective): the peak, and what the runtime and batches held first
+        "train.peak_mem_bytes_per_rank": every_rank(peak_mem(run.device), world),
+        "train.rss_before_model_bytes_per_rank": every_rank(run.rss_before_model, world),
         "train.device": str(run.device),
         "train.world_size": world,
         "train.dedup_groups": {g: len(fs) for g, fs in run.store.groups.items()},
@@ -336,12 +344,14 @@ def finish(run: Run) -> dict:
         **checked,
         **calibration,
     }
-    figures, state, optimizer = run.parallel.saved_state(model, run.net, optimizer, run.opt_sparse)
-    summary.update(figures)
+    saved = run.parallel.saved_state(model, run.net, optimizer, run.opt_sparse, cfg, run.wh.fs,
+                                     model_base(run.wh, run.checkpoints.run))  # fmt: skip
+    summary.update(saved.figures)
+    summary["train.saved_layout"] = "single" if saved.tables is None else "shards"
     if run.rank == 0:
         summary["train.model_uri"] = save_model(
             run.wh, run.checkpoints.run, model, cfg, run.store.manifest["prepared"], summary,
-            optimizer, state, run.lineage,
+            saved.optimizer, saved.state, run.lineage, saved.tables,
         )  # fmt: skip
     return summary
 

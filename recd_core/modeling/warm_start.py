@@ -17,11 +17,13 @@ from recd_core.errors import first_line
 from recd_core.modeling.model import Model
 from recd_core.modeling.saved import (
     CheckpointError,
+    local_model_dir,
     read_optimizer,
     read_saved,
     saved_train_config,
     torch_load,
 )
+from recd_core.modeling.shard_files import LazyAccumulator, is_sharded, open_tables
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ def initial_state(
     init_from: str | None, features: FeatureSet, cfg: TrainConfig, label: str | None = None
 ) -> Init:
     """The weights of the model at `init_from` (a `<warehouse>/models/<run>` URI or a local
-    directory with model.pt + model.json) when it was trained on the same model features
+    directory with model.pt + model.json, and its shard files if it has them) when it was trained on the same model features
     with the same model config; otherwise scratch, with the reason. `label` names the
     model in the record (e.g. `models:/recd-dlrm/3` for a registry copy)."""
     if not init_from:
@@ -65,9 +67,21 @@ def initial_state(
         changed = [k for k in a if a[k] != b[k]]
         return Init(None, None, f"from scratch: the model config changed ({', '.join(changed)})")
     name = label or init_from
-    state = torch_load(weights, where, "model")
-    return Init(state, name, f"warm start from {name}", read_optimizer(init_from),
-                tuple(trained_days(meta)))  # fmt: skip
+    state, optimizer = torch_load(weights, where, "model"), read_optimizer(init_from)
+    if is_sharded(meta):  # the tables stay in their files until a placement reads its rows
+        state, optimizer = with_tables(open_tables(local_model_dir(init_from, meta), meta),
+                                       state, optimizer)  # fmt: skip
+    return Init(state, name, f"warm start from {name}", optimizer, tuple(trained_days(meta)))
+
+
+def with_tables(tables: dict, state: dict, optimizer: dict | None) -> tuple[dict, dict | None]:
+    """A sharded layout's model.pt and optimizer.pt completed with its shard files' tables
+    and accumulators (lazy: read when placed), in the single-process layout's keys."""
+    state = {**state, **tables}
+    if optimizer is not None:
+        accs = {i: {"sum": LazyAccumulator(t)} for i, t in enumerate(tables.values())}
+        optimizer = {**optimizer, "sparse": {**optimizer["sparse"], "state": accs}}
+    return state, optimizer
 
 
 def starting_model(build: Callable[[], Model], init: Init, click_rate: float) -> tuple[Model, Init]:

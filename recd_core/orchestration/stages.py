@@ -24,6 +24,7 @@ from recd_core.errors import BadInput, GateFailed, classify
 from recd_core.mlops.tracking import RunRecord
 from recd_core.orchestration.graph import ARM_LAYOUT, ARMS, STAGES
 from recd_core.orchestration.stage_args import StageArgs, own_options, stage_args
+from recd_core.runtime import peak_rss, reset_peak_rss, rss
 from recd_core.warehouse import PartitionNotFound
 
 Advance = Callable[[str, int], None]  # a progress bar's `advance(label, n)`
@@ -329,6 +330,7 @@ def run_stage(
     bar = progress(name, None) if progress else contextlib.nullcontext(lambda label, n=1: None)
     # the training run's CPU, memory (and GPU) over time: its System metrics tab
     watch = record.system_metrics() if record and stage.accelerated else contextlib.nullcontext()
+    start_rss = rss() if reset_peak_rss() else None  # this stage's own peak, not the process's
     try:
         with bar as advance, watch:
             if name in UPSTREAM_IMPLS:
@@ -345,6 +347,9 @@ def run_stage(
         if err is not None and err is not e:
             raise err from None
         raise
+    if start_rss is not None:  # the process's memory: the stage's and what it holds before
+        summary = {**summary, f"{name}.start_rss_bytes": start_rss,
+                   f"{name}.peak_rss_bytes": peak_rss()}  # fmt: skip
     summary = {"status": "ok", "stage": name, **_json_safe(summary)}
     if record is not None and stage.per_arm:
         record.tracker.log_inputs(record.run_id, stage_inputs(args, stage))

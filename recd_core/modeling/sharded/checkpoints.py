@@ -13,6 +13,7 @@ import pyarrow.fs as pafs
 import torch
 
 from recd_core.errors import first_line
+from recd_core.leftovers import write_atomically
 from recd_core.modeling.saved import (
     CheckpointError,
     read_bytes,
@@ -68,9 +69,9 @@ class ShardedCheckpoints:
         with tempfile.TemporaryDirectory() as tmp, _quiet_dcp():
             dcp.save(to_dcp(self.tables, state, torch_bytes), checkpoint_id=tmp)
             names = sorted(os.listdir(tmp))
-            for name in names:  # this rank's data; rank 0's metadata after everyone's
-                if name != ".metadata":
-                    write_bytes(self.wh, f"{path}/{name}", _read(f"{tmp}/{name}"))
+            for name in names:  # this rank's data (streamed: a shard is not read whole
+                if name != ".metadata":  # again); rank 0's metadata after everyone's
+                    write_atomically(self.wh.fs, f"{path}/{name}", _blocks(f"{tmp}/{name}"))
             dist.barrier()
             if dist.get_rank() == 0:
                 write_bytes(self.wh, f"{path}/.metadata", _read(f"{tmp}/.metadata"))
@@ -115,6 +116,12 @@ def _quiet_dcp():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Please use DTensor instead")
         yield
+
+
+def _blocks(path: str, size: int = 1 << 24):
+    with open(path, "rb") as f:
+        while block := f.read(size):
+            yield block
 
 
 def _read(path: str) -> bytes:

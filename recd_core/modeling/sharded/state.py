@@ -1,13 +1,15 @@
-"""A sharded model's state in the single-process layout: gathered onto rank 0 (`full_state`:
-the saved model, which evaluate, serving and warm starts read as any model) and scattered
-back onto any N (`load_full_state`); and the tables' fused optimizer as the training loop
-sees it (`FusedAdagrad`)."""
+"""A sharded model's state as it leaves the run: in the single-process layout gathered onto
+rank 0 (`full_state`: a model that fits one process) or as shard files every rank writes
+(`write_shards`: a table no process holds, modeling/shard_files.py); scattered back onto
+any N (`load_full_state`, from either); and the tables' fused optimizer as the training
+loop sees it (`FusedAdagrad`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from recd_core.modeling.shard_files import ROW_BLOCK
 from recd_core.modeling.sharded.tables import ShardedTables
 
 
@@ -41,9 +43,27 @@ def full_state(model, dense_optimizer: dict, opt_sparse) -> tuple[dict, dict] | 
     return state, {"dense": dense_optimizer, "sparse": sparse}
 
 
+def write_shards(model, fs, base: str) -> list[tuple[str, dict]] | None:
+    """Every rank writes its shards of the tables (weights and accumulators) under `base`;
+    rank 0 gets every rank's `(state key, model.json entry)` (None elsewhere). A
+    collective: all ranks call it."""
+    from recd_core.modeling.shard_files import write_shard
+
+    tables: ShardedTables = model.sharded
+    mine = []
+    for (i, (r0, c0), (nr, nc)), w, acc in zip(tables.boxes(), tables.local_weights(),
+                                                tables.local_accumulators(), strict=True):  # fmt: skip
+        spec = tables.specs[i]
+        mine.append((spec.key, write_shard(fs, base, spec.name, (r0, c0, nr, nc), w, acc)))
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    return [entry for part in parts for entry in part] if parts is not None else None
+
+
 def load_full_state(model, state: dict) -> None:
     """The single-process layout (a saved model, a warm start) into this rank's dense
-    weights and shards (`FusedAdagrad.load_state_dict` takes the accumulators)."""
+    weights and shards (`FusedAdagrad.load_state_dict` takes the accumulators). A table may
+    be a `shard_files.LazyTable`: this rank's boxes are then read from its files only."""
     tables: ShardedTables = model.sharded
     keys = {s.key for s in tables.specs}
     missing = [s.key for s in tables.specs if s.key not in state]
@@ -56,7 +76,11 @@ def load_full_state(model, state: dict) -> None:
             full = state[tables.specs[i].key]
             if tuple(full.shape) != (tables.specs[i].rows, model.cfg.embedding_dim):
                 raise RuntimeError(f"{tables.specs[i].key}: shape {tuple(full.shape)}")
-            w.copy_(full[r0 : r0 + nr, c0 : c0 + nc])
+            for lo in range(0, nr, ROW_BLOCK):  # in blocks: a shard file's box is not
+                hi = min(lo + ROW_BLOCK, nr)  # read into memory whole beside the shard
+                w[lo:hi].copy_(full[r0 + lo : r0 + hi, c0 : c0 + nc])
+            if hasattr(full, "release"):
+                full.release()
 
 
 class FusedAdagrad:
@@ -97,7 +121,9 @@ class FusedAdagrad:
         with torch.no_grad():
             if local:
                 for s, a in zip(saved, accs, strict=True):
-                    a.copy_(s.view_as(a))
+                    a.copy_(s[:].view_as(a))  # s[:]: a shard file's accumulator read
                 return
             for (i, (r0, _), (nr, _)), a in zip(self.tables.boxes(), accs, strict=True):
                 a.view(-1)[:nr].copy_(saved[i][r0 : r0 + nr])
+                if hasattr(saved[i], "release"):
+                    saved[i].release()

@@ -10,11 +10,13 @@ from torch import nn
 
 from recd_core.config import FeatureSet, TrainConfig
 from recd_core.dpp.batch_store import Batch, BatchStore
+from recd_core.modeling.parallel import Saved, without_tables
+from recd_core.modeling.shard_files import layout
 from recd_core.modeling.sharded.checkpoints import ShardedCheckpoints
 from recd_core.modeling.sharded.metrics import torchrec_validation
 from recd_core.modeling.sharded.model import ShardedDLRM
 from recd_core.modeling.sharded.plan import plan_table, shard, shard_bytes
-from recd_core.modeling.sharded.state import FusedAdagrad, full_state
+from recd_core.modeling.sharded.state import FusedAdagrad, full_state, write_shards
 from recd_core.modeling.step import dense_optimizer
 from recd_core.modeling.warm_start import Init, starting_model
 from recd_core.warehouse import Warehouse
@@ -74,11 +76,31 @@ class Sharded:
         return torchrec_validation(model, valid, self.device)
 
     def saved_state(self, model: ShardedDLRM, net: nn.Module, optimizer: dict,
-                    opt_sparse: FusedAdagrad) -> tuple[dict, dict | None, dict | None]:  # fmt: skip
-        """The single-process layout gathered onto rank 0 (None elsewhere), where the
-        tables went, and each rank's share of them. A collective."""
+                    opt_sparse: FusedAdagrad, cfg: TrainConfig, fs, base: str) -> Saved:  # fmt: skip
+        """Where the tables went and each rank's share of them; the model as shard files
+        every rank writes under `base` (`shards_saved`), or else gathered onto rank 0 in
+        the single-process layout. A collective."""
         figures = {"train.sharding": plan_table(net),
                    "train.shard_bytes_per_rank": shard_bytes(model)}  # fmt: skip
         opt_sparse.load_state_dict(optimizer["sparse"])
-        state, optimizer = full_state(model, optimizer["dense"], opt_sparse) or (None, None)
-        return figures, state, optimizer
+        if not shards_saved(cfg, model.sharded.specs):
+            state, optimizer = full_state(model, optimizer["dense"], opt_sparse) or (None, None)
+            return Saved(figures, state, optimizer)
+        entries = write_shards(model, fs, base)
+        if entries is None:  # not rank 0
+            return Saved(figures, None, None)
+        specs, dim = model.sharded.specs, cfg.model.embedding_dim
+        groups = [{**opt_sparse.param_groups[0], "params": list(range(len(specs)))}]
+        dense, rest = without_tables(model.dense_state(), {"dense": optimizer["dense"],
+                                     "sparse": {"param_groups": groups}}, specs)  # fmt: skip
+        return Saved(figures, dense, rest, layout(dim, self.world, specs, entries))
+
+
+def shards_saved(cfg: TrainConfig, specs) -> bool:
+    """Whether a sharded run saves its tables as shard files: asked for, or (`auto`) when
+    the tables and their accumulators exceed the per-process budget, so that no process
+    could hold the gathered model."""
+    if cfg.saved_layout != "auto":
+        return cfg.saved_layout == "shards"
+    table_bytes = sum(s.rows for s in specs) * 4 * (cfg.model.embedding_dim + 1)
+    return cfg.memory_budget_mb is not None and table_bytes > cfg.memory_budget_mb << 20
