@@ -111,11 +111,17 @@ def _stage(ctx: typer.Context, name: str, summary_path: Path | None, **args) -> 
     args = {k: v for k, v in args.items() if v is not None}
     if tracker is not None:
         args |= {"tracking_uri": tracker.uri, "experiment": tracker.experiment}
+    from recd_core.runtime import follower
+
     try:
-        summary = run_stage(name, args, progress=progress)
+        summary = run_stage(name, args, progress=None if follower() else progress)
     except RecdError as e:
-        write_summary(summary_path, {**e.summary, "status": "failed", "error": str(e)})
+        if not follower():
+            write_summary(summary_path, {**e.summary, "status": "failed", "error": str(e)})
         _fail(name, str(e), e.exit_code)
+    if follower():  # one of torchrun's ranks > 0: rank 0 writes and prints the summary
+        print(f"recd {name}: rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} done")
+        return summary
     write_summary(summary_path, summary)
     print_summary(f"recd {name}", summary)
     return summary

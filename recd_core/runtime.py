@@ -113,3 +113,17 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
+
+
+def launched_rank() -> int | None:
+    """This process's rank when `torchrun` started it (its RANK and WORLD_SIZE), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+
+
+def follower() -> bool:
+    """A process `torchrun` started as a rank other than 0 (on this machine or another): it
+    does its share of a stage's work; rank 0 records the stage and reports it."""
+    rank = launched_rank()
+    return rank is not None and rank != 0

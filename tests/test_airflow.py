@@ -85,7 +85,7 @@ for dag_id, dag in bag.dags.items():
             "timeout": t.execution_timeout.total_seconds() if t.execution_timeout else None,
             "outlets": [o.uri for o in t.outlets],
             "image": getattr(t, "image", None), "cmds": getattr(t, "cmds", None),
-            "arguments": getattr(t, "arguments", None),
+            "arguments": getattr(t, "arguments", None), "hostname": getattr(t, "hostname", None),
             "gpu": str(getattr(getattr(t, "container_resources", None), "limits", "") or ""),
             "volumes": [v.name for v in getattr(t, "volumes", None) or []],
             "pod": _pod_dict(t),
@@ -250,6 +250,40 @@ def test_the_kubernetes_switch_runs_each_stage_as_a_pod_of_the_components_image(
     )
     for a, b in zip(STAGES, STAGES[1:], strict=False):
         assert b in _after(every, a)
+
+
+def test_training_across_pods_runs_one_pod_a_node_joined_at_node_0(airflow_home, tmp_path):
+    """`RECD_TRAIN_NODES=2`: train is two pods started together, each a torchrun node, node
+    0 named under the chart's headless Service, the rendezvous there; node 0 reports."""
+    from recd_core.orchestration.nodes import torchrun_command
+
+    env = airflow_env(airflow_home, tmp_path, executor="kubernetes", train_nodes=2,
+                      train_nproc_per_node=4, train_service="rel-recd-train",
+                      synthesize="false", warehouse="s3://bucket/wh")  # fmt: skip
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(KUBECONFIG)
+    bag = _probe({**env, "KUBECONFIG": str(kubeconfig)})
+    assert bag["errors"] == {}
+    every = bag["dags"]["recd_daily_retrain"]["tasks"]
+    nodes = [every["train"], every["train_node_1"]]
+    host = "recd-train-{{ ts_nodash | lower }}"  # one a run: the logical date's
+    for k, t in enumerate(nodes):
+        launch = torchrun_command(2, 4, k, f"{host}-0.rel-recd-train")
+        assert t["cmds"] == [*launch, "-m", "components.train"]
+        assert t["hostname"] == f"{host}-{k}"
+        pod = json.loads(json.dumps(t["pod"]).replace("{{ ts_nodash | lower }}", "20261127t0000"))
+        kubernetes_validate.validate(pod, "1.33.0", strict=True)
+        assert_restricted(f"train node {k}", pod["spec"])
+        assert pod["spec"]["subdomain"] == "rel-recd-train"
+        assert pod["metadata"]["labels"]["recd.ai/train-node"] == "true"
+        assert "evaluate" in t["downstream"] and f"train{'_node_1' * k}" in _after(
+            every, "preprocess"
+        )
+    # node 0 reports (its rank 0 writes the summary): the stage's XCom; node 1 does its share
+    assert "--output-metadata" in nodes[0]["arguments"]
+    assert "--output-metadata" not in nodes[1]["arguments"]
+    assert [c["name"] for c in nodes[1]["pod"]["spec"]["containers"]] == ["base"]
+    assert nodes[0]["arguments"][:-2] == nodes[1]["arguments"]  # the same stage arguments
 
 
 @pytest.fixture(scope="module")

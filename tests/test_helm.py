@@ -137,6 +137,35 @@ def test_training_pods_get_a_gpu_where_asked(helm):
     } in sources
 
 
+def test_training_across_pods_gets_its_rendezvous_service_and_the_dags_settings(helm):
+    """The headless Service node 0 is named under, the DAG's settings naming it (the
+    ConfigMap Airflow reads), and the training pods open to each other only."""
+    objects = render(helm, "-f", str(ALT))
+    service = next(
+        o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "rel-recd-train"
+    )
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    assert service["spec"]["selector"] == {"recd.ai/train-node": "true"}
+    assert service["spec"]["ports"][0]["port"] == 29400
+    cm = next(o for o in objects if o["kind"] == "ConfigMap")
+    assert {k: cm["data"][k] for k in ("RECD_TRAIN_NODES", "RECD_TRAIN_NPROC_PER_NODE",
+            "RECD_TRAIN_SERVICE", "RECD_TRAIN_PORT")} == {"RECD_TRAIN_NODES": "2",
+            "RECD_TRAIN_NPROC_PER_NODE": "4", "RECD_TRAIN_SERVICE": "rel-recd-train",
+            "RECD_TRAIN_PORT": "29400"}  # fmt: skip
+    policy = next(
+        o
+        for o in objects
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "rel-recd-train"
+    )
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"recd.ai/train-node": "true"}
+    assert policy["spec"]["ingress"] == [
+        {"from": [{"podSelector": {"matchLabels": {"recd.ai/train-node": "true"}}}]}
+    ]
+    default = render(helm)  # off unless asked
+    assert not any(o["metadata"]["name"] == "rel-recd-train" for o in default)
+    assert "RECD_TRAIN_NODES" not in next(o for o in default if o["kind"] == "ConfigMap")["data"]
+
+
 @pytest.mark.parametrize(
     ("bad", "message"),
     [
@@ -149,6 +178,7 @@ def test_training_pods_get_a_gpu_where_asked(helm):
         (["--set", "podSecurity.runAsUser=0"], "podSecurity.runAsUser"),
         (["--set", "pipeline.logs=relative/logs"], "pipeline.logs"),
         (["--set", "mlfow.enabled=true"], "mlfow"),  # a typo is an error, not ignored
+        (["--set", "distributedTraining.nodes=1"], "distributedTraining.nodes"),
     ],
 )
 def test_the_schema_rejects_bad_values(helm, bad, message):

@@ -1,8 +1,10 @@
 """Where training runs: the device, and the processes of a data-parallel run.
 
 `nproc > 1` spawns that many workers (gloo on CPU, nccl on CUDA), or a run launched by
-`torchrun` joins its process group; each rank takes every `world`-th batch, DDP averages
-gradients, rank 0 writes checkpoints and the model and its summary is the run's."""
+`torchrun` joins its process group, on one machine or across several (each machine's
+`torchrun --nnodes N --rdzv-backend c10d`, one rendezvous): every rank runs the same
+`recd train`; rank 0 writes checkpoints and the model, and its summary and MLflow record
+are the run's (`follower`: the other ranks record nothing)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch.distributed as dist
 
 from recd_core.config import TrainConfig
 from recd_core.errors import BadInput
-from recd_core.runtime import die_with_parent, peak_rss
+from recd_core.runtime import die_with_parent, launched_rank, peak_rss
 
 # worker(rank, world, warehouse URI, ds, cfg, init_from, init_label) -> summary
 Worker = Callable[[int, int, str, str, TrainConfig, str | None, str | None], dict]
@@ -37,8 +39,9 @@ def join_process_group(rank: int, world: int, device: torch.device) -> torch.dev
     rank; gloo on CPU). A one-process run joins nothing."""
     if world <= 1:
         return device
-    if device.type == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+    if device.type == "cuda":  # one GPU a process of its machine (torchrun's LOCAL_RANK)
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local % torch.cuda.device_count())
         torch.cuda.set_device(device)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world
@@ -111,13 +114,6 @@ def launch(
         if "refused" in out:  # a bad input every rank met (e.g. no placement of the tables)
             raise BadInput(out["refused"])
         return out
-
-
-def launched_rank() -> int | None:
-    """This process's rank when `torchrun` started it (its RANK and WORLD_SIZE), else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"])
-    return None
 
 
 def _spawned(

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -55,7 +56,6 @@ from recd_core.modeling.launch import (
     every_rank,
     join_process_group,
     launch,
-    launched_rank,
     leave_process_group,
     peak_mem,
     resolve_device,
@@ -66,7 +66,7 @@ from recd_core.modeling.parallel import Replicated, check, parallelism
 from recd_core.modeling.saved import model_base, save_model
 from recd_core.modeling.step import cooccurrence_term, fold_in, train_step
 from recd_core.modeling.warm_start import Init, continue_optimizers, initial_state
-from recd_core.runtime import cpu_budget, rss
+from recd_core.runtime import cpu_budget, launched_rank, rss
 from recd_core.warehouse import Warehouse
 
 if TYPE_CHECKING:
@@ -96,6 +96,8 @@ def train(
     check_reads(warehouse, "train", [warehouse.partition_name("batches", ds, mode=cfg.mode)],
                 features)  # fmt: skip
     nproc = cfg.nproc if nproc is None else nproc
+    if launched_rank() is not None:  # torchrun's processes, on this machine or on several
+        nproc = int(os.environ["WORLD_SIZE"])
     check(cfg, nproc)  # before any process starts
     # one live writer per day and arm (a rank that torchrun started: its rank 0 holds it)
     lock = one_writer(warehouse, ds, cfg.mode) if launched_rank() in (None, 0) else None

@@ -24,7 +24,7 @@ from recd_core.errors import BadInput, GateFailed, classify
 from recd_core.mlops.tracking import RunRecord
 from recd_core.orchestration.graph import ARM_LAYOUT, ARMS, STAGES
 from recd_core.orchestration.stage_args import StageArgs, own_options, stage_args
-from recd_core.runtime import peak_rss, reset_peak_rss, rss
+from recd_core.runtime import follower, peak_rss, reset_peak_rss, rss
 from recd_core.warehouse import PartitionNotFound
 
 Advance = Callable[[str, int], None]  # a progress bar's `advance(label, n)`
@@ -168,8 +168,9 @@ def _train(args: StageArgs, advance: Advance) -> dict:
     with resolved as (init_dir, label):
         out = _per_day(args, lambda day: train(wh, day, tc, init_from=init_dir, init_label=label,
                                                features=cfg.features))  # fmt: skip
-    uris = [s["train.model_uri"] for s in (out["days"].values() if "days" in out else [out])]
-    return {**out, "train.model_uris": ";".join(uris)}
+    days = out["days"].values() if "days" in out else [out]
+    uris = [s["train.model_uri"] for s in days if "train.model_uri" in s]  # rank 0 saves
+    return {**out, "train.model_uris": ";".join(uris)} if uris else out
 
 
 def _evaluate(args: StageArgs, advance: Advance) -> dict:
@@ -319,7 +320,7 @@ def run_stage(
     if name not in STAGES:
         raise BadInput(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
     args = stage_args(name, args)
-    tracker = args.tracker()
+    tracker = None if follower() else args.tracker()  # a torchrun rank > 0: rank 0 records
     stage = STAGES[name]
     record = None
     if tracker is not None and not stage.run_edge:

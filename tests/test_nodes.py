@@ -1,0 +1,59 @@
+"""Training across machines: two "nodes" (process groups started by their own `torchrun`,
+as the DAG's pods start them) joined through node 0's rendezvous train as one run of two
+processes, ending where two spawned processes end: rank 0 writes the model, its summary and
+its record; the other rank reports itself done."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_sharding import SHARDED
+from test_train import DAY
+
+from recd_core.config import PreprocessConfig, TrainConfig
+from recd_core.dpp.preprocess import preprocess
+from recd_core.modeling.launch import free_port
+from recd_core.modeling.saved import load_model
+from recd_core.modeling.train import train
+from recd_core.orchestration.nodes import torchrun_command
+from recd_core.warehouse import Warehouse
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.mark.slow
+def test_two_nodes_joined_by_one_rendezvous_train_as_two_spawned_processes(fresh_warehouse,
+                                                                           tmp_path):  # fmt: skip
+    preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=256))
+    apart = Warehouse(shutil.copytree(fresh_warehouse.root, tmp_path / "nodes-wh"))
+    cfg = TrainConfig(**{**SHARDED, "epochs": 1}, max_steps=8, sharding="row_wise",
+                      saved_layout="shards")  # fmt: skip
+    spawned = train(fresh_warehouse, DAY, cfg, nproc=2)
+    (tmp_path / "train.yaml").write_text(cfg.model_dump_json())  # JSON is YAML
+    port = free_port()
+
+    def node(n: int) -> subprocess.Popen:  # as the DAG's pods start it (orchestration/nodes.py)
+        torchrun, *flags = torchrun_command(2, 1, n, "127.0.0.1", port)
+        return subprocess.Popen(
+            [BIN / torchrun, *flags, "--no-python", BIN / "recd", "train", "--warehouse",
+             apart.uri, "--ds", DAY, "--train-config", tmp_path / "train.yaml", "--summary",
+             tmp_path / f"node{n}.json"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+
+    nodes = [node(0), node(1)]
+    logs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(logs)[-3000:]
+    # one summary: rank 0's, on node 0; node 1 reports itself done
+    assert not (tmp_path / "node1.json").exists()
+    two = json.loads((tmp_path / "node0.json").read_text())
+    assert "recd train: rank 1 of 2 done" in logs[1]
+    (tmp_path / "launch.log").write_text("\n".join(logs))
+    assert two["train.world_size"] == 2 and two["train.steps"] == spawned["train.steps"] == 8
+    assert two["train.loss"] == pytest.approx(spawned["train.loss"], rel=1e-6)
+    assert two["train.val_ne"] == pytest.approx(spawned["train.val_ne"], rel=1e-6)
+    assert two["train.saved_layout"] == "shards"
+    assert load_model(two["train.model_uri"])[0] is not None
