@@ -403,8 +403,9 @@ class TrainConfig(_Strict):
     # (modeling/sharded/), placed by its planner (`auto`) or table-, row- or column-wise,
     # and each process takes a slice of every batch
     sharding: Sharding = "none"
-    # with `sharding`: the memory a process may give its shards of the tables (MB); the
-    # planner places them within it or training refuses. None: the device's memory
+    # with `sharding`: the memory a process may give its shards of the tables (MB), every
+    # copy the run keeps (live, early stopping's best state, the passes' restart point);
+    # the planner places them within it or training refuses. None: the device's memory
     memory_budget_mb: int | None = Field(default=None, gt=0)
     # how the trained model is saved: "single" one model.pt (every reader loads it whole);
     # "shards" the tables as shard files, each rank writing its own (readers map the rows

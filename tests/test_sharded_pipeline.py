@@ -3,45 +3,21 @@ items table past the per-process budget, 2 processes, row-wise shards) trains, e
 registers and promotes day one, and day two warm-starts from that champion, sharded; no
 stage's process ever holds the table whole."""
 
-import json
 from pathlib import Path
 
 import pytest
-import yaml
 from mlflow.tracking import MlflowClient
-from test_pipeline import DAY, NEXT, recd
+from test_pipeline import DAY, NEXT
 
-from recd_core.config import load_feature_set
+from recd_core.bench.sharded import PIPELINE_BUDGET_MB, PIPELINE_ITEMS_ROWS, pipeline_days
 
-BUDGET_MB = 256
-ITEMS_ROWS = 3_000_000  # x 33 float32 (32 weights, 1 accumulator): 396 MB, past the budget
-
-
-def _config(path: Path) -> Path:
-    features = load_feature_set("synthetic").model_dump(mode="json")
-    for f in features["features"]:
-        if f.get("table") == "items":
-            f["table_size"] = ITEMS_ROWS
-    path.write_text(yaml.safe_dump({
-        "features": features,
-        "synth": {"users": 400, "items": 2000, "samples_per_day": 4000},
-        # no validation slice: its best state and the tables' restart point would be more
-        # copies of each rank's shards (see docs/operations.md)
-        "preprocess": {"validation_fraction": 0.0},
-        "train": {"nproc": 2, "sharding": "row_wise", "memory_budget_mb": BUDGET_MB,
-                  "restart_tables": False, "epochs": 2},
-    }))  # fmt: skip
-    return path
+BUDGET_MB, ITEMS_ROWS = PIPELINE_BUDGET_MB, PIPELINE_ITEMS_ROWS  # 396 MB past 256 MB
 
 
 @pytest.mark.slow
 def test_two_days_with_a_table_past_the_budget_train_score_register_and_warm_start(tmp_path):
+    day1, day2 = pipeline_days(str(tmp_path), (DAY, NEXT))  # as the bench runs it
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    common = ("--warehouse", tmp_path / "wh", "--logs", tmp_path / "logs", "--out",
-              tmp_path / "out", "--config", _config(tmp_path / "big.yaml"))  # fmt: skip
-    recd("--tracking-uri", uri, "run", *common, "--ds", DAY, "--summary", tmp_path / "d1.json")
-    recd("--tracking-uri", uri, "run", *common, "--ds", NEXT, "--summary", tmp_path / "d2.json")
-    day1, day2 = (json.loads((tmp_path / f"d{i}.json").read_text()) for i in (1, 2))
     table_bytes = ITEMS_ROWS * 32 * 4
     for day in (day1, day2):
         assert day["train.saved_layout"] == "shards" and day["train.world_size"] == 2

@@ -322,6 +322,32 @@ def sharded_markdown(r: dict) -> list[str]:
             f"Python, torch, TorchRec, the batches, the dense layers). At half the budget: "
             f"`{r['sharded.half_budget_refusal']}`",
         ]
+    return rows + pipeline_markdown(r)
+
+
+def pipeline_markdown(r: dict) -> list[str]:
+    """The daily pipeline with a table past the budget, day by day (bench/sharded.py)."""
+    rows = []
+    if "sharded.pipeline.table_bytes" in r:
+        mb, p = 1 << 20, "sharded.pipeline."
+
+        def mbs(values) -> str:
+            return ", ".join(f"{v / mb:,.0f}" for v in values)
+
+        rows += ["", f"The daily pipeline with a table past the budget (`recd run`, two days: "
+                 f"items table {r[p + 'table_bytes'] / mb:,.0f} MB, budget "
+                 f"{r[p + 'budget_mb']} MB a process, 2 processes row-wise):", "",
+                 "| day | started from | saved | shards a rank, MB | rank runtime, MB | rank peak above it, MB "
+                 "| evaluate / register peak above start, MB | largest file, MB | decision |",
+                 "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for k in (1, 2):
+            d = f"{p}day{k}."
+            rows.append(
+                f"| {k} | {r[d + 'init']} | {r[d + 'saved_layout']} | {mbs(r[d + 'shard_bytes_per_rank'])} "
+                f"| {mbs(r[d + 'rank_runtime_bytes'])} | {mbs(r[d + 'rank_grown_bytes'])} "
+                f"| {r[d + 'evaluate_grown_bytes'] / mb:,.0f} / {r[d + 'register_grown_bytes'] / mb:,.0f} "
+                f"| {r[d + 'largest_file_bytes'] / mb:,.0f} | {r[d + 'decision']} |"
+            )  # fmt: skip
     return rows
 
 

@@ -14,6 +14,11 @@ over budget     the items table enlarged until it alone exceeds `budget_mb` (its
                 processes, a few steps; each rank's table bytes, its resident set before
                 the tables were placed (the runtime, the batches, the dense layers) and its
                 peak. The same budget at half size: the one-line refusal.
+pipeline        `recd run`, two days, from a config alone (`big_table_config`: the items
+                table past the budget, 2 processes, row-wise): day one trained, scored,
+                registered and promoted, day two warm-started from that champion; each
+                training rank's peak over what it held first, each scoring stage's, the
+                model's largest file against the table.
 
 Run as a module it writes the figures of one part as JSON (a fresh process per part, as
 each spawns its ranks):
@@ -36,8 +41,8 @@ SHARDINGS = ("table_wise", "row_wise")
 
 
 def sharded_figures(table_path: str, cfg_json: str, budget_mb: int = 400) -> dict:
-    """Both parts, each in a fresh process (see the module)."""
-    figures = {}
+    """The three parts, each in fresh processes (see the module)."""
+    figures = pipeline_figures()
     for part, arg in (("comm", cfg_json), ("budget", str(budget_mb))):
         with tempfile.TemporaryDirectory() as tmp:
             out = f"{tmp}/figures.json"
@@ -47,6 +52,83 @@ def sharded_figures(table_path: str, cfg_json: str, budget_mb: int = 400) -> dic
                 raise RuntimeError(f"sharded bench ({part}) failed: {r.stderr.strip()[-800:]}")
             with open(out) as f:
                 figures |= json.load(f)
+    return figures
+
+
+PIPELINE_BUDGET_MB = 256
+PIPELINE_ITEMS_ROWS = 3_000_000  # x 33 float32 (32 weights, 1 accumulator): 396 MB
+
+
+def big_table_config(rows: int = PIPELINE_ITEMS_ROWS, budget_mb: int = PIPELINE_BUDGET_MB) -> dict:
+    """A pipeline config (YAML's content) whose items table of `rows` rows is past the
+    per-process budget: the small synthetic days, 2 processes, row-wise shards. No
+    validation slice and no pass restarts: each would keep another copy of every rank's
+    shards, and the budget would hold a third of the tables (docs/operations.md)."""
+    from recd_core.config import load_feature_set
+
+    features = load_feature_set("synthetic").model_dump(mode="json")
+    for f in features["features"]:
+        if f.get("table") == "items":
+            f["table_size"] = rows
+    return {
+        "features": features,
+        "synth": {"users": 400, "items": 2000, "samples_per_day": 4000},
+        "preprocess": {"validation_fraction": 0.0},
+        "train": {"nproc": 2, "sharding": "row_wise", "memory_budget_mb": budget_mb,
+                  "restart_tables": False, "epochs": 2},
+    }  # fmt: skip
+
+
+def pipeline_days(root: str, days: tuple[str, str] = ("2026-11-01", "2026-11-02")) -> list[dict]:
+    """`recd run` for two days with `big_table_config` under `root` (SQLite MLflow): each
+    day's summary. Raises with the command's last lines if one fails."""
+    from pathlib import Path
+
+    import yaml
+
+    config = Path(root, "big-table.yaml")
+    config.write_text(yaml.safe_dump(big_table_config()))
+    exe = Path(sys.executable).parent / "recd"
+    out = []
+    for ds in days:
+        summary = Path(root, f"{ds}.json")
+        cmd = [exe, "--tracking-uri", f"sqlite:///{root}/mlflow.db", "run", "--warehouse",
+               f"{root}/wh", "--logs", f"{root}/logs", "--out", f"{root}/out", "--config",
+               config, "--ds", ds, "--summary", summary]  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            raise RuntimeError(f"recd run {ds} (big table) failed: {r.stderr.strip()[-800:]}")
+        out.append(json.loads(summary.read_text()))
+    return out
+
+
+def pipeline_figures() -> dict:
+    """The `pipeline` part (see the module)."""
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as root:
+        days = pipeline_days(root)
+        figures = {"sharded.pipeline.budget_mb": PIPELINE_BUDGET_MB,
+                   "sharded.pipeline.table_bytes": PIPELINE_ITEMS_ROWS * 32 * 4}  # fmt: skip
+        for k, day in enumerate(days, 1):
+            files = [
+                p.stat().st_size for p in Path(day["train.model_uri"]).rglob("*") if p.is_file()
+            ]
+            grown = [peak - before for before, peak in zip(
+                day["train.rss_before_model_bytes_per_rank"], day["train.peak_mem_bytes_per_rank"],
+                strict=True)]  # fmt: skip
+            figures |= {
+                f"sharded.pipeline.day{k}.saved_layout": day["train.saved_layout"],
+                f"sharded.pipeline.day{k}.init": day["train.init_from"] or "scratch",
+                f"sharded.pipeline.day{k}.decision": day["registry.decision"],
+                f"sharded.pipeline.day{k}.shard_bytes_per_rank": day["train.shard_bytes_per_rank"],
+                f"sharded.pipeline.day{k}.rank_runtime_bytes": day["train.rss_before_model_bytes_per_rank"],
+                f"sharded.pipeline.day{k}.rank_grown_bytes": grown,
+                f"sharded.pipeline.day{k}.largest_file_bytes": max(files),
+                **{f"sharded.pipeline.day{k}.{st}_grown_bytes":
+                   day[f"{st}.peak_rss_bytes"] - day[f"{st}.start_rss_bytes"]
+                   for st in ("evaluate", "register")},
+            }  # fmt: skip
     return figures
 
 

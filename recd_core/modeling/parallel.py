@@ -121,10 +121,15 @@ def check(cfg: TrainConfig, world: int) -> None:
         check_config(cfg, world)
 
 
-def parallelism(cfg: TrainConfig, rank: int, world: int, device: torch.device):
-    """The strategy `cfg` asks for (`train.sharding`)."""
+def parallelism(cfg: TrainConfig, rank: int, world: int, device: torch.device,
+                validating: bool = False):  # fmt: skip
+    """The strategy `cfg` asks for (`train.sharding`); `validating`: the run keeps its best
+    validated state (another copy of the tables, which a sharded run's budget holds)."""
     if cfg.sharding == "none":
         return Replicated(rank, world, device)
     from recd_core.modeling.sharded.strategy import Sharded
 
-    return Sharded(rank, world, device)
+    kept = ("the live tables",)
+    kept += ("early stopping's best state",) if validating else ()
+    kept += ("the passes' restart point",) if cfg.restart_tables and cfg.epochs > 1 else ()
+    return Sharded(rank, world, device, kept=kept)

@@ -241,7 +241,8 @@ def setup(
     }
     # the shape a day of this size trains (one model past `members_up_to_samples`)
     cfg = cfg.model_copy(update={"model": cfg.model.for_samples(store.samples())})
-    parallel = parallelism(cfg, rank, world, device)
+    validation = validation_use(valid)
+    parallel = parallelism(cfg, rank, world, device, validating=validation == "ok")
     if cfg.sharding != "none":  # TorchRec's import is part of the runtime's fixed cost
         import torchrec.distributed.model_parallel  # noqa: F401
     rss_before_model = rss()  # the runtime and the batches: what the model adds is on top
@@ -274,7 +275,6 @@ def setup(
     total = per_epoch * cfg.epochs
     if cfg.max_steps:
         total = min(total, cfg.max_steps)
-    validation = validation_use(valid)
     lineage = record("train", inputs, cfg, (manifest.get("lineage") or {}).get("features"))
     lineage["trained_days"] = sorted({*init.trained_days, *days})
     return Run(

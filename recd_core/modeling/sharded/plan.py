@@ -41,10 +41,14 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         )
 
 
-def shard(model, cfg: TrainConfig, world: int, device: torch.device):
+def shard(model, cfg: TrainConfig, world: int, device: torch.device,
+          kept: tuple[str, ...] = ("the live tables",)):  # fmt: skip
     """`model` (a `ShardedDLRM`) under DistributedModelParallel: its
     tables placed by TorchRec's planner within `memory_budget_mb` per process (`auto`) or
-    as `cfg.sharding` asks; refuses in one line when no plan fits."""
+    as `cfg.sharding` asks; refuses in one line when no plan fits. `kept`: the copies of a
+    rank's shards the run holds (the live tables, early stopping's best state, the passes'
+    restart point): the budget holds them all, so the planner places the tables within its
+    share of it."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -65,7 +69,8 @@ def shard(model, cfg: TrainConfig, world: int, device: torch.device):
         "eps": 1e-10})]  # fmt: skip
     cap = {}
     if cfg.memory_budget_mb is not None:
-        cap = {f"{'hbm' if device.type == 'cuda' else 'ddr'}_cap_bytes": cfg.memory_budget_mb << 20}
+        share = (cfg.memory_budget_mb << 20) // len(kept)
+        cap = {f"{'hbm' if device.type == 'cuda' else 'ddr'}_cap_bytes": share}
     topology = TopologyFactory.create_topology(
         trainer_config=TrainerConfig(world_size=world, **cap),
         kernel_config=KernelConfig(compute_device=device.type),
@@ -88,9 +93,10 @@ def shard(model, cfg: TrainConfig, world: int, device: torch.device):
         sizes = (f"{len(specs)} tables, {sum(s.rows for s in specs) * row_bytes >> 20} MB with "
                  f"their accumulators, the largest {big.name} {big.rows * row_bytes >> 20} MB")  # fmt: skip
         budget = f"{cfg.memory_budget_mb} MB" if cfg.memory_budget_mb else "the device's memory"
+        copies = f", {len(kept)} copies of its shards ({', '.join(kept)})" if len(kept) > 1 else ""
         raise ShardingRefused(
             f"train.sharding={cfg.sharding}: no placement of the tables ({sizes}) on {world} "
-            f"processes fits {budget} each ({_first_reason(e)})"
+            f"processes fits {budget} each{copies} ({_first_reason(e)})"
         ) from None
     # TorchRec's sharded modules ask torch.fx whether they are traced on every forward, and
     # torch warns each process once that the question is ambiguous: not the user's concern

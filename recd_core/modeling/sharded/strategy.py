@@ -31,6 +31,8 @@ class Sharded:
     world: int
     device: torch.device
     net: nn.Module | None = field(default=None, repr=False)  # the DMP of the model built last
+    # the copies of its shards a rank holds, which the memory budget must hold (plan.shard)
+    kept: tuple[str, ...] = ("the live tables",)
 
     def placed(self, features: FeatureSet, cfg: TrainConfig) -> ShardedDLRM:
         """A fresh model: its dense part on the device, its tables placed by the planner
@@ -39,7 +41,7 @@ class Sharded:
         tables, model.sharded = model.sharded, None
         model.to(self.device)
         model.sharded = tables
-        self.net = shard(model, cfg, self.world, self.device)
+        self.net = shard(model, cfg, self.world, self.device, self.kept)
         return self.net.module
 
     def build(self, features: FeatureSet, cfg: TrainConfig, init: Init,
