@@ -1,15 +1,22 @@
 """The daily pipeline with a table no process may hold: `recd run` from a config alone (the
 items table past the per-process budget, 2 processes, row-wise shards) trains, evaluates,
-registers and promotes day one, and day two warm-starts from that champion, sharded; no
-stage's process ever holds the table whole."""
+registers and promotes day one, and day two warm-starts from that champion, sharded; the
+champion is served from the registry; no stage's process ever holds the table whole."""
 
 from pathlib import Path
 
+import mlflow.pyfunc
 import pytest
 from mlflow.tracking import MlflowClient
 from test_pipeline import DAY, NEXT
 
-from recd_core.bench.sharded import PIPELINE_BUDGET_MB, PIPELINE_ITEMS_ROWS, pipeline_days
+from recd_core.bench.sharded import (
+    PIPELINE_BUDGET_MB,
+    PIPELINE_ITEMS_ROWS,
+    pipeline_days,
+    serve_champion,
+)
+from recd_core.modeling.mapped_model import MappedDLRM
 
 BUDGET_MB, ITEMS_ROWS = PIPELINE_BUDGET_MB, PIPELINE_ITEMS_ROWS  # 396 MB past 256 MB
 
@@ -38,6 +45,17 @@ def test_two_days_with_a_table_past_the_budget_train_score_register_and_warm_sta
         for stage in ("evaluate", "register"):
             more = day[f"{stage}.peak_rss_bytes"] - day[f"{stage}.start_rss_bytes"]
             assert more < 0.75 * table_bytes, (stage, more)
+    # served from the registry: the champion's tables stay in its shard files
+    served = serve_champion(str(tmp_path), day2["eval.ds"])
+    assert served["sharded.pipeline.serve_p50_ms"] > 0
+    assert (
+        served["sharded.pipeline.serve_peak_bytes"] - served["sharded.pipeline.serve_idle_bytes"]
+        < table_bytes / 2
+    )
+    mlflow.set_tracking_uri(uri)
+    champion = mlflow.pyfunc.load_model("models:/recd-dlrm@champion").unwrap_python_model()
+    assert isinstance(champion.model, MappedDLRM)
+    assert not any(k.startswith("bags.") for k in champion.model.state_dict())
     assert day1["registry.promoted"] is True
     assert day2["train.init_from"] == "models:/recd-dlrm/1"
     assert "warm start" in day2["train.init_reason"]

@@ -348,6 +348,10 @@ def pipeline_markdown(r: dict) -> list[str]:
                 f"| {r[d + 'evaluate_grown_bytes'] / mb:,.0f} / {r[d + 'register_grown_bytes'] / mb:,.0f} "
                 f"| {r[d + 'largest_file_bytes'] / mb:,.0f} | {r[d + 'decision']} |"
             )  # fmt: skip
+        rows += ["", f"The champion served (`recd serve --model models:/recd-dlrm@champion`, "
+                 f"{r[p + 'serve_rows']} rows a request): {r[p + 'serve_idle_bytes'] / mb:,.0f} MB "
+                 f"idle, {r[p + 'serve_peak_bytes'] / mb:,.0f} MB at its peak, "
+                 f"{r[p + 'serve_p50_ms']:,.1f} ms a request (p50)."]  # fmt: skip
     return rows
 
 

@@ -97,9 +97,12 @@ def measure(server: subprocess.Popen, port: int, bodies: dict, requests: dict) -
     return out
 
 
-def _run_server(cmd: list[str], port: int, requests: dict, bodies: dict) -> dict:
+def run_server(cmd: list[str], port: int, requests: dict, bodies: dict,
+               env: dict | None = None) -> dict:  # fmt: skip
+    """`cmd` (a server on `port`) measured (`measure`), then stopped."""
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})  # fmt: skip
+                              env={**os.environ, **(env or {}),
+                                   "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})  # fmt: skip
     try:
         return measure(server, port, bodies, requests)
     finally:
@@ -123,7 +126,7 @@ def serving_figures(model_uri: str, warehouse: str, ds: str, reference: bool = T
     bodies = {n: json.dumps({"dataframe_split": {"columns": keep, "data": [
         [r[c] for c in keep] for r in records[:n]]}}).encode() for n in SIZES}  # fmt: skip
     port = free_port()
-    ours = _run_server([sys.executable, "-m", "recd_core.cli", "serve", "--model", model_uri,
+    ours = run_server([sys.executable, "-m", "recd_core.cli", "serve", "--model", model_uri,
                         "--port", str(port), "--max-rows", str(max(SIZES))], port,
                        REQUESTS, bodies)  # fmt: skip
     out = {"serving.rss_idle_bytes": ours["rss_idle"]}
@@ -137,7 +140,7 @@ def serving_figures(model_uri: str, warehouse: str, ds: str, reference: bool = T
             save_pyfunc(local, rows, Path(tmp) / "model")
             port = free_port()
             mlflow_bin = str(Path(sys.executable).parent / "mlflow")
-            theirs = _run_server([mlflow_bin, "models", "serve", "-m", str(Path(tmp) / "model"),
+            theirs = run_server([mlflow_bin, "models", "serve", "-m", str(Path(tmp) / "model"),
                                   "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
                                  port, REFERENCE_REQUESTS, bodies)  # fmt: skip
         out["serving.mlflow.rss_idle_bytes"] = theirs["rss_idle"]

@@ -18,7 +18,9 @@ pipeline        `recd run`, two days, from a config alone (`big_table_config`: t
                 table past the budget, 2 processes, row-wise): day one trained, scored,
                 registered and promoted, day two warm-started from that champion; each
                 training rank's peak over what it held first, each scoring stage's, the
-                model's largest file against the table.
+                model's largest file against the table; then the champion served (`recd
+                serve models:/...@champion`), 100 rows a request: its memory idle and at
+                peak.
 
 Run as a module it writes the figures of one part as JSON (a fresh process per part, as
 each spawns its ranks):
@@ -102,6 +104,29 @@ def pipeline_days(root: str, days: tuple[str, str] = ("2026-11-01", "2026-11-02"
     return out
 
 
+def serve_champion(root: str, ds: str, rows: int = 100) -> dict:
+    """The champion of `pipeline_days` under `root` served by `recd serve` (through MLflow's
+    registry, as the chart serves it), `rows` of day `ds`'s samples a request: the server's
+    memory idle and at its peak, the median latency."""
+    from recd_core.bench.serving import run_server
+    from recd_core.mlops.pyfunc import NON_FEATURE_COLUMNS
+    from recd_core.modeling.launch import free_port
+    from recd_core.warehouse import Warehouse
+
+    table = Warehouse(f"{root}/wh").read_range("samples", ds, 0, rows, layout="clustered")
+    keep = [c for c in table.column_names if c not in NON_FEATURE_COLUMNS]
+    body = json.dumps({"dataframe_split": {"columns": keep, "data": [
+        [r[c] for c in keep] for r in table.select(keep).to_pylist()]}}).encode()  # fmt: skip
+    port = free_port()
+    served = run_server([sys.executable, "-m", "recd_core.cli", "serve", "--model",
+                         "models:/recd-dlrm@champion", "--port", str(port)], port, {rows: 5},
+                        {rows: body}, {"MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db"})  # fmt: skip
+    return {"sharded.pipeline.serve_idle_bytes": served["rss_idle"],
+            "sharded.pipeline.serve_peak_bytes": served[rows]["peak_rss"],
+            "sharded.pipeline.serve_p50_ms": served[rows]["p50_ms"],
+            "sharded.pipeline.serve_rows": rows}  # fmt: skip
+
+
 def pipeline_figures() -> dict:
     """The `pipeline` part (see the module)."""
     from pathlib import Path
@@ -110,6 +135,7 @@ def pipeline_figures() -> dict:
         days = pipeline_days(root)
         figures = {"sharded.pipeline.budget_mb": PIPELINE_BUDGET_MB,
                    "sharded.pipeline.table_bytes": PIPELINE_ITEMS_ROWS * 32 * 4}  # fmt: skip
+        figures |= serve_champion(root, days[-1]["eval.ds"])
         for k, day in enumerate(days, 1):
             files = [
                 p.stat().st_size for p in Path(day["train.model_uri"]).rglob("*") if p.is_file()
