@@ -46,7 +46,7 @@ run: $(STAMP)
 
 # The Kubeflow pipeline, compiled (a build output: upload it in the Kubeflow UI).
 pipeline: $(STAMP)
-	$(BIN)/python dags/kubeflow/recd_pipeline.py --out-dir build/kfp $(if $(IMAGE),--image $(IMAGE))
+	$(BIN)/python dags/kubeflow/recd_pipeline.py --out-dir build/kfp $(if $(IMAGE),--image $(IMAGE)) $(if $(TRAIN_NODES),--train-nodes $(TRAIN_NODES)) $(if $(NPROC_PER_NODE),--nproc-per-node $(NPROC_PER_NODE))
 
 # The components image (components/Dockerfile): docker where a daemon answers, else podman
 # (installed where missing; the base built from Debian's archive where no registry answers).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -16,10 +17,12 @@ from pathlib import Path
 from components._kfp import write_outputs
 from recd_core.errors import BadInput, RecdError
 from recd_core.orchestration.graph import PULLED_FROM, STAGES
+from recd_core.orchestration.nodes import RDZV_PORT
 from recd_core.orchestration.schedule import training_day
 from recd_core.orchestration.stage_args import stage_args, stage_options
 from recd_core.orchestration.stages import run_stage, with_upstream
 from recd_core.report import print_summary
+from recd_core.runtime import follower, launched_rank
 
 
 def parser(stage: str) -> argparse.ArgumentParser:
@@ -42,6 +45,16 @@ def parser(stage: str) -> argparse.ArgumentParser:
         help="Kubeflow: the executor input (`{{$}}`); the "
         "stage's typed outputs are written as it asks (components/_kfp.py)",
     )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="train across this many machines (pods), this one a node of them",
+    )
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's node (0: hosts)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="processes on this machine")
+    p.add_argument("--rendezvous", default="",
+                   help="the orchestrator's run id: where node 0's address is published")  # fmt: skip
     p.add_argument(
         "--scheduled-time",
         help="a recurring run's scheduled time (ISO 8601): "
@@ -67,9 +80,61 @@ def _stop_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, stop)
 
 
+NODE_FLAGS = ("--nodes", "--node-rank", "--nproc-per-node", "--rendezvous")
+
+
+def _without_node_flags(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in NODE_FLAGS:
+            skip = True
+        elif not a.startswith(tuple(f"{f}=" for f in NODE_FLAGS)):
+            out.append(a)
+    return out
+
+
+def run_node(stage: str, argv: list[str], ns: dict, args: dict) -> int:
+    """This machine's node of a stage run across `ns["nodes"]` machines: torchrun starting
+    its processes, each running this component with the same arguments; node 0 publishes
+    its address in the warehouse for the others, which wait for it (orchestration/nodes.py).
+    Its exit status is torchrun's."""
+    import subprocess
+
+    from recd_core.orchestration.nodes import (
+        await_master,
+        published_master,
+        rendezvous_key,
+        torchrun_command,
+    )
+    from recd_core.warehouse import Warehouse
+
+    wh = Warehouse(args["warehouse"])
+    key = rendezvous_key(ns["rendezvous"] or "run", args.get("mode") or "dedup", args["ds"])
+    rest = [*_without_node_flags(argv), *(["--ds", args["ds"]] if "--ds" not in argv else [])]
+
+    def torchrun(addr: str, port: int) -> int:
+        _, *flags = torchrun_command(ns["nodes"], ns["nproc_per_node"], ns["node_rank"], addr, port)
+        cmd = [sys.executable, "-m", "torch.distributed.run", *flags, "-m", f"components.{stage}"]
+        with subprocess.Popen([*cmd, *rest]) as p:
+            try:
+                return p.wait()
+            except BaseException:  # SIGTERM (SystemExit), Ctrl-C: the node's processes too
+                p.terminate()
+                raise
+
+    if ns["node_rank"] == 0:
+        with published_master(wh, key) as addr:
+            return torchrun(addr, RDZV_PORT)
+    return torchrun(*await_master(wh, key))
+
+
 def main(stage: str, argv: list[str] | None = None) -> int:
     _stop_on_sigterm()
+    argv = sys.argv[1:] if argv is None else argv
     ns = vars(parser(stage).parse_args(argv))
+    node = {k: ns.pop(k) for k in ("nodes", "node_rank", "nproc_per_node", "rendezvous")}
     out, upstream = ns.pop("output_metadata"), ns.pop("upstream_json")
     executor_input, scheduled = ns.pop("executor_input"), ns.pop("scheduled_time")
     extra = ns.pop("args_json")
@@ -86,8 +151,17 @@ def main(stage: str, argv: list[str] | None = None) -> int:
                 args["ds"] = training_day(scheduled, int(args.get("days") or 1))
             except ValueError:
                 raise BadInput(f"--scheduled-time {scheduled!r} is not an ISO 8601 time") from None
+        if node["nodes"] > 1 and launched_rank() is None:  # this machine's node: torchrun
+            return run_node(stage, argv, node, args)
         ups = (json.loads(upstream) if upstream else []) + items
         summary = run_stage(stage, args, ups or None)
+        if follower():  # rank 0 writes the outputs; a node's first process says it is done
+            if out and os.environ.get("LOCAL_RANK") == "0":
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps({"status": "ok", "stage": stage,
+                                           "rank": launched_rank()}))  # fmt: skip
+            print(f"recd {stage}: rank {launched_rank()} of {os.environ['WORLD_SIZE']} done")
+            return 0
         if executor_input:
             write_outputs(stage, executor_input, stage_args(stage, args), summary, ups)
     except RecdError as e:

@@ -33,7 +33,19 @@ TMP_MARK = ".tmp-"
 
 
 def hold(path: str | Path) -> int:
-    """Take the exclusive lock of `path` (created if missing); the fd holds it until closed."""
+    """Take the exclusive lock of `path` (created if missing); the fd holds it until closed.
+    A file it creates appears already locked (an unnamed file, locked, then linked in: Linux's
+    O_TMPFILE), so another writer's sweep of the directory never finds it unlocked and takes
+    it for a dead writer's (seen with three ranks writing shard files side by side)."""
+    if not os.path.exists(path):
+        with contextlib.suppress(OSError, AttributeError):  # no O_TMPFILE here: as below
+            fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_TMPFILE | os.O_RDWR, 0o666)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                os.link(f"/proc/self/fd/{fd}", path)
+                return fd
+            except OSError:  # created meanwhile, or no /proc: lock the file as it is
+                os.close(fd)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return fd

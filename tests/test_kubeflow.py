@@ -85,6 +85,39 @@ def test_the_compiled_pipeline_has_a_container_component_per_stage(tmp_path):
     assert "ingest_eval" in named["generate_eval"] and "generate_eval" in named["evaluate"]
 
 
+def test_training_across_pods_is_a_step_a_node_started_together(tmp_path):
+    """`--train-nodes 2`: train is two steps after the same ones, each the train component
+    as a torchrun node (`--nodes 2 --node-rank k`, the run's id as its rendezvous: node 0
+    publishes its address in the warehouse); node 0 is the stage's task, whose outputs the
+    next steps read, node 1 has only its summary."""
+    import recd_pipeline
+
+    paths = recd_pipeline.compile_pipelines(tmp_path, "reg.example/recd:9", train_nodes=2,
+                                            nproc_per_node=4)  # fmt: skip
+    spec, platform = yaml.safe_load_all(paths[0].read_text())
+    tasks = spec["root"]["dag"]["tasks"]
+    by_name = {t["taskInfo"]["name"]: t for t in tasks.values()}
+    node0, node1 = by_name["train"], by_name["train-node-1"]
+    assert set(node0["dependentTasks"]) == set(node1["dependentTasks"]) >= {"recd-preprocess"}
+    for t in (node0, node1):
+        assert t["inputs"]["parameters"]["rendezvous"]["runtimeValue"]["constant"] == (
+            "{{$.pipeline_job_uuid}}")  # fmt: skip
+    executors = spec["deploymentSpec"]["executors"]
+    for k, t in enumerate((node0, node1)):
+        c = executors[spec["components"][t["componentRef"]["name"]]["executorLabel"]]["container"]
+        assert c["command"] == ["python", "-m", "components.train"]
+        i = c["args"].index("--nodes")
+        assert c["args"][i:i + 7] == ["--nodes", "2", "--node-rank", str(k), "--nproc-per-node",
+                                      "4", "--rendezvous"]  # fmt: skip
+        assert ("{{$}}" in c["args"]) == (k == 0)  # node 0 writes the typed outputs
+        assert set(c["resources"]) >= {"accelerator", "memoryLimit"}
+    node1_outputs = spec["components"][node1["componentRef"]["name"]]["outputDefinitions"]
+    assert set(node1_outputs) == {"parameters"} and set(node1_outputs["parameters"]) == {"summary"}
+    assert "recd-train" in by_name["evaluate"]["dependentTasks"]
+    k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert k8s["exec-recd-train-node-1"]["pvcMount"] == k8s["exec-recd-train"]["pvcMount"]
+
+
 def test_the_pipelines_leave_typed_artifacts_a_kubeflow_run_shows(tmp_path):
     """Lineage and the Visualizations tab: partitions as Datasets, the model as a Model, the
     figures as Metrics, the comparison (and the run) as Markdown."""

@@ -57,3 +57,37 @@ def test_two_nodes_joined_by_one_rendezvous_train_as_two_spawned_processes(fresh
     assert two["train.val_ne"] == pytest.approx(spawned["train.val_ne"], rel=1e-6)
     assert two["train.saved_layout"] == "shards"
     assert load_model(two["train.model_uri"])[0] is not None
+
+
+@pytest.mark.slow
+def test_nodes_without_stable_names_find_node_0_through_the_warehouse(fresh_warehouse, tmp_path):
+    """Kubeflow's steps (pods with no stable names): each node is the train component with
+    `--nodes 2 --node-rank k`; node 0 publishes its address in the warehouse, node 1 (started
+    first here) waits for it; node 0's output is the stage's summary."""
+    import yaml
+    from test_train import SMALL_MODEL
+
+    preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=256))
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(yaml.safe_dump({"features": "synthetic", "train": {
+        **{k: v for k, v in SHARDED.items() if k != "model"}, "model": SMALL_MODEL.model_dump(),
+        "max_steps": 4, "sharding": "row_wise", "saved_layout": "shards"}}))  # fmt: skip
+    repo = Path(__file__).resolve().parents[1]
+
+    def node(k: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "components.train", "--warehouse", fresh_warehouse.uri,
+             "--ds", DAY, "--config", config, "--nodes", "2", "--node-rank", str(k),
+             "--rendezvous", "run-1", "--output-metadata", tmp_path / f"node{k}.json"],
+            cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+
+    nodes = [node(1), node(0)]
+    logs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(logs)[-3000:]
+    summary = json.loads((tmp_path / "node0.json").read_text())
+    assert summary["train.world_size"] == 2 and summary["train.steps"] == 4
+    assert summary["train.saved_layout"] == "shards"
+    assert json.loads((tmp_path / "node1.json").read_text()) == {"status": "ok", "stage": "train",
+                                                                  "rank": 1}  # fmt: skip
+    assert not list(Path(fresh_warehouse.root, "_rendezvous").glob("*.json"))  # removed
