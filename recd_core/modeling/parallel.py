@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from recd_core.config import FeatureSet, TrainConfig
 from recd_core.dpp.batch_store import Batch, BatchStore
+from recd_core.errors import BadInput
 from recd_core.modeling.checkpoints import Checkpoints
 from recd_core.modeling.model import Model, build_model
 from recd_core.modeling.shard_files import layout, materialized, write_shard
@@ -97,8 +98,9 @@ class Replicated:
     def saved_state(self, model: Model, net: nn.Module, optimizer: dict, opt_sparse,
                     cfg: TrainConfig, fs, base: str) -> Saved:  # fmt: skip
         """The model's own state, or with `saved_layout: shards` its tables written by rank
-        0 as one shard each under `base` (on filesystem `fs`)."""
-        if cfg.saved_layout != "shards" or self.rank != 0:
+        0 as one shard each under `base` (on filesystem `fs`); an ensemble (a day past
+        `members_up_to_samples`) is saved as one file."""
+        if cfg.saved_layout != "shards" or self.rank != 0 or cfg.model.members > 1:
             return Saved({}, None, optimizer)
         from recd_core.modeling.sharded.tables import table_specs
 
@@ -114,7 +116,7 @@ class Replicated:
 def check(cfg: TrainConfig, world: int) -> None:
     """Refuse, in one line and before any process starts, what the strategy cannot do."""
     if cfg.saved_layout == "shards" and cfg.model.members > 1:
-        raise ValueError("train.saved_layout=shards saves one model: set train.model.members: 1")
+        raise BadInput("train.saved_layout=shards saves one model: set train.model.members: 1")
     if cfg.sharding != "none":
         from recd_core.modeling.sharded.plan import check_config
 

@@ -42,9 +42,9 @@ def initial_state(
     init_from: str | None, features: FeatureSet, cfg: TrainConfig, label: str | None = None
 ) -> Init:
     """The weights of the model at `init_from` (a `<warehouse>/models/<run>` URI or a local
-    directory with model.pt + model.json, and its shard files if it has them) when it was trained on the same model features
-    with the same model config; otherwise scratch, with the reason. `label` names the
-    model in the record (e.g. `models:/recd-dlrm/3` for a registry copy)."""
+    directory with model.pt + model.json, and its shard files if it has them) when it was
+    trained on the same model features with the same model config; otherwise scratch, with
+    the reason. `label` names the model in the record (e.g. `models:/recd-dlrm/3`)."""
     if not init_from:
         return Init(None, None, label or "from scratch: no model to start from")
     try:
