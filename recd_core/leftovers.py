@@ -41,11 +41,14 @@ def hold(path: str | Path) -> int:
         with contextlib.suppress(OSError, AttributeError):  # no O_TMPFILE here: as below
             fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_TMPFILE | os.O_RDWR, 0o666)
             fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                os.link(f"/proc/self/fd/{fd}", path)
+            fds = os.open("/proc/self/fd", os.O_RDONLY)
+            try:  # linkat(AT_SYMLINK_FOLLOW): the unnamed file itself, not /proc's link
+                os.link(str(fd), path, src_dir_fd=fds, follow_symlinks=True)
                 return fd
             except OSError:  # created meanwhile, or no /proc: lock the file as it is
                 os.close(fd)
+            finally:
+                os.close(fds)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return fd

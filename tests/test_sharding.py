@@ -164,8 +164,8 @@ def test_sigkill_of_a_sharded_run_then_resume_matches_an_uninterrupted_run(
     from pathlib import Path
 
     assert sorted(p.name for p in Path(fresh_warehouse.root, "checkpoints").glob("*/step-*")) == [
-        "step-00000008.dcp", "step-00000012.dcp"]  # fmt: skip
-    # the same checkpoint resumed by three processes: DCP reshards the tables
+        "step-00000008", "step-00000012"]  # fmt: skip
+    # the same checkpoint resumed by three processes: its shard files are cut again
     three = Warehouse(shutil.copytree(Path(fresh_warehouse.root), tmp_path / "three"))
     resumed = train(fresh_warehouse, DAY, cfg, nproc=2)
     assert resumed["train.resumed_from_step"] == 12 and resumed["train.steps"] == 20
@@ -175,9 +175,9 @@ def test_sigkill_of_a_sharded_run_then_resume_matches_an_uninterrupted_run(
         assert torch.equal(w, b.state_dict()[name]), name
     # a damaged shard file: one line naming the checkpoint and what to do
     broken = Warehouse(shutil.copytree(Path(three.root), tmp_path / "broken"))
-    (shard,) = Path(broken.root, "checkpoints").glob("*/step-00000012.dcp/__1_0.distcp")
+    shard = sorted(Path(broken.root, "checkpoints").glob("*/step-00000012/tables/*.f32"))[-1]
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(BadInput, match=r"step-00000012.dcp is corrupt .* delete it to resume"):
+    with pytest.raises(BadInput, match=r"step-00000012 is corrupt .* delete it to resume"):
         train(broken, DAY, cfg, nproc=2)
     by_three = train(three, DAY, cfg, nproc=3)
     assert by_three["train.resumed_from_step"] == 12 and by_three["train.world_size"] == 3

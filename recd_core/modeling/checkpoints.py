@@ -1,7 +1,7 @@
 """A training run's checkpoints, and the key that names the run.
 
     <warehouse>/checkpoints/<run>/step-NNNNNNNN.pt     written atomically, `keep` newest kept
-                                 step-NNNNNNNN.dcp/    a sharded run's (sharded/checkpoints.py)
+                                 step-NNNNNNNN/        a sharded run's (sharded/checkpoints.py)
         {"model": state dict, "optimizer": {"dense", "sparse"} (as the saved model's
          optimizer.pt), "step": steps taken, "config": the TrainConfig JSON,
          "early": EarlyStopping's state (best state, history)}

@@ -47,9 +47,9 @@ class ShardFileError(BadInput):
     """A shard file that cannot be read as its model.json describes it."""
 
 
-def shard_name(table: str, box: tuple[int, int, int, int]) -> str:
+def shard_name(table: str, box: tuple[int, int, int, int], folder: str = "tables") -> str:
     r0, c0, nr, nc = box
-    return f"tables/{table}.{r0}-{r0 + nr}.{c0}-{c0 + nc}"
+    return f"{folder}/{table}.{r0}-{r0 + nr}.{c0}-{c0 + nc}"
 
 
 def write_array(fs, path: str, tensor: torch.Tensor) -> int:
@@ -72,10 +72,10 @@ def write_array(fs, path: str, tensor: torch.Tensor) -> int:
 
 
 def write_shard(fs, base: str, table: str, box, weights: torch.Tensor,
-                accumulators: torch.Tensor | None) -> dict:  # fmt: skip
-    """One shard of one table (its weights, its rows' accumulators) under `base`; its
-    model.json entry."""
-    name = shard_name(table, box)
+                accumulators: torch.Tensor | None, folder: str = "tables") -> dict:  # fmt: skip
+    """One shard of one table (its weights, its rows' accumulators) in `base`/`folder`; its
+    model.json entry (its files named relative to `base`)."""
+    name = shard_name(table, box, folder)
     entry = {"box": list(box), "weights": f"{name}.f32",
              "crc32": write_array(fs, f"{base}/{name}.f32", weights)}  # fmt: skip
     if accumulators is not None:

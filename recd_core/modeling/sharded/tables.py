@@ -48,7 +48,7 @@ class ShardedTables(nn.Module):
         super().__init__()
         from torchrec import EmbeddingCollection, EmbeddingConfig
 
-        self.specs = specs
+        self.specs, self.dim = specs, dim
         self.ec = EmbeddingCollection(
             tables=[
                 EmbeddingConfig(
