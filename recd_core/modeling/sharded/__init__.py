@@ -20,9 +20,10 @@ The rooms, by concern:
     model.py        ShardedDLRM: the DLRM looking its ids up in the sharded tables
     plan.py         placing the tables (TorchRec's planner within a memory budget), the
                     one-line refusals, where they went
-    state.py        the single-process layout gathered onto rank 0 and scattered back on
-                    any N; the fused optimizer's state as the training loop sees it
-    checkpoints.py  a run's checkpoints through torch.distributed.checkpoint (resharded
+    state.py        the single-process layout gathered onto rank 0, or the shards written
+                    as files by every rank, and scattered back on any N; the fused
+                    optimizer's state as the training loop sees it
+    checkpoints.py  a run's checkpoints as shard files (../shard_files.py; resharded
                     on load: a resume may use another N)
     metrics.py      NE and AUC by torchrec.metrics over the ranks (a cross-check)
     strategy.py     `Sharded`: the parallelism strategy training asks (modeling/parallel.py)

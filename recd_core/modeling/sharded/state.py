@@ -77,10 +77,10 @@ def load_full_state(model, state: dict) -> None:
             if tuple(full.shape) != (tables.specs[i].rows, model.cfg.embedding_dim):
                 raise RuntimeError(f"{tables.specs[i].key}: shape {tuple(full.shape)}")
             for lo in range(0, nr, ROW_BLOCK):  # in blocks: a shard file's box is not
-                hi = min(lo + ROW_BLOCK, nr)  # read into memory whole beside the shard
+                hi = min(lo + ROW_BLOCK, nr)  # read into memory whole beside the shard,
                 w[lo:hi].copy_(full[r0 + lo : r0 + hi, c0 : c0 + nc])
-            if hasattr(full, "release"):
-                full.release()
+                if hasattr(full, "release"):  # nor are the file's pages kept resident
+                    full.release()
 
 
 class FusedAdagrad:
