@@ -52,8 +52,8 @@ def test_two_days_with_a_table_past_the_budget_train_score_register_and_warm_sta
         served["sharded.pipeline.serve_peak_bytes"] - served["sharded.pipeline.serve_idle_bytes"]
         < table_bytes / 2
     )
-    mlflow.set_tracking_uri(uri)
-    champion = mlflow.pyfunc.load_model("models:/recd-dlrm@champion").unwrap_python_model()
+    version = MlflowClient(tracking_uri=uri).get_model_version_by_alias("recd-dlrm", "champion")
+    champion = mlflow.pyfunc.load_model(version.source).unwrap_python_model()  # no global URI
     assert isinstance(champion.model, MappedDLRM)
     assert not any(k.startswith("bags.") for k in champion.model.state_dict())
     assert day1["registry.promoted"] is True
