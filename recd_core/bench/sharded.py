@@ -249,12 +249,6 @@ def _comm_rank(rank: int, world: int, out: str, table_path: str, cfg_json: str,
     dist.destroy_process_group()
 
 
-def _rss() -> int:
-    """This process's resident set now (bytes)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
 def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
                  steps: int = 3) -> None:  # fmt: skip
     import pyarrow.parquet as pq
@@ -267,6 +261,7 @@ def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
     from recd_core.modeling.sharded.model import ShardedDLRM
     from recd_core.modeling.sharded.plan import ShardingRefused, plan_table, shard, shard_bytes
     from recd_core.modeling.step import cooccurrence_term, train_step
+    from recd_core.runtime import rss
 
     device, strategy = _rank_setup(rank, world)
     budget_mb = int(budget)
@@ -280,7 +275,7 @@ def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
         f.model_copy(update={"table_size": big})
         if f.kind != "dense" and features.table_of(f.name) == item_table else f
         for f in features.features]})  # fmt: skip
-    before = _rss()  # the runtime (python, torch, torchrec), the batches
+    before = rss()  # the runtime (python, torch, torchrec), the batches
     model = strategy.placed(features, cfg)  # the tables placed: each rank's shards only
     net = strategy.net
     opt_dense, fused = strategy.optimizers(model, cfg, warm=False)

@@ -22,7 +22,8 @@ from recd_core.modeling.saved import (
     torch_load,
     write_bytes,
 )
-from recd_core.modeling.shard_files import LazyAccumulator, layout, open_tables, write_shard
+from recd_core.modeling.shard_files import LazyAccumulator, layout, open_tables
+from recd_core.modeling.sharded.state import rank_shards
 from recd_core.modeling.sharded.tables import ShardedTables
 from recd_core.warehouse import Warehouse
 
@@ -68,11 +69,9 @@ class ShardedCheckpoints:
     def _write(self, path: str, part: str, state: dict, sparse: dict) -> list[tuple[str, dict]]:
         """This rank's shards of `state` (`sharded.<k>`, the loop's layout) and their
         accumulators, as shard files in `path`/`part`."""
-        specs, accs = self.tables.specs, sparse["state"]
-        return [(specs[i].key, write_shard(self.wh.fs, path, specs[i].name, (r0, c0, nr, nc),
-                                           state[f"sharded.{k}"], accs.get(k, {}).get("sum"),
-                                           part))
-                for k, (i, (r0, c0), (nr, nc)) in enumerate(self.tables.boxes())]  # fmt: skip
+        n, accs = len(self.tables.boxes()), sparse["state"]
+        return rank_shards(self.tables, self.wh.fs, path, [state[f"sharded.{k}"] for k in range(n)],
+                           [accs.get(k, {}).get("sum") for k in range(n)], part)  # fmt: skip
 
     def save(self, state: dict) -> str:
         path = self.path(state["step"])

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from recd_core.config import TrainConfig
 from recd_core.errors import BadInput
+from recd_core.modeling.launch import every_rank
 from recd_core.modeling.sharded.tables import ShardedTables
 
 
@@ -143,6 +144,4 @@ def shard_bytes(model) -> list[int]:
     tables: ShardedTables = model.sharded
     mine = sum(t.numel() * t.element_size()
                for t in [*tables.local_weights(), *tables.local_accumulators()])  # fmt: skip
-    out = [0] * dist.get_world_size()
-    dist.all_gather_object(out, mine)
-    return out
+    return every_rank(mine, dist.get_world_size())

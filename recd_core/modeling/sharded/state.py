@@ -43,18 +43,24 @@ def full_state(model, dense_optimizer: dict, opt_sparse) -> tuple[dict, dict] | 
     return state, {"dense": dense_optimizer, "sparse": sparse}
 
 
+def rank_shards(tables: ShardedTables, fs, base: str, weights: list, accumulators: list,
+                folder: str = "tables") -> list[tuple[str, dict]]:  # fmt: skip
+    """This rank's shards (`weights` and their `accumulators`, None where it has none, in
+    `boxes()` order) as shard files in `base`/`folder`: `(state key, model.json entry)`."""
+    from recd_core.modeling.shard_files import write_shard
+
+    return [(tables.specs[i].key, write_shard(fs, base, tables.specs[i].name, (r0, c0, nr, nc),
+                                              w, acc, folder))
+            for (i, (r0, c0), (nr, nc)), w, acc in zip(tables.boxes(), weights, accumulators,
+                                                       strict=True)]  # fmt: skip
+
+
 def write_shards(model, fs, base: str) -> list[tuple[str, dict]] | None:
     """Every rank writes its shards of the tables (weights and accumulators) under `base`;
     rank 0 gets every rank's `(state key, model.json entry)` (None elsewhere). A
     collective: all ranks call it."""
-    from recd_core.modeling.shard_files import write_shard
-
     tables: ShardedTables = model.sharded
-    mine = []
-    for (i, (r0, c0), (nr, nc)), w, acc in zip(tables.boxes(), tables.local_weights(),
-                                                tables.local_accumulators(), strict=True):  # fmt: skip
-        spec = tables.specs[i]
-        mine.append((spec.key, write_shard(fs, base, spec.name, (r0, c0, nr, nc), w, acc)))
+    mine = rank_shards(tables, fs, base, tables.local_weights(), tables.local_accumulators())
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0)
     return [entry for part in parts for entry in part] if parts is not None else None
