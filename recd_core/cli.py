@@ -424,15 +424,20 @@ def _serve_command() -> None:
         inspect.Parameter("config", keyword, default=None, annotation=ConfigOpt),
     ]  # fmt: skip
     for name, f in ServeConfig.model_fields.items():
-        option = typer.Option(f"--{name.replace('_', '-')}", help=f"{f.description} "
-                              f"(default: the config's serve.{name}, built in {f.default:,})")  # fmt: skip
+        flag = f"--{name.replace('_', '-')}"
+        is_bool = f.annotation is bool
+        built_in = str(f.default).lower() if is_bool else f"{f.default:,}"
+        option = typer.Option(f"{flag}/--no-{flag[2:]}" if is_bool else flag,
+                              help=f"{f.description} (default: the config's serve.{name}, "
+                              f"built in {built_in})")  # fmt: skip
         params.append(inspect.Parameter(name, keyword, default=None,
                                         annotation=Annotated[f.annotation | None, option]))  # fmt: skip
 
     def command(ctx: typer.Context, model: str, host: str, port: int, config: Path | None,
                 **limits) -> None:  # fmt: skip
         """Serve a model over HTTP with MLflow's scoring protocol (`/invocations`,
-        dataframe_split or dataframe_records), bounded: requests past the limits are refused
+        dataframe_split or dataframe_records; sample rows, or ranking requests: the user side
+        once, its `candidates` listed), bounded: requests past the limits are refused
         with 413 or 503, a bad value with a one-line 400 naming the row and field
         (serving/app.py). Stops on SIGTERM after the requests in flight."""
         import uvicorn

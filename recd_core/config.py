@@ -519,6 +519,11 @@ class ServeConfig(_Strict):
     timeout_s: float = Field(
         default=60.0, gt=0, description="seconds a request may take; longer is a 504"
     )
+    dedup: bool = Field(
+        default=True,
+        description="a ranking request's user side computed once (false: once a candidate, "
+        "to compare)",
+    )
 
 
 class PipelineConfig(_Strict):

@@ -104,10 +104,17 @@ def test_recd_bench_writes_and_logs_its_report(tmp_path):
             k = f"{server}.rows_{size}"
             assert 0 < result[f"{k}.p50_ms"] <= result[f"{k}.p99_ms"], k
             assert result[f"{k}.peak_rss"] > 0, k
+    # ranking requests, as rows and with dedup off: measured (the ratios are the bench's)
+    for n in (1, 100, 1_000):
+        for kind in ("request", "rows", "no_dedup"):
+            k = f"serving.ranking.{kind}_{n}"
+            assert 0 < result[f"{k}.p50_ms"] <= result[f"{k}.p99_ms"], k
+            assert result[f"{k}.requests_per_s"] > 0 and result[f"{k}.peak_rss"] > 0, k
+    assert result["serving.ranking.rows_ratio_1000"] > 0
     # 4,000 one-line files are read as a few texts, not 4,000 parses
     assert result["bench.small_files.events_files_many"] < 10
     md = (tmp_path / "b/bench.md").read_text()
-    assert "recd serve p50" in md and "one-line files" in md
+    assert "recd serve p50" in md and "one-line files" in md and "ranking request" in md
     assert "learnable bound" in md and "the features alone" in md and "Where the gap lies" in md
     assert "beside a busy neighbour, passive threads" in md
     assert "tables sharded, 2 processes" in md and "A table past a process's budget" in md

@@ -1,6 +1,7 @@
 """Serving the champion: `recd serve` and `mlflow models serve` as real processes on loopback,
 the same registered model behind both: the same scores, typed ids, limits in rows and bytes,
-one-line refusals, a stop on SIGTERM."""
+one-line refusals, a stop on SIGTERM; ranking requests (one user, many candidates) scored as
+their sample rows are."""
 
 import http.client
 import json
@@ -23,10 +24,22 @@ BIN = Path(sys.executable).parent
 DAY = "2026-11-01"
 
 
+def as_rows(ranking: dict) -> dict:
+    """A ranking request as the same samples in the row format: its user side in every row."""
+    split = ranking["dataframe_split"]
+    records = []
+    for values in split["data"]:
+        request = dict(zip(split["columns"], values, strict=True))
+        records += [{**request, **cand} for cand in request.pop("candidates")]
+    columns = list(records[0])
+    return {"dataframe_split": {"columns": columns,
+                                "data": [[r[c] for c in columns] for r in records]}}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def champion(tmp_path_factory):
     """One day of `recd run` (registers and promotes its model) and the champion's own
-    serving example, as MLflow stored it."""
+    serving example (a ranking request, as MLflow stored it) as sample rows."""
     root = tmp_path_factory.mktemp("serving")
     uri = f"sqlite:///{root}/mlflow.db"
     r = subprocess.run(
@@ -41,7 +54,15 @@ def champion(tmp_path_factory):
         artifact_uri=version.source, dst_path=str(root / "champion"), tracking_uri=uri
     )
     example = json.loads((Path(local) / "serving_input_example.json").read_text())
-    return root, uri, example
+    (root / "ranking.json").write_text(json.dumps(example))
+    return root, uri, as_rows(example)
+
+
+@pytest.fixture(scope="module")
+def ranking(champion) -> dict:
+    """The champion's serving example: one user's side once, its candidates listed."""
+    root, _, _ = champion
+    return json.loads((root / "ranking.json").read_text())
 
 
 class Server:
@@ -266,5 +287,109 @@ def test_requests_past_the_in_flight_limit_are_told_to_retry(champion):
         response = slow.getresponse()
         assert response.status == 200 and json.loads(response.read())["predictions"]
         slow.close()
+    finally:
+        server.stop()
+
+
+def mlflow_serve(uri: str) -> Server:
+    port = free_port()
+    return Server([str(BIN / "mlflow"), "models", "serve", "-m", "models:/recd-dlrm@champion",
+                   "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)], uri, port)  # fmt: skip
+
+
+def test_a_ranking_request_scores_as_its_rows_on_both_servers(champion, ranking):
+    """One user's side said once, its candidates listed: the scores of the same samples sent
+    as rows, on `recd serve` (and with the user side computed per candidate, --no-dedup) and
+    on `mlflow models serve` (the same pyfunc)."""
+    _, uri, _ = champion
+    rows = as_rows(ranking)
+    candidates = len(ranking["dataframe_split"]["data"][0][-1])
+    assert ranking["dataframe_split"]["columns"][-1] == "candidates" and candidates > 1
+    ours = recd_serve(uri)
+    try:
+        status, body = ours.post(ranking)
+        assert status == 200, body
+        scores = json.loads(body)["predictions"]
+        status, body = ours.post(rows)
+        assert status == 200 and json.loads(body)["predictions"] == pytest.approx(scores, abs=1e-6)
+        twice = json.loads(json.dumps(ranking))  # two requests in one body: one after the other
+        twice["dataframe_split"]["data"] *= 2
+        status, body = ours.post(twice)
+        assert status == 200 and json.loads(body)["predictions"] == pytest.approx(2 * scores)
+    finally:
+        ours.stop()
+    per_candidate = recd_serve(uri, "--no-dedup")
+    try:
+        status, body = per_candidate.post(ranking)
+    finally:
+        per_candidate.stop()
+    assert status == 200 and json.loads(body)["predictions"] == pytest.approx(scores, abs=1e-6)
+    theirs = mlflow_serve(uri)
+    broken = json.loads(json.dumps(ranking))
+    broken["dataframe_split"]["data"][0][-1][1]["item_id"] = -4
+    try:
+        by_request = theirs.post(ranking)
+        by_rows = theirs.post(rows)
+        refused, why = theirs.post(broken)
+    finally:
+        theirs.stop()
+    assert by_request[0] == 200 and by_rows[0] == 200, (by_request, by_rows)
+    assert json.loads(by_request[1])["predictions"] == pytest.approx(scores, abs=1e-6)
+    assert json.loads(by_rows[1])["predictions"] == pytest.approx(scores, abs=1e-6)
+    assert len(scores) == candidates and all(0.0 < p < 1.0 for p in scores)
+    assert refused == 400 and "candidate 1" in why and "'item_id'" in why and "negative" in why
+    assert "Traceback" not in why and "stack_trace" not in why
+
+
+def test_a_malformed_ranking_request_of_each_kind_is_one_line_naming_what(champion, ranking):
+    _, uri, _ = champion
+    split = ranking["dataframe_split"]
+    request = dict(zip(split["columns"], split["data"][0], strict=True))
+    dense = next(c for c in ("item_dense", "user_dense") if c in request["candidates"][0])
+
+    def changed(change) -> dict:
+        req = json.loads(json.dumps(request))
+        change(req)
+        return {"dataframe_records": [req]}
+
+    def candidate(i: int, field: str, value):
+        return lambda req: req["candidates"][i].__setitem__(field, value)
+
+    def user(field: str, value):
+        return lambda req: req.__setitem__(field, value)
+
+    width = len(request["candidates"][0][dense]) if dense == "item_dense" else 1
+    cases = [
+        (changed(candidate(1, "item_id", 3.7)), 400, "candidate 1", "'item_id'", "integer"),
+        (changed(candidate(1, "item_id", "58")), 400, "candidate 1", "'item_id'", "str"),
+        (changed(candidate(2, "item_id", -4)), 400, "candidate 2", "'item_id'", "negative"),
+        (
+            changed(candidate(1, dense, [float("nan")] * width)),
+            400,
+            "candidate 1",
+            dense,
+            "not finite",
+        ),
+        (
+            changed(lambda req: req["candidates"][1].pop("item_id")),
+            400,
+            "candidate 1",
+            "lacks 'item_id'",
+        ),
+        (changed(lambda req: req["candidates"].__setitem__(0, 7)), 400, "candidate 0", "object"),
+        (changed(user("candidates", [])), 400, "'candidates'", "non-empty list"),
+        (changed(user("candidates", "all")), 400, "'candidates'", "non-empty list"),
+        (changed(user("user_id", -3)), 400, "user field 'user_id'", "negative"),
+        (changed(user("user_history", "not a list")), 400, "user field 'user_history'", "list"),
+        (changed(lambda req: req.pop("user_id")), 400, "lacks user feature", "user_id"),
+    ]
+    server = recd_serve(uri, "--max-rows", str(2 * len(request["candidates"]) - 1))
+    try:
+        for body, status, *words in cases:
+            one_line_refusal(*server.post(body), status, *words)
+        over = {"dataframe_records": [request, request]}  # the limit counts candidates
+        one_line_refusal(*server.post(over), 413, "candidates", "serve.max_rows")
+        status, body = server.post(ranking)  # and it still serves
+        assert status == 200, body
     finally:
         server.stop()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recd_core.bench.serving import serving_markdown
+from recd_core.bench.serving import ranking_markdown, serving_markdown
 from recd_core.config import PACKAGE_CONFIGS, GenerateConfig
 from recd_core.orchestration.stages import run_stage
 from recd_core.report import human_bytes
@@ -148,10 +148,11 @@ def run_bench(
                 result.update(movielens_quality(movielens, out, split=split))
         if quality_days:
             result.update(synthetic_week(out, preset, days=quality_days))
-            from recd_core.bench.serving import serving_figures
+            from recd_core.bench.serving import ranking_figures, serving_figures
 
             served = result["week_model"]  # the week's last model, sent its next day's rows
             result.update(serving_figures(served["uri"], served["warehouse"], served["ds"]))
+            result.update(ranking_figures(served["uri"], served["warehouse"], served["ds"]))
     (out / "bench.md").write_text(markdown(result))
     result["artifacts"] = [str(out / "bench.md"), str(chart(result, out / "bench.png"))]
     return result
@@ -273,6 +274,9 @@ def markdown(r: dict) -> str:
     rows += quality_markdown(r)
     if serving := serving_markdown(r):
         rows += ["", *serving]
+    if ranking := ranking_markdown(r):
+        rows += ["", "One user, many candidates: a ranking request against the same samples as rows",
+                 "", *ranking]  # fmt: skip
     if "embedding.step_ms.ours_dedup" in r:
         rows += ["", "| embedding bags only (fwd+bwd+sparse Adagrad) | step |", "|---|---|"]
         for k in ("torchrec_kjt", "torchrec_vbe", "ours_all_rows", "ours_dedup"):

@@ -8,6 +8,13 @@ under `mlflow models serve`, the reference) on loopback, sends requests of 1, 10
 time, and reports per size the p50 / p99 latency (after two warm-up requests) and the
 server's peak resident memory while that size was served (the kernel's high-water mark,
 reset before each size).
+
+Then ranking (`serving.ranking.*`): one user and 1, 100 or 1,000 candidates, sent to
+`recd serve` as a ranking request (the user side once: serving/ranking.py), as the same
+request in the row format (the user side repeated in every row), and as the ranking request
+to the same model served with `--no-dedup` (the user side computed per candidate): p50 /
+p99 latency, requests a second (one client, one request at a time) and the server's peak
+RSS, and the ratios of the row format and of dedup off to the ranking request.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from recd_core.modeling.launch import free_port
 SIZES = (1, 100, 10_000)
 REQUESTS = {1: 100, 100: 30, 10_000: 5}  # timed requests per size (recd serve)
 REFERENCE_REQUESTS = {1: 30, 100: 10, 10_000: 2}  # mlflow models serve: 10k rows take ~30 s
+CANDIDATES = (1, 100, 1_000)
+RANKING_REQUESTS = {1: 100, 100: 40, 1_000: 15}  # timed requests per candidate count
 
 
 def _wait(port: int, server: subprocess.Popen, limit_s: float = 180) -> None:
@@ -90,9 +99,11 @@ def measure(server: subprocess.Popen, port: int, bodies: dict, requests: dict) -
         for _ in range(2):
             _post(port, body)
         times = np.array([_post(port, body) for _ in range(requests[size])]) * 1e3
+        rows = size[1] if isinstance(size, tuple) else size
         out[size] = {"p50_ms": float(np.percentile(times, 50)),
                      "p99_ms": float(np.percentile(times, 99)),
-                     "rows_per_s": size / float(np.median(times)) * 1e3,
+                     "rows_per_s": rows / float(np.median(times)) * 1e3,
+                     "requests_per_s": len(times) / float(times.sum()) * 1e3,
                      "peak_rss": _peak_rss(server.pid), "requests": requests[size]}  # fmt: skip
     return out
 
@@ -151,6 +162,74 @@ def serving_figures(model_uri: str, warehouse: str, ds: str, reference: bool = T
     return out
 
 
+def ranking_bodies(rows, features, sizes=CANDIDATES) -> dict:
+    """Per candidate count: the ranking request (the first row's user side, the first rows'
+    item and context features as candidates) and the same request as sample rows."""
+    from recd_core.serving.ranking import candidate_side, user_side
+
+    users, cands = user_side(features), candidate_side(features)
+    user = {c: rows[c][0].as_py() for c in users}
+    records = rows.select(cands).to_pylist()
+    out = {}
+    for n in sizes:
+        out[("request", n)] = json.dumps(
+            {"dataframe_records": [{**user, "candidates": records[:n]}]}
+        ).encode()
+        out[("rows", n)] = json.dumps({"dataframe_records": [
+            {**user, **cand} for cand in records[:n]]}).encode()  # fmt: skip
+    return out
+
+
+def ranking_figures(model_uri: str, warehouse: str, ds: str) -> dict:
+    """`serving.ranking.*` (module docstring) for the model at `model_uri`."""
+    from recd_core.mlops.pyfunc import samples_features
+    from recd_core.modeling.saved import saved_meta
+    from recd_core.warehouse import Warehouse
+
+    rows = Warehouse(warehouse).read_range("samples", ds, 0, max(CANDIDATES), layout="clustered")
+    bodies = ranking_bodies(rows, samples_features(saved_meta(model_uri)))
+    requests = {k: RANKING_REQUESTS[k[1]] for k in bodies}
+    out = {}
+    for server, flag, kinds in (("dedup", "--dedup", ("request", "rows")),
+                                ("no_dedup", "--no-dedup", ("request",))):  # fmt: skip
+        port = free_port()
+        sent = {k: b for k, b in bodies.items() if k[0] in kinds}
+        got = run_server([sys.executable, "-m", "recd_core.cli", "serve", "--model", model_uri,
+                          "--port", str(port), flag], port, requests, sent)  # fmt: skip
+        for (kind, n), figures in ((k, v) for k, v in got.items() if isinstance(k, tuple)):
+            name = "no_dedup" if server == "no_dedup" else kind
+            for key, v in figures.items():
+                out[f"serving.ranking.{name}_{n}.{key}"] = v
+            out[f"serving.ranking.{name}_{n}.body_bytes"] = len(bodies[(kind, n)])
+    for n in CANDIDATES:
+        p50 = out[f"serving.ranking.request_{n}.p50_ms"]
+        out[f"serving.ranking.rows_ratio_{n}"] = out[f"serving.ranking.rows_{n}.p50_ms"] / p50
+        out[f"serving.ranking.no_dedup_ratio_{n}"] = (
+            out[f"serving.ranking.no_dedup_{n}.p50_ms"] / p50
+        )
+    return out
+
+
+def ranking_markdown(r: dict) -> list[str]:
+    if "serving.ranking.request_1.p50_ms" not in r:
+        return []
+    lines = ["| candidates | sent as | p50 | p99 | requests/s | peak RSS | body | p50 vs the ranking request |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for n in CANDIDATES:
+        for name, what in (("request", "ranking request"), ("rows", "sample rows"),
+                           ("no_dedup", "ranking request, --no-dedup")):  # fmt: skip
+            a = f"serving.ranking.{name}_{n}"
+            ratio = (
+                "1.0x"
+                if name == "request"
+                else f"**{r[f'serving.ranking.{name}_ratio_{n}']:.1f}x** slower"
+            )
+            lines.append(f"| {n:,} | {what} | {r[a + '.p50_ms']:,.1f} ms | {r[a + '.p99_ms']:,.1f} ms | "
+                         f"{r[a + '.requests_per_s']:,.1f} | {r[a + '.peak_rss'] / 2**20:,.0f} MiB | "
+                         f"{r[a + '.body_bytes'] / 1024:,.1f} KiB | {ratio} |")  # fmt: skip
+    return lines
+
+
 def serving_markdown(r: dict) -> list[str]:
     if "serving.rows_1.p50_ms" not in r:
         return []
@@ -176,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip mlflow models serve")
     a = p.parse_args(argv)
     r = serving_figures(a.model, a.warehouse, a.ds, reference=not a.no_reference)
-    print("\n".join(serving_markdown(r)))
+    r.update(ranking_figures(a.model, a.warehouse, a.ds))
+    print("\n".join(serving_markdown(r) + [""] + ranking_markdown(r)))
     print_summary("recd bench (serving)", r)
 
 

@@ -6,7 +6,13 @@ own transforms and statistics. So the logged model carries the state dict, `mode
 signature and an input example; `mlflow.pyfunc.load_model("models:/recd-dlrm@champion")
 .predict(rows)` returns click probabilities. Nothing is pickled: the model is logged "from
 code" (`mlops/mlflow_model.py`), and the state dict inside is plain `torch.save` of tensors,
-loaded with `weights_only=True`."""
+loaded with `weights_only=True`.
+
+It takes two formats (one signature, every column optional): sample rows, one per
+impression (batch scoring), and ranking requests, one row per request with the user side
+once and a `candidates` column listing each candidate's item and context features
+(serving/ranking.py: the user side computed once a request). The input example is a
+ranking request; `predict` answers one probability per row, or per candidate in order."""
 
 from __future__ import annotations
 
@@ -20,10 +26,13 @@ import pandas as pd
 import pyarrow as pa
 
 import recd_core
+from recd_core.config import ENVELOPE_COLUMNS
 from recd_core.schema import events_schema
 
 EXAMPLE_ROWS = 5
-NON_FEATURE_COLUMNS = ("event_id", "ts", "label")
+CANDIDATES = "candidates"  # a ranking request's column (serving/ranking.py)
+MAX_CANDIDATES = 100_000  # candidates in one pyfunc call (`recd serve` has serve.max_rows)
+NON_FEATURE_COLUMNS = tuple(ENVELOPE_COLUMNS)  # never trusted from a request: filled in
 
 
 class SampleScorer(mlflow.pyfunc.PythonModel):
@@ -48,6 +57,8 @@ class SampleScorer(mlflow.pyfunc.PythonModel):
         from recd_core.data.checks import first_failure, semantic_checks
         from recd_core.modeling.saved import predict
 
+        if CANDIDATES in model_input.columns:
+            return self._rank(model_input)
         try:
             table = rows_table(model_input, self.schema)
         except ValueError as e:
@@ -63,6 +74,44 @@ class SampleScorer(mlflow.pyfunc.PythonModel):
             logging.getLogger("recd.serving").exception("scoring failed")
             raise MlflowException(f"scoring failed ({type(e).__name__}); the server log has "
                                   "the details", INTERNAL_ERROR) from None  # fmt: skip
+
+    def _rank(self, frame: pd.DataFrame) -> np.ndarray:
+        """Ranking requests (serving/ranking.py): each row's candidates scored, in order."""
+        from mlflow.exceptions import MlflowException
+        from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, INVALID_PARAMETER_VALUE
+
+        from recd_core.serving.ranking import prepared_of, ranking_requests, score_ranking
+        from recd_core.serving.request import RequestError
+
+        columns = {c: [_plain(v) for v in frame[c]] for c in frame.columns}
+        try:
+            requests = ranking_requests(columns, len(frame), self.schema, self.features,
+                                        max_rows=MAX_CANDIDATES)  # fmt: skip
+        except RequestError as e:
+            raise MlflowException(f"scoring input {e}", INVALID_PARAMETER_VALUE) from None
+        if not hasattr(self, "prep"):
+            self.prep = prepared_of(self.meta)
+        try:
+            return np.concatenate(
+                [score_ranking(self.model, self.prep, r).astype(np.float64) for r in requests]
+            )
+        except Exception as e:  # noqa: BLE001 - the traceback to the log, not to the client
+            logging.getLogger("recd.serving").exception("scoring failed")
+            raise MlflowException(f"scoring failed ({type(e).__name__}); the server log has "
+                                  "the details", INTERNAL_ERROR) from None  # fmt: skip
+
+
+def _plain(value):
+    """A DataFrame cell as JSON gave it: numpy arrays (MLflow's typed lists) as lists."""
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()]
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
 
 
 def rows_table(frame: pd.DataFrame, schema: pa.Schema) -> pa.Table:
@@ -114,6 +163,33 @@ def scoring_example(samples: pa.Table) -> pd.DataFrame:
     return rows.to_pandas()
 
 
+def ranking_example(samples: pa.Table, features) -> pd.DataFrame:
+    """A ranking request as the input example: the first row's user side once, the first
+    rows' item and context features as its candidates (float64, as `scoring_example`)."""
+    from recd_core.serving.ranking import candidate_side, user_side
+
+    rows = scoring_example(samples)
+    request = {c: [_plain(rows[c].iloc[0])] for c in user_side(features)}
+    cands = rows[candidate_side(features)]
+    request[CANDIDATES] = [[{c: _plain(v) for c, v in rec.items()}
+                            for rec in cands.to_dict("records")]]  # fmt: skip
+    return pd.DataFrame(request)
+
+
+def both_formats(rows: pd.DataFrame, request: pd.DataFrame, predicted: np.ndarray):
+    """The signature of both formats: every column optional (a request has the user side and
+    `candidates`, rows every feature), the candidates' objects typed."""
+    from mlflow.models import infer_signature
+    from mlflow.types.schema import ColSpec, Schema
+
+    by_rows = infer_signature(rows, predicted)
+    by_request = infer_signature(request).inputs.input_dict()[CANDIDATES]
+    cols = [ColSpec(c.type, c.name, required=False) for c in by_rows.inputs.inputs]
+    cols.append(ColSpec(by_request.type, CANDIDATES, required=False))
+    by_rows.inputs = Schema(cols)
+    return by_rows
+
+
 def samples_features(meta: dict):
     """The raw feature set a saved model's rows carry (what a scoring request must hold)."""
     from recd_core.config import FeatureSet
@@ -126,19 +202,19 @@ def save_pyfunc(model_dir: Path, samples: pa.Table, target: Path) -> None:
     code, signature and input example from `samples`): what `log_model` logs, and what
     `mlflow models serve -m <target>` serves without a tracking server."""
     import torch
-    from mlflow.models import infer_signature
 
     example = scoring_example(samples)
     scorer = SampleScorer()  # loaded as MLflow will load it, to sign what it returns
     scorer.load_context(SimpleNamespace(artifacts={"dlrm": str(model_dir)}))
-    signature = infer_signature(example, scorer.predict(None, example))
+    request = ranking_example(samples, scorer.features)
+    signature = both_formats(example, request, scorer.predict(None, example))
     mlflow.pyfunc.save_model(
         path=str(target),
         python_model=str(Path(__file__).with_name("mlflow_model.py")),
         artifacts={"dlrm": str(model_dir)},
         code_paths=[str(Path(recd_core.__file__).parent)],
         signature=signature,
-        input_example=example,
+        input_example=request,
         pip_requirements=[
             f"torch=={torch.__version__.split('+')[0]}",
             f"pyarrow=={pa.__version__}",

@@ -239,10 +239,15 @@ def local_model_dir(location: str, meta: dict) -> Path:
     return tmp
 
 
+def saved_meta(uri: str) -> dict:
+    """A saved model's model.json (its features, transforms, training summary)."""
+    wh, base = _model_location(uri)
+    return json.loads(read_bytes(wh, f"{base}/model.json"))
+
+
 def saved_summary(uri: str) -> dict:
     """The training summary stored in a saved model's model.json."""
-    wh, base = _model_location(uri)
-    return json.loads(read_bytes(wh, f"{base}/model.json")).get("summary", {})
+    return saved_meta(uri).get("summary", {})
 
 
 def saved_train_config(meta: dict) -> TrainConfig:

@@ -8,6 +8,9 @@ MLflow's scoring protocol, so a client of one works with the other:
     GET  /version         the recd version and the model served
     POST /invocations     application/json: dataframe_split | dataframe_records
                           -> {"predictions": [p, ...]}
+                          sample rows (one per impression), or ranking requests (the
+                          user side once, a `candidates` list: serving/ranking.py), one
+                          probability per row or per candidate
 
 What it adds to MLflow's server is what an orchestrated service needs (`ServeConfig`):
 
@@ -40,6 +43,7 @@ import numpy as np
 import pyarrow as pa
 
 from recd_core.config import FeatureSet, ServeConfig
+from recd_core.serving.ranking import CANDIDATES, ranking_requests
 from recd_core.serving.request import RequestError, request_columns, request_table
 
 log = logging.getLogger("recd.serving")
@@ -62,9 +66,20 @@ class Scorer:
     def __post_init__(self) -> None:
         from recd_core.mlops.pyfunc import samples_features
         from recd_core.schema import events_schema
+        from recd_core.serving.ranking import prepared_of
 
         self.features = samples_features(self.meta)
         self.schema = events_schema(self.features)
+        self.prep = prepared_of(self.meta)
+
+    def rank(self, requests: list, batch_rows: int, dedup: bool, deadline: float) -> np.ndarray:
+        """Each ranking request's candidates scored (the user side once a batch, or once a
+        candidate with `dedup` off), one request after the other."""
+        from recd_core.serving.ranking import score_ranking
+
+        with self.lock:
+            return np.concatenate([score_ranking(self.model, self.prep, r, batch_rows, dedup,
+                                                 deadline) for r in requests]).astype(np.float64)  # fmt: skip
 
     def score(self, table: pa.Table, batch_rows: int, deadline: float) -> np.ndarray:
         """Click probabilities, `batch_rows` rows at a time; past `deadline` (monotonic) it
@@ -157,6 +172,11 @@ def build_app(scorer: Scorer, cfg: ServeConfig):
 
     def work(body: bytes, deadline: float) -> bytes:
         columns, n = request_columns(parse_json(body), cfg.max_rows)
+        if CANDIDATES in columns:
+            requests = ranking_requests(columns, n, scorer.schema, scorer.features, cfg.max_rows)
+            del columns
+            probs = scorer.rank(requests, cfg.batch_rows, cfg.dedup, deadline)
+            return json.dumps({"predictions": probs.tolist()}).encode()
         table = request_table(columns, n, scorer.schema, scorer.features)
         del columns
         probs = scorer.score(table, cfg.batch_rows, deadline)

@@ -1,0 +1,218 @@
+"""A ranking request: one user, many candidates, the user side said once and computed once.
+
+A recommender ranks N candidates for one user at a time. As sample rows that request repeats
+the user's features, id lists and history N times, and the model encodes the history N
+times: the duplication RecD removes from training, back at inference. A ranking request
+says the user side once and lists the candidates (item- and context-side features each):
+
+    {"dataframe_records": [{
+        "user_id": 3, "user_age": 2, ..., "user_history": [17, 4, ...],   user side, once
+        "candidates": [{"item_id": 7, "item_tags": [1, 5], "position": 0, "hour": 13},
+                       {"item_id": 9, ...}, ...]}]}                        per candidate
+
+(one object per request: `dataframe_split` with a `candidates` column says the same). The
+answer is one score per candidate, in order; several requests in one body answer their
+candidates' scores one request after the other. The row format (one row per sample) stays
+for batch scoring; both go through the same MLflow pyfunc and `recd serve`.
+
+In the model the request is what a training batch of one session is, built straight from
+the request's values (no on-disk batch format on the way): each dedup group's features as
+an InverseKeyedJaggedTensor of one unique row, every candidate pointing at it,
+
+    group "user":  unique  = [ user row ]            inverse = [0, 0, ..., 0]   (N)
+    kjt (items):   item_id, item_tags, position, ... one row per candidate     (N)
+    dense:         [user_dense (once, broadcast) | item_dense]                 [N, D]
+
+so the embedding bags and the history encoder run on the one user row, and its vectors are
+expanded by the inverse indices. Candidates are scored `batch_rows` at a time: the user
+side is computed once per batch (one batch holds `serve.batch_rows` candidates).
+`dedup=False` expands the user row to every candidate first (the same model computing the
+user side per candidate), which is what the benchmark compares against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from recd_core.config import FeatureSet
+from recd_core.data.checks import first_failure, semantic_checks
+from recd_core.dedup.sparse import InverseKeyedJaggedTensor, KeyedJaggedTensor
+from recd_core.dedup.unique import list_parts
+from recd_core.dpp.batch_store import Batch, expand
+from recd_core.dpp.preprocess import Prepared, _dense
+from recd_core.dpp.transforms import transform_dense, transform_ids
+from recd_core.serving.request import RequestError, typed_column
+
+CANDIDATES = "candidates"
+
+
+def user_side(features: FeatureSet) -> list[str]:
+    """The features a request says once: the user's (snapshotted per session)."""
+    return [f.name for f in features.features if f.side == "user"]
+
+
+def candidate_side(features: FeatureSet) -> list[str]:
+    """The features each candidate says: the item's and the context's."""
+    return [f.name for f in features.features if f.side != "user"]
+
+
+@dataclasses.dataclass
+class Ranking:
+    """One checked request: the user side as a one-row table, the candidates as N rows."""
+
+    user: pa.Table
+    candidates: pa.Table
+
+    @property
+    def size(self) -> int:
+        return self.candidates.num_rows
+
+
+def ranking_requests(columns: dict[str, list], n: int, schema: pa.Schema,
+                     features: FeatureSet, max_rows: int) -> list[Ranking]:  # fmt: skip
+    """The requests of a body's columns (one per row; `candidates` a list of objects per
+    row), typed as the warehouse types them and checked as ingest checks events; more than
+    `max_rows` candidates in all is a 413. A refusal names the request, the candidate and
+    the field."""
+    users, cands = user_side(features), candidate_side(features)
+    missing = [c for c in users if c not in columns]
+    if missing:
+        raise RequestError(f"the ranking request lacks user feature(s): {', '.join(missing)}")
+    lists = columns[CANDIDATES]
+    total = 0
+    for r, cl in enumerate(lists):
+        if not isinstance(cl, list) or not cl:
+            where = f"request {r}: " if n > 1 else ""
+            raise RequestError(f"{where}'candidates' must be a non-empty list of objects")
+        total += len(cl)
+    if total > max_rows:
+        raise RequestError(f"{total:,} candidates in one body, more than the server's limit of "
+                           f"{max_rows:,} (serve.max_rows): split the request", 413)  # fmt: skip
+    fields = {f.name: f for f in schema}
+    out = []
+    for r in range(n):
+        where = f"request {r}: " if n > 1 else ""
+        user = _table({c: [columns[c][r]] for c in users}, fields, features, where + "user ")
+        rows: dict[str, list] = {c: [] for c in cands}
+        for i, cand in enumerate(lists[r]):
+            if not isinstance(cand, dict):
+                raise RequestError(f"{where}candidate {i}: expected an object of item features")
+            lacking = [c for c in cands if c not in cand]
+            if lacking:
+                raise RequestError(f"{where}candidate {i}: lacks {', '.join(map(repr, lacking))}")
+            for c in cands:
+                rows[c].append(cand[c])
+        out.append(Ranking(user, _table(rows, fields, features, where + "candidate ")))
+    return out
+
+
+def _table(columns: dict[str, list], fields: dict[str, pa.Field], features: FeatureSet,
+           where: str) -> pa.Table:  # fmt: skip
+    """Typed columns, checked: the first failing row named (`where` + its index; the user
+    side has one row, so it is named by the field alone)."""
+    typed = {}
+    for name, values in columns.items():
+        try:
+            typed[name] = typed_column(name, values, fields[name])
+        except RequestError as e:
+            raise RequestError(_where(str(e), where)) from None
+    table = pa.table(typed, schema=pa.schema([fields[c] for c in columns]))
+    bad, _, reasons = first_failure(table.num_rows, semantic_checks(table, features))
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise RequestError(_where(f"row {row}: {reasons[row].as_py()}", where))
+    return table
+
+
+def _where(message: str, where: str) -> str:
+    """'row 3: field ...' (or 'row 3, field ...') as 'candidate 3: field ...'; the user
+    side has one row: 'user field ...'."""
+    found = re.match(r"row (\d+)(: |, )(.*)", message)
+    if found is None:
+        return where + message
+    row, sep, rest = found.groups()
+    return f"{where}{row}{sep}{rest}" if where.endswith("candidate ") else where + rest
+
+
+def ranking_batch(ranking: Ranking, prep: Prepared, dedup: bool = True) -> Batch:
+    """The request as the model's batch (module doc): each group's features as one unique
+    row that every candidate points at; the user side's other features (a user id outside
+    the groups, user dense values) transformed once and repeated."""
+    user, cands, n = ranking.user, ranking.candidates, ranking.size
+    grouped = {k for ks in prep.groups.values() for k in ks}
+    dense_parts, extra_ids = [], {}
+    for f in prep.raw.features:
+        if f.kind != "dense":
+            continue
+        side_table = user if f.name in user.column_names else cands
+        out = transform_dense(_dense(side_table[f.name], f.dim), prep.cfg.transform_for(f),
+                              prep.stats.get(f.name))  # fmt: skip
+        if side_table is user:
+            out = _repeat_ids(out, n) if isinstance(out, tuple) else np.repeat(out, n, axis=0)
+        (extra_ids.__setitem__(f.name, out) if isinstance(out, tuple) else dense_parts.append(out))
+    dense = np.concatenate(dense_parts, axis=1) if dense_parts else np.zeros((n, 0), np.float32)
+    keys, values, lengths = [], [], []
+    for f in prep.model.features:
+        if f.kind == "dense" or f.name in grouped:
+            continue
+        if f.name in extra_ids:
+            v, ln = extra_ids[f.name]
+        elif f.name in user.column_names:
+            v, ln = _repeat_ids(_ids(user[f.name], prep, f.name), n)
+        else:
+            v, ln = _ids(cands[f.name], prep, f.name)
+        keys.append(f.name)
+        values.append(torch.from_numpy(np.ascontiguousarray(v, np.int64)))
+        lengths.append(torch.from_numpy(np.ascontiguousarray(ln, np.int64)))
+    kjt = KeyedJaggedTensor(keys, torch.cat(values), torch.cat(lengths)) if keys else None
+    groups = {}
+    for g, gkeys in prep.groups.items():
+        parts = [_ids(user[k], prep, k) for k in gkeys]
+        unique = KeyedJaggedTensor(
+            gkeys,
+            torch.cat([torch.from_numpy(np.ascontiguousarray(v, np.int64)) for v, _ in parts]),
+            torch.cat([torch.from_numpy(np.ascontiguousarray(ln, np.int64)) for _, ln in parts]),
+        )
+        groups[g] = InverseKeyedJaggedTensor(unique, torch.zeros(n, dtype=torch.int64),
+                                             validate=False)  # fmt: skip
+    batch = Batch(torch.from_numpy(np.ascontiguousarray(dense, np.float32)), kjt,
+                  torch.zeros(n, dtype=torch.float32), groups)  # fmt: skip
+    return batch if dedup else expand(batch)
+
+
+def _ids(col, prep: Prepared, name: str) -> tuple[np.ndarray, np.ndarray]:
+    spec = prep.raw[name]
+    values, lengths = list_parts(col)
+    return transform_ids(values, lengths, spec, prep.cfg.transform_for(spec))
+
+
+def _repeat_ids(parts: tuple[np.ndarray, np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """One row's ids as the same row N times."""
+    values, lengths = parts
+    return np.tile(values, n), np.tile(lengths, n)
+
+
+def prepared_of(meta: dict) -> Prepared:
+    """A saved model's transforms, statistics and dedup groups (read once per server)."""
+    return Prepared.from_json(json.dumps(meta["prepared"]))
+
+
+def score_ranking(model, prep: Prepared, ranking: Ranking, batch_rows: int = 1024,
+                  dedup: bool = True, deadline: float | None = None) -> np.ndarray:  # fmt: skip
+    """Click probabilities of a request's candidates, `batch_rows` candidates at a time;
+    past `deadline` (monotonic) it stops between batches (TimeoutError)."""
+    out = []
+    with torch.no_grad():
+        for lo in range(0, ranking.size, batch_rows):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError
+            part = Ranking(ranking.user, ranking.candidates.slice(lo, batch_rows))
+            out.append(torch.sigmoid(model(ranking_batch(part, prep, dedup))).numpy())
+    return np.concatenate(out) if out else np.zeros(0, np.float32)
