@@ -166,6 +166,35 @@ def test_training_across_pods_gets_its_rendezvous_service_and_the_dags_settings(
     assert "RECD_TRAIN_NODES" not in next(o for o in default if o["kind"] == "ConfigMap")["data"]
 
 
+def test_the_champion_is_served_ready_only_once_it_scores_a_ranking_request(helm):
+    """The served champion: `recd serve` of the registry's alias, ready on /ready (a ranking
+    request scored through the whole request path), rolled one pod at a time, reaching MLflow
+    as its client, reached by the listed sources only."""
+    objects = render(helm, "-f", str(ALT))
+    deploy = next(o for o in objects if o["kind"] == "Deployment"
+                  and o["metadata"]["name"] == "rel-recd-serve")  # fmt: skip
+    spec = deploy["spec"]
+    assert spec["replicas"] == 3 and spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    pod = spec["template"]
+    assert pod["metadata"]["labels"]["recd.ai/mlflow-client"] == "true"
+    container = pod["spec"]["containers"][0]
+    assert container["command"] == ["recd"]
+    assert container["args"][:3] == ["--tracking-uri=http://rel-recd-mlflow:5000", "serve",
+                                     "--model=models:/recd-dlrm@champion"]  # fmt: skip
+    assert "--config=/etc/recd/pipeline.yaml" in container["args"]  # serve: limits
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["resources"]["limits"]["memory"] == "2Gi"
+    service = next(o for o in objects if o["kind"] == "Service"
+                   and o["metadata"]["name"] == "rel-recd-serve")  # fmt: skip
+    assert service["spec"]["ports"][0]["port"] == container["ports"][0]["containerPort"] == 8080
+    policy = next(o for o in objects if o["kind"] == "NetworkPolicy"
+                  and o["metadata"]["name"] == "rel-recd-serve")  # fmt: skip
+    sources = policy["spec"]["ingress"][0]["from"]
+    assert {"podSelector": {"matchLabels": {"recd.ai/serving-client": "true"}}} in sources
+    assert any("namespaceSelector" in s for s in sources)
+    assert not any(o["metadata"]["name"] == "rel-recd-serve" for o in render(helm))  # opt-in
+
+
 @pytest.mark.parametrize(
     ("bad", "message"),
     [
@@ -179,6 +208,7 @@ def test_training_across_pods_gets_its_rendezvous_service_and_the_dags_settings(
         (["--set", "pipeline.logs=relative/logs"], "pipeline.logs"),
         (["--set", "mlfow.enabled=true"], "mlfow"),  # a typo is an error, not ignored
         (["--set", "distributedTraining.nodes=1"], "distributedTraining.nodes"),
+        (["--set", "serving.model=recd-dlrm"], "serving.model"),
     ],
 )
 def test_the_schema_rejects_bad_values(helm, bad, message):

@@ -316,6 +316,9 @@ def test_a_ranking_request_scores_as_its_rows_on_both_servers(champion, ranking)
         twice["dataframe_split"]["data"] *= 2
         status, body = ours.post(twice)
         assert status == 200 and json.loads(body)["predictions"] == pytest.approx(2 * scores)
+        # ready: the smallest valid ranking request scored through the same path
+        with urllib.request.urlopen(ours.url("/ready"), timeout=60) as r:
+            assert r.status == 200 and len(json.loads(r.read())["predictions"]) == 1
     finally:
         ours.stop()
     per_candidate = recd_serve(uri, "--no-dedup")

@@ -5,6 +5,9 @@ mlops/pyfunc.py, by `models:/<name>@champion`, or a trained model's directory) a
 MLflow's scoring protocol, so a client of one works with the other:
 
     GET  /ping, /health   200 once the model is loaded
+    GET  /ready           200 once a ranking request (the smallest valid one: ids 0, one
+                          candidate) went through the whole request path to a finite score;
+                          the chart's readiness probe
     GET  /version         the recd version and the model served
     POST /invocations     application/json: dataframe_split | dataframe_records
                           -> {"predictions": [p, ...]}
@@ -43,7 +46,7 @@ import numpy as np
 import pyarrow as pa
 
 from recd_core.config import FeatureSet, ServeConfig
-from recd_core.serving.ranking import CANDIDATES, ranking_requests
+from recd_core.serving.ranking import CANDIDATES, probe_request, ranking_requests
 from recd_core.serving.request import RequestError, request_columns, request_table
 
 log = logging.getLogger("recd.serving")
@@ -213,10 +216,25 @@ def build_app(scorer: Scorer, cfg: ServeConfig):
     async def ping(request) -> Response:
         return Response("\n", 200, media_type="application/json")
 
+    probe = json.dumps(probe_request(scorer.schema, scorer.features)).encode()
+
+    async def ready(request) -> Response:
+        try:
+            deadline = time.monotonic() + cfg.timeout_s
+            out = await asyncio.wait_for(asyncio.to_thread(work, probe, deadline), cfg.timeout_s)
+            scores = json.loads(out)["predictions"]
+            if len(scores) == 1 and 0.0 <= scores[0] <= 1.0:
+                return Response(out, 200, media_type="application/json")
+            return answer(500, f"the readiness request scored {scores[:2]}, not a probability")
+        except Exception as e:  # noqa: BLE001 - not ready, said in one line; the log has more
+            log.exception("the readiness request failed")
+            return answer(503, f"not ready: the readiness request failed ({type(e).__name__})")
+
     async def version(request) -> Response:
         about = {"recd": code_version(), "model": scorer.served}
         return Response(json.dumps(about), 200, media_type="application/json")
 
     routes = [Route("/invocations", invocations, methods=["POST"]),
-              Route("/ping", ping), Route("/health", ping), Route("/version", version)]  # fmt: skip
+              Route("/ping", ping), Route("/health", ping), Route("/ready", ready),
+              Route("/version", version)]  # fmt: skip
     return Starlette(routes=routes)

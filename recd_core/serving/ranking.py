@@ -199,6 +199,22 @@ def _repeat_ids(parts: tuple[np.ndarray, np.ndarray], n: int) -> tuple[np.ndarra
     return np.tile(values, n), np.tile(lengths, n)
 
 
+def probe_request(schema: pa.Schema, features: FeatureSet) -> dict:
+    """The smallest valid ranking request for a model (ids 0, empty lists, zeros; one
+    candidate): what the readiness check scores through the whole request path."""
+
+    def value(name: str):
+        f = schema.field(name)
+        spec = features[name]
+        if spec.kind == "dense":
+            return [0.0] * spec.dim if pa.types.is_list(f.type) else 0.0
+        return [] if pa.types.is_list(f.type) else 0
+
+    candidate = {c: value(c) for c in candidate_side(features)}
+    request = {c: value(c) for c in user_side(features)}
+    return {"dataframe_records": [{**request, CANDIDATES: [candidate]}]}
+
+
 def prepared_of(meta: dict) -> Prepared:
     """A saved model's transforms, statistics and dedup groups (read once per server)."""
     return Prepared.from_json(json.dumps(meta["prepared"]))
