@@ -166,7 +166,7 @@ def prepare(
             t = cfg.transform_for(f)
             if f.kind == "dense" and t.standardize:
                 col = (dense if dense is not None else table)[f.name]
-                stats[f.name] = dense_stats(pre_standardize(_dense(col, f.dim), t))
+                stats[f.name] = dense_stats(pre_standardize(dense_matrix(col, f.dim), t))
     model = FeatureSet(
         name=raw.name,
         user_key=raw.user_key,
@@ -199,7 +199,8 @@ def resolve_method(
     return method
 
 
-def _dense(col: pa.ChunkedArray | pa.Array, dim: int) -> np.ndarray:
+def dense_matrix(col: pa.ChunkedArray | pa.Array, dim: int) -> np.ndarray:
+    """A dense feature's column as [rows, dim] float32 (a missing value as NaN)."""
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
     arr = col.flatten() if pa.types.is_list(col.type) else col
@@ -261,7 +262,7 @@ def _encode(
         if f.kind != "dense":
             continue
         t = prep.cfg.transform_for(f)
-        out = transform_dense(_dense(chunk[f.name], f.dim), t, prep.stats.get(f.name))
+        out = transform_dense(dense_matrix(chunk[f.name], f.dim), t, prep.stats.get(f.name))
         if isinstance(out, tuple):
             extra_ids[f.name] = out
         else:
@@ -271,7 +272,7 @@ def _encode(
     for f in prep.model.features:
         if f.kind == "dense" or f.name in grouped:
             continue
-        values, lengths = extra_ids.get(f.name) or _ids(chunk[f.name], prep, f.name)
+        values, lengths = extra_ids.get(f.name) or feature_ids(chunk[f.name], prep, f.name)
         _add_ids(cols, f"ids.{f.name}", values, lengths, bounds)
     for g, keys in prep.groups.items():
         first, inverse, ubounds = _unique_per_batch(chunk, rows, pos, bounds, keys, prep)
@@ -281,7 +282,7 @@ def _encode(
             uniq = rows.select(keys).take(pa.array(pos[first]))
         cols[f"group.{g}.inverse"] = _lists(inverse.astype(np.int32), bounds, _I32)
         for k in keys:
-            values, lengths = _ids(uniq[k], prep, k)
+            values, lengths = feature_ids(uniq[k], prep, k)
             _add_ids(cols, f"group.{g}.{k}", values, lengths, ubounds)
     return pa.RecordBatch.from_pydict(cols)
 
@@ -332,7 +333,8 @@ def _add_ids(cols: dict, name: str, values: np.ndarray, lengths: np.ndarray, bou
     cols[f"{name}.lengths"] = _lists(lengths.astype(np.int32), bounds, _I32)
 
 
-def _ids(col, prep: Prepared, name: str) -> tuple[np.ndarray, np.ndarray]:
+def feature_ids(col, prep: Prepared, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """An id feature's column as the model's ids (hashed, truncated): flat values, lengths."""
     spec = prep.raw[name]
     values, lengths = _list_parts(col)
     return transform_ids(values, lengths, spec, prep.cfg.transform_for(spec))

@@ -44,10 +44,9 @@ import torch
 from recd_core.config import FeatureSet
 from recd_core.data.checks import first_failure, semantic_checks
 from recd_core.dedup.sparse import InverseKeyedJaggedTensor, KeyedJaggedTensor
-from recd_core.dedup.unique import list_parts
 from recd_core.dpp.batch_store import Batch, expand
-from recd_core.dpp.preprocess import Prepared, _dense
-from recd_core.dpp.transforms import transform_dense, transform_ids
+from recd_core.dpp.preprocess import Prepared, dense_matrix, feature_ids
+from recd_core.dpp.transforms import transform_dense
 from recd_core.serving.request import RequestError, typed_column
 
 CANDIDATES = "candidates"
@@ -152,7 +151,7 @@ def ranking_batch(ranking: Ranking, prep: Prepared, dedup: bool = True) -> Batch
         if f.kind != "dense":
             continue
         side_table = user if f.name in user.column_names else cands
-        out = transform_dense(_dense(side_table[f.name], f.dim), prep.cfg.transform_for(f),
+        out = transform_dense(dense_matrix(side_table[f.name], f.dim), prep.cfg.transform_for(f),
                               prep.stats.get(f.name))  # fmt: skip
         if side_table is user:
             out = _repeat_ids(out, n) if isinstance(out, tuple) else np.repeat(out, n, axis=0)
@@ -165,16 +164,16 @@ def ranking_batch(ranking: Ranking, prep: Prepared, dedup: bool = True) -> Batch
         if f.name in extra_ids:
             v, ln = extra_ids[f.name]
         elif f.name in user.column_names:
-            v, ln = _repeat_ids(_ids(user[f.name], prep, f.name), n)
+            v, ln = _repeat_ids(feature_ids(user[f.name], prep, f.name), n)
         else:
-            v, ln = _ids(cands[f.name], prep, f.name)
+            v, ln = feature_ids(cands[f.name], prep, f.name)
         keys.append(f.name)
         values.append(torch.from_numpy(np.ascontiguousarray(v, np.int64)))
         lengths.append(torch.from_numpy(np.ascontiguousarray(ln, np.int64)))
     kjt = KeyedJaggedTensor(keys, torch.cat(values), torch.cat(lengths)) if keys else None
     groups = {}
     for g, gkeys in prep.groups.items():
-        parts = [_ids(user[k], prep, k) for k in gkeys]
+        parts = [feature_ids(user[k], prep, k) for k in gkeys]
         unique = KeyedJaggedTensor(
             gkeys,
             torch.cat([torch.from_numpy(np.ascontiguousarray(v, np.int64)) for v, _ in parts]),
@@ -185,12 +184,6 @@ def ranking_batch(ranking: Ranking, prep: Prepared, dedup: bool = True) -> Batch
     batch = Batch(torch.from_numpy(np.ascontiguousarray(dense, np.float32)), kjt,
                   torch.zeros(n, dtype=torch.float32), groups)  # fmt: skip
     return batch if dedup else expand(batch)
-
-
-def _ids(col, prep: Prepared, name: str) -> tuple[np.ndarray, np.ndarray]:
-    spec = prep.raw[name]
-    values, lengths = list_parts(col)
-    return transform_ids(values, lengths, spec, prep.cfg.transform_for(spec))
 
 
 def _repeat_ids(parts: tuple[np.ndarray, np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,121 @@
+"""Ranking requests (serving/ranking.py): one user's side once and its candidates, built
+straight into the model's batch, score as the same samples in the row format do; refusals
+name the candidate (or the user side) and the field."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from recd_core.config import ModelConfig, PreprocessConfig, TransformSpec
+from recd_core.dpp.preprocess import prepare
+from recd_core.modeling.model import build_model
+from recd_core.modeling.saved import predict
+from recd_core.schema import events_schema
+from recd_core.serving.ranking import (
+    CANDIDATES,
+    Ranking,
+    candidate_side,
+    probe_request,
+    ranking_batch,
+    ranking_requests,
+    score_ranking,
+    user_side,
+)
+from recd_core.serving.request import RequestError, request_columns
+from recd_core.warehouse import Warehouse
+
+N = 300
+
+
+@pytest.fixture(scope="module")
+def served(samples_warehouse, features):
+    """An untrained DLRM (its history encoder, target attention and cross layers on) with
+    the run's transforms: standardized dense values, hashed ids, the user side one group."""
+    rows = Warehouse(samples_warehouse).read_range("samples", "2026-11-01", 0, 2000,
+                                                   layout="clustered")  # fmt: skip
+    cfg = PreprocessConfig(batch_size=256, default_dense=TransformSpec(standardize=True))
+    prep = prepare(rows, features, cfg)
+    assert prep.groups, "the user side is a dedup group"
+    torch.manual_seed(0)
+    model = build_model(prep.model, ModelConfig()).eval()
+    meta = {"prepared": json.loads(prep.to_json())}
+    return model, meta, prep, rows
+
+
+def one_request(rows: pa.Table, features, n: int = N) -> tuple[Ranking, pa.Table]:
+    """The first row's user side and n rows' candidates; the same samples as rows."""
+    user = rows.select(user_side(features)).slice(0, 1)
+    cands = rows.select(candidate_side(features)).slice(0, n)
+    as_rows = rows.slice(0, n)
+    for name in user.column_names:
+        repeated = pa.concat_arrays([user[name].combine_chunks()] * n)
+        as_rows = as_rows.set_column(as_rows.column_names.index(name), name, repeated)
+    return Ranking(user, cands), as_rows
+
+
+def test_a_ranking_request_scores_as_its_rows_with_and_without_dedup(served, features):
+    model, meta, prep, rows = served
+    ranking, as_rows = one_request(rows, features)
+    by_rows = predict(model, meta, as_rows, batch_size=128, trust_sessions=False)
+    by_request = score_ranking(model, prep, ranking, batch_rows=128)
+    np.testing.assert_allclose(by_request, by_rows, rtol=0, atol=1e-6)
+    per_candidate = score_ranking(model, prep, ranking, batch_rows=128, dedup=False)
+    np.testing.assert_allclose(per_candidate, by_rows, rtol=0, atol=1e-6)
+    assert by_request.std() > 0  # the candidates differ, and so do their scores
+
+
+def test_the_user_side_is_one_unique_row_every_candidate_points_at(served, features):
+    _, _, prep, rows = served
+    ranking, _ = one_request(rows, features, n=50)
+    batch = ranking_batch(ranking, prep)
+    assert batch.size == 50
+    for ik in batch.groups.values():
+        assert ik.num_unique == 1  # one row, whatever the candidates
+        assert torch.equal(ik.inverse_indices, torch.zeros(50, dtype=torch.int64))
+    off = ranking_batch(ranking, prep, dedup=False)  # the user side per candidate
+    assert not off.groups and off.kjt.batch_size == 50
+
+
+def _body(rows: pa.Table, features, n: int = 3) -> dict:
+    user = {c: rows[c][0].as_py() for c in user_side(features)}
+    return {**user, CANDIDATES: rows.select(candidate_side(features)).slice(0, n).to_pylist()}
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (lambda r: r[CANDIDATES][1].__setitem__("item_id", -2), ["candidate 1: field 'item_id'",
+                                                                 "negative"]),
+        (lambda r: r[CANDIDATES][2].__setitem__("item_id", 1.5), ["candidate 2, field 'item_id'",
+                                                                  "integer"]),
+        (lambda r: r[CANDIDATES][0].pop("item_dense"), ["candidate 0: lacks 'item_dense'"]),
+        (lambda r: r.__setitem__(CANDIDATES, {}), ["'candidates' must be a non-empty list"]),
+        (lambda r: r.__setitem__("user_history", [1, "2"]), ["user field 'user_history'"]),
+        (lambda r: r.__setitem__("user_dense", [0.0]), ["user field 'user_dense'", "values"]),
+        (lambda r: r.pop("user_age"), ["lacks user feature(s): user_age"]),
+    ],
+)  # fmt: skip
+def test_a_malformed_request_is_refused_naming_where(served, features, change, words):
+    *_, rows = served
+    body = _body(rows, features)
+    change(body)
+    columns, n = request_columns({"dataframe_records": [body]}, 100)
+    with pytest.raises(RequestError) as refused:
+        ranking_requests(columns, n, events_schema(features), features, 100)
+    message = str(refused.value)
+    assert "\n" not in message and refused.value.status == 400
+    for w in words:
+        assert w in message, (w, message)
+
+
+def test_the_readiness_request_is_valid_and_scored(served, features):
+    model, _, prep, _ = served
+    schema = events_schema(features)
+    columns, n = request_columns(probe_request(schema, features), 10)
+    (ranking,) = ranking_requests(columns, n, schema, features, 10)
+    assert ranking.size == 1
+    (score,) = score_ranking(model, prep, ranking)
+    assert 0.0 < score < 1.0
