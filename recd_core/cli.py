@@ -407,6 +407,21 @@ def status_cmd(
     _run(ctx, "status", summary, body)
 
 
+def _serving_log() -> None:
+    """The server's own lines (a model swapped in, a failed scoring's traceback) on stderr
+    beside uvicorn's, in its format."""
+    import logging
+
+    from uvicorn.logging import DefaultFormatter
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s", use_colors=False))
+    log = logging.getLogger("recd.serving")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def _serve_command() -> None:
     """`recd serve`, its limits' options generated from `ServeConfig` (declared once there)."""
     from recd_core.config import ServeConfig
@@ -466,6 +481,7 @@ def _serve_command() -> None:
             _fail("serve", str(err), err.exit_code)
         print_summary("recd serve", {"serve.model": scorer.served, "serve.url": f"http://{host}:{port}",
                       **{f"serve.{k}": v for k, v in cfg.model_dump().items()}})  # fmt: skip
+        _serving_log()
         uvicorn.run(build_app(scorer, cfg), host=host, port=port, log_level="info",
                     timeout_graceful_shutdown=int(cfg.timeout_s))  # fmt: skip
 

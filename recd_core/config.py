@@ -524,6 +524,12 @@ class ServeConfig(_Strict):
         description="a ranking request's user side computed once (false: once a candidate, "
         "to compare)",
     )
+    follow_alias_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="seconds between checks of a models:/NAME@ALIAS model's alias; a version "
+        "it moves to is loaded, checked and swapped in (0: loaded once)",
+    )
 
 
 class PipelineConfig(_Strict):

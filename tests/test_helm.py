@@ -182,6 +182,7 @@ def test_the_champion_is_served_ready_only_once_it_scores_a_ranking_request(helm
     assert container["args"][:3] == ["--tracking-uri=http://rel-recd-mlflow:5000", "serve",
                                      "--model=models:/recd-dlrm@champion"]  # fmt: skip
     assert "--config=/etc/recd/pipeline.yaml" in container["args"]  # serve: limits
+    assert "--follow-alias-s=60" in container["args"]  # a promotion is swapped in
     assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert container["resources"]["limits"]["memory"] == "2Gi"
     service = next(o for o in objects if o["kind"] == "Service"

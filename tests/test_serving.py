@@ -396,3 +396,49 @@ def test_a_malformed_ranking_request_of_each_kind_is_one_line_naming_what(champi
         assert status == 200, body
     finally:
         server.stop()
+
+
+def test_a_moved_alias_is_followed_and_a_broken_version_never_served(champion, ranking):
+    """`--follow-alias-s`: a promotion (the alias moved to another version) is loaded, checked
+    and swapped in while the server answers; a version that cannot load is logged and the
+    served one stays."""
+    _, uri, _ = champion
+    client = MlflowClient(tracking_uri=uri)
+    first = client.get_model_version_by_alias("recd-dlrm", "champion")
+    server = recd_serve(uri, "--follow-alias-s", "0.5")
+
+    def served_version() -> str:
+        with urllib.request.urlopen(server.url("/version"), timeout=30) as r:
+            return json.loads(r.read())["version"]
+
+    def wait_for(version: str) -> None:
+        deadline = time.monotonic() + 90
+        while served_version() != version:
+            assert time.monotonic() < deadline, f"still serving {served_version()}"
+            status, body = server.post(ranking)  # answering all along
+            assert status == 200, body
+            time.sleep(0.2)
+
+    try:
+        assert served_version() == str(first.version)
+        status, body = server.post(ranking)
+        scores = json.loads(body)["predictions"]
+        # a promotion: a new version of the same model, the alias moved to it
+        promoted = client.create_model_version("recd-dlrm", first.source, run_id=first.run_id)
+        client.set_registered_model_alias("recd-dlrm", "champion", promoted.version)
+        wait_for(str(promoted.version))
+        status, body = server.post(ranking)
+        assert status == 200 and json.loads(body)["predictions"] == pytest.approx(scores)
+        # a version whose artifacts are gone: never swapped in
+        broken = client.create_model_version("recd-dlrm", str(Path(uri[10:]).parent / "gone"),
+                                             run_id=first.run_id)  # fmt: skip
+        client.set_registered_model_alias("recd-dlrm", "champion", broken.version)
+        time.sleep(3)
+        assert served_version() == str(promoted.version)
+        assert server.post(ranking)[0] == 200
+    finally:
+        client.set_registered_model_alias("recd-dlrm", "champion", first.version)
+        server.stop()
+    log = server.proc.stderr.read().decode()
+    assert f"now serving models:/recd-dlrm@champion version {promoted.version}" in log
+    assert f"version {promoted.version} serves on" in log

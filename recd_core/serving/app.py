@@ -8,7 +8,7 @@ MLflow's scoring protocol, so a client of one works with the other:
     GET  /ready           200 once a ranking request (the smallest valid one: ids 0, one
                           candidate) went through the whole request path to a finite score;
                           the chart's readiness probe
-    GET  /version         the recd version and the model served
+    GET  /version         the recd version, the model served and its registry version
     POST /invocations     application/json: dataframe_split | dataframe_records
                           -> {"predictions": [p, ...]}
                           sample rows (one per impression), or ranking requests (the
@@ -28,6 +28,12 @@ What it adds to MLflow's server is what an orchestrated service needs (`ServeCon
     anything unexpected                  500 "the server log has the details" (traceback
                                          logged, never sent)
 
+Served by alias (`models:/recd-dlrm@champion`) with `serve.follow_alias_s`, the server checks
+the alias that often; when it names another version (a promotion), that version is loaded,
+its readiness request scored, and it replaces the served model between requests (a request
+in flight finishes on the model it started with; memory holds both models meanwhile). A
+failed load keeps the old model serving and says why in the log.
+
 Every non-200 body is one JSON line, `{"error_code": ..., "message": ...}` (MLflow's keys),
 with no stack trace and no echo of the request. Scoring runs serve.batch_rows rows at a time,
 one request at a time (torch already uses every core the process has).
@@ -36,8 +42,10 @@ one request at a time (torch already uses every core the process has).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -62,6 +70,7 @@ class Scorer:
     model: object
     meta: dict
     served: str
+    version: str | None = None  # the registry version, for a registered model
     features: FeatureSet = field(init=False)
     schema: pa.Schema = field(init=False)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -74,6 +83,7 @@ class Scorer:
         self.features = samples_features(self.meta)
         self.schema = events_schema(self.features)
         self.prep = prepared_of(self.meta)
+        self.probe = json.dumps(probe_request(self.schema, self.features)).encode()
 
     def rank(self, requests: list, batch_rows: int, dedup: bool, deadline: float) -> np.ndarray:
         """Each ranking request's candidates scored (the user side once a batch, or once a
@@ -94,10 +104,25 @@ class Scorer:
                            deadline=deadline).astype(np.float64)  # fmt: skip
 
 
+ALIASED = re.compile(r"^models:/(?P<name>[^/@]+)@(?P<alias>[\w-]+)$")
+
+
+def alias_version(uri: str) -> str | None:
+    """The version a `models:/NAME@ALIAS` URI names now (through the tracking URI already
+    set); None for any other URI."""
+    found = ALIASED.match(uri)
+    if found is None:
+        return None
+    from mlflow.tracking import MlflowClient
+
+    return str(MlflowClient().get_model_version_by_alias(found["name"], found["alias"]).version)
+
+
 def load_scorer(uri: str) -> Scorer:
     """A registered model (`models:/name@alias`, `models:/name/3`, `runs:/…`: MLflow's pyfunc,
     through the tracking URI already set) or a trained model (a directory, or
-    `<warehouse>/models/<run>`)."""
+    `<warehouse>/models/<run>`). An alias is resolved first and its version loaded, so the
+    scorer knows which version it holds."""
     if uri.startswith(("models:/", "runs:/", "mlflow-artifacts:")):
         import mlflow.pyfunc
         from mlflow.exceptions import MlflowException
@@ -105,12 +130,14 @@ def load_scorer(uri: str) -> Scorer:
         from recd_core.errors import BadInput, TrackingError, first_line
 
         try:
-            scorer = mlflow.pyfunc.load_model(uri).unwrap_python_model()
+            version = alias_version(uri)
+            pinned = f"models:/{ALIASED.match(uri)['name']}/{version}" if version else uri
+            scorer = mlflow.pyfunc.load_model(pinned).unwrap_python_model()
         except MlflowException as e:
             if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
                 raise BadInput(f"no model to serve at {uri}: {first_line(e, 200)}") from None
             raise TrackingError(f"cannot load {uri}: {first_line(e, 200)}") from None
-        return Scorer(scorer.model, scorer.meta, uri)
+        return Scorer(scorer.model, scorer.meta, uri, version)
     from recd_core.modeling.saved import load_model
 
     model, meta = load_model(uri)
@@ -159,8 +186,9 @@ def parse_json(body: bytes) -> object:
         raise RequestError("invalid JSON: an integer of thousands of digits") from None
 
 
-def build_app(scorer: Scorer, cfg: ServeConfig):
-    """The ASGI app (Starlette) serving `scorer` under the limits of `cfg`."""
+def build_app(first: Scorer, cfg: ServeConfig):
+    """The ASGI app (Starlette) serving `first` under the limits of `cfg`; with
+    `cfg.follow_alias_s`, the model its alias names from then on (`follow_alias`)."""
     from starlette.applications import Starlette
     from starlette.responses import Response
     from starlette.routing import Route
@@ -168,12 +196,14 @@ def build_app(scorer: Scorer, cfg: ServeConfig):
     from recd_core.lineage import code_version
 
     in_flight = 0
+    serving = {"scorer": first}  # swapped whole when the alias moves; a request keeps its own
 
     def answer(status: int, message: str, headers: dict | None = None) -> Response:
         return Response(error_body(status, message), status, headers,
                         media_type="application/json")  # fmt: skip
 
-    def work(body: bytes, deadline: float) -> bytes:
+    def work(body: bytes, deadline: float, scorer: Scorer | None = None) -> bytes:
+        scorer = scorer or serving["scorer"]
         columns, n = request_columns(parse_json(body), cfg.max_rows)
         if CANDIDATES in columns:
             requests = ranking_requests(columns, n, scorer.schema, scorer.features, cfg.max_rows)
@@ -216,25 +246,63 @@ def build_app(scorer: Scorer, cfg: ServeConfig):
     async def ping(request) -> Response:
         return Response("\n", 200, media_type="application/json")
 
-    probe = json.dumps(probe_request(scorer.schema, scorer.features)).encode()
+    def probed(scorer: Scorer) -> bytes:
+        """The scorer's readiness request scored through `work` (ValueError if the score is
+        not a probability)."""
+        out = work(scorer.probe, time.monotonic() + cfg.timeout_s, scorer)
+        scores = json.loads(out)["predictions"]
+        if len(scores) != 1 or not 0.0 <= scores[0] <= 1.0:
+            raise ValueError(f"the readiness request scored {scores[:2]}, not a probability")
+        return out
 
     async def ready(request) -> Response:
         try:
-            deadline = time.monotonic() + cfg.timeout_s
-            out = await asyncio.wait_for(asyncio.to_thread(work, probe, deadline), cfg.timeout_s)
-            scores = json.loads(out)["predictions"]
-            if len(scores) == 1 and 0.0 <= scores[0] <= 1.0:
-                return Response(out, 200, media_type="application/json")
-            return answer(500, f"the readiness request scored {scores[:2]}, not a probability")
+            out = await asyncio.wait_for(asyncio.to_thread(probed, serving["scorer"]),
+                                         cfg.timeout_s)  # fmt: skip
+            return Response(out, 200, media_type="application/json")
         except Exception as e:  # noqa: BLE001 - not ready, said in one line; the log has more
             log.exception("the readiness request failed")
             return answer(503, f"not ready: the readiness request failed ({type(e).__name__})")
 
     async def version(request) -> Response:
-        about = {"recd": code_version(), "model": scorer.served}
+        scorer = serving["scorer"]
+        about = {"recd": code_version(), "model": scorer.served, "version": scorer.version}
         return Response(json.dumps(about), 200, media_type="application/json")
+
+    async def follow_alias() -> None:
+        """Every `follow_alias_s`: where the alias now names another version, load it, score
+        its readiness request, and swap it in; the old model serves until then, and keeps
+        serving if any step fails (logged)."""
+        while True:
+            await asyncio.sleep(cfg.follow_alias_s)
+            held = serving["scorer"]
+            try:
+                moved = await asyncio.to_thread(alias_version, held.served)
+                if moved == held.version:
+                    continue
+                log.info("%s moved to version %s: loading it", held.served, moved)
+                new = await asyncio.to_thread(load_scorer, held.served)
+                await asyncio.to_thread(probed, new)
+                serving["scorer"] = new
+                log.info("now serving %s version %s", new.served, new.version)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the served model stays; said in the log
+                log.warning("following %s failed, version %s serves on: %s: %s", held.served,
+                            held.version, type(e).__name__, str(e).splitlines()[0][:300])  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        follow = None
+        if cfg.follow_alias_s > 0 and first.version is not None:
+            follow = asyncio.create_task(follow_alias())
+        try:
+            yield
+        finally:
+            if follow is not None:
+                follow.cancel()
 
     routes = [Route("/invocations", invocations, methods=["POST"]),
               Route("/ping", ping), Route("/health", ping), Route("/ready", ready),
               Route("/version", version)]  # fmt: skip
-    return Starlette(routes=routes)
+    return Starlette(routes=routes, lifespan=lifespan)
