@@ -11,7 +11,7 @@ import torch
 
 from recd_core.config import ModelConfig, PreprocessConfig, TransformSpec
 from recd_core.dpp.preprocess import prepare
-from recd_core.modeling.model import build_model
+from recd_core.modeling.model import build_model, members_of
 from recd_core.modeling.saved import predict
 from recd_core.schema import events_schema
 from recd_core.serving.ranking import (
@@ -119,3 +119,27 @@ def test_the_readiness_request_is_valid_and_scored(served, features):
     assert ranking.size == 1
     (score,) = score_ranking(model, prep, ranking)
     assert 0.0 < score < 1.0
+
+
+def test_the_user_side_is_encoded_once_a_request_whatever_its_batches(served, features):
+    """300 candidates in batches of 64: the history encoder runs once, on the one user row;
+    with dedup off it runs on every candidate of every batch."""
+    model, meta, prep, rows = served
+    ranking, as_rows = one_request(rows, features)
+    encoders = [h for m in members_of(model) for h in m.history.values()]
+    assert encoders, "the synthetic features have a history"
+    calls: list[int] = []
+    hooks = [h.register_forward_hook(lambda m, i, out: calls.append(out[0].shape[0]))
+             for h in encoders]  # fmt: skip
+    try:
+        scores = score_ranking(model, prep, ranking, batch_rows=64)
+        once = list(calls)
+        calls.clear()
+        score_ranking(model, prep, ranking, batch_rows=64, dedup=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert once == [1] * len(encoders)
+    assert sum(calls) == N * len(encoders) and len(calls) == 5 * len(encoders)
+    by_rows = predict(model, meta, as_rows, batch_size=64, trust_sessions=False)
+    np.testing.assert_allclose(scores, by_rows, rtol=0, atol=1e-6)

@@ -87,7 +87,7 @@ def dedupable_share(
     def group_work(jts):
         for p in model.parameters():
             p.grad = None
-        outs = [model._embed(n, jt, {}).sum() for n, jt in jts.items()]
+        outs = [model._encode(n, jt)[0].sum() for n, jt in jts.items()]
         if aux is not None:  # the list co-occurrence loss is the group's work too
             rows = [(n, jt, torch.ones(jt.lengths.numel(), device=jt.values.device))
                     for n, jt in sorted(jts.items()) if n in lists]  # fmt: skip

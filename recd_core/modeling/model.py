@@ -310,43 +310,47 @@ class DLRM(Calibrated):
                     f"feature {name!r}: ids must be in [0, {size}) (its table size), got [{lo}, {hi}]"
                 )
 
-    def _embed(self, name: str, jt: JaggedTensor, tokens: dict, inverse=None,
-               vectors: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """[rows, d] for one feature; a history also leaves its tokens (expanded to samples
-        by `inverse` when the rows are a group's unique rows) for target attention. The
-        caller has checked the ids (`_check_ids`). `vectors`: the ids' vectors, looked up
-        elsewhere (`lookup`)."""
+    def _encode(self, name: str, jt: JaggedTensor, vectors: torch.Tensor | None = None):
+        """One feature's rows -> ([rows, d], the history's tokens and mask for target
+        attention, or None). The caller has checked the ids (`_check_ids`). `vectors`: the
+        ids' vectors, looked up elsewhere (`lookup`)."""
         if name not in self.history:
             if vectors is not None:
-                return pooled(vectors, jt, self.cfg.pooling)
-            return self.bags[self.table_of[name]](jt.values, jt.offsets[:-1])
+                return pooled(vectors, jt, self.cfg.pooling), None
+            return self.bags[self.table_of[name]](jt.values, jt.offsets[:-1]), None
         shared = self.history_table[name]
         if vectors is not None:
             pooled_, x, valid = self.history[name](jt, vectors=vectors)
         else:
             table = self.bags[shared].weight if shared else None
             pooled_, x, valid = self.history[name](jt, table)
-        if name in self.targeted:
-            if inverse is not None:
-                x, valid = x.index_select(0, inverse), valid.index_select(0, inverse)
-            tokens[name] = (x, valid)
-        return pooled_
+        return pooled_, ((x, valid) if name in self.targeted else None)
 
     def embed_features(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """[B, d] per id feature: per sample from `kjt`, unique-then-expand from `groups`;
-        then each history attended by the sample's item (`<history>@item`)."""
+        """[B, d] per id feature: per sample from `kjt`, unique-then-expand from `groups`
+        (the unique rows' results taken from `batch.shared` where an earlier batch of the
+        same request left them); then each history attended by the sample's item
+        (`<history>@item`)."""
         out: dict[str, torch.Tensor] = {}
         tokens: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         per_sample = list(batch.kjt.to_dict().items()) if batch.kjt is not None else []
         unique = [(n, jt, ik.inverse_indices) for ik in batch.groups.values()
                   for n, jt in ik.unique.to_dict().items()]  # fmt: skip
-        self._check_ids(per_sample + [(n, jt) for n, jt, _ in unique])
-        vectors = self.lookup(batch)
+        done = batch.shared if batch.shared is not None else {}
+        todo = [(n, jt) for n, jt, _ in unique if (self, n) not in done]
+        self._check_ids(per_sample + todo)
+        vectors = self.lookup(batch)  # always: a sharded lookup is a collective
         for name, jt in per_sample:
-            out[name] = self._embed(name, jt, tokens, vectors=vectors.get(name))
+            out[name], seq = self._encode(name, jt, vectors.get(name))
+            if seq is not None:
+                tokens[name] = seq
         for name, jt, inverse in unique:
-            looked_up = vectors.get(name)
-            out[name] = self._embed(name, jt, tokens, inverse, looked_up).index_select(0, inverse)
+            if (self, name) not in done:
+                done[self, name] = self._encode(name, jt, vectors.get(name))
+            rows, seq = done[self, name]
+            out[name] = rows.index_select(0, inverse)
+            if seq is not None:
+                tokens[name] = (seq[0].index_select(0, inverse), seq[1].index_select(0, inverse))
         missing = [n for n in self.order if n not in out]
         if missing:
             raise JaggedError(f"batch lacks features {missing}")

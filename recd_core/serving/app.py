@@ -86,7 +86,7 @@ class Scorer:
         self.probe = json.dumps(probe_request(self.schema, self.features)).encode()
 
     def rank(self, requests: list, batch_rows: int, dedup: bool, deadline: float) -> np.ndarray:
-        """Each ranking request's candidates scored (the user side once a batch, or once a
+        """Each ranking request's candidates scored (the user side once a request, or once a
         candidate with `dedup` off), one request after the other."""
         from recd_core.serving.ranking import score_ranking
 

@@ -24,8 +24,9 @@ an InverseKeyedJaggedTensor of one unique row, every candidate pointing at it,
     dense:         [user_dense (once, broadcast) | item_dense]                 [N, D]
 
 so the embedding bags and the history encoder run on the one user row, and its vectors are
-expanded by the inverse indices. Candidates are scored `batch_rows` at a time: the user
-side is computed once per batch (one batch holds `serve.batch_rows` candidates).
+expanded by the inverse indices. Candidates are scored `batch_rows` at a time; the user
+row's results are computed for the first batch and reused by the others (`Batch.shared`),
+so the user side is computed once a request, whatever its size.
 `dedup=False` expands the user row to every candidate first (the same model computing the
 user side per candidate), which is what the benchmark compares against.
 """
@@ -215,13 +216,16 @@ def prepared_of(meta: dict) -> Prepared:
 
 def score_ranking(model, prep: Prepared, ranking: Ranking, batch_rows: int = 1024,
                   dedup: bool = True, deadline: float | None = None) -> np.ndarray:  # fmt: skip
-    """Click probabilities of a request's candidates, `batch_rows` candidates at a time;
-    past `deadline` (monotonic) it stops between batches (TimeoutError)."""
-    out = []
+    """Click probabilities of a request's candidates, `batch_rows` candidates at a time, the
+    user row's embeddings and history encoded for the first batch and kept for the rest
+    (`Batch.shared`); past `deadline` (monotonic) it stops between batches (TimeoutError)."""
+    out, shared = [], {}  # the user row's results: computed for the first batch, reused
     with torch.no_grad():
         for lo in range(0, ranking.size, batch_rows):
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError
             part = Ranking(ranking.user, ranking.candidates.slice(lo, batch_rows))
-            out.append(torch.sigmoid(model(ranking_batch(part, prep, dedup))).numpy())
+            batch = ranking_batch(part, prep, dedup)
+            batch.shared = shared if dedup else None
+            out.append(torch.sigmoid(model(batch)).numpy())
     return np.concatenate(out) if out else np.zeros(0, np.float32)
