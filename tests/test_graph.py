@@ -94,6 +94,7 @@ LAYERS = [
     "data",
     "dpp",
     "modeling",
+    "scoring",
     "mlops",
     "serving",
     "orchestration",

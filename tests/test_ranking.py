@@ -1,4 +1,4 @@
-"""Ranking requests (serving/ranking.py): one user's side once and its candidates, built
+"""Ranking requests (scoring/ranking.py): one user's side once and its candidates, built
 straight into the model's batch, score as the same samples in the row format do; refusals
 name the candidate (or the user side) and the field."""
 
@@ -14,7 +14,7 @@ from recd_core.dpp.preprocess import prepare
 from recd_core.modeling.model import build_model, members_of
 from recd_core.modeling.saved import predict
 from recd_core.schema import events_schema
-from recd_core.serving.ranking import (
+from recd_core.scoring.ranking import (
     CANDIDATES,
     Ranking,
     candidate_side,
@@ -24,7 +24,7 @@ from recd_core.serving.ranking import (
     score_ranking,
     user_side,
 )
-from recd_core.serving.request import RequestError, request_columns
+from recd_core.scoring.request import RequestError, request_columns
 from recd_core.warehouse import Warehouse
 
 N = 300

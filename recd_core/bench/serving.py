@@ -10,7 +10,7 @@ server's peak resident memory while that size was served (the kernel's high-wate
 reset before each size).
 
 Then ranking (`serving.ranking.*`): one user and 1, 100 or 1,000 candidates, sent to
-`recd serve` as a ranking request (the user side once: serving/ranking.py), as the same
+`recd serve` as a ranking request (the user side once: scoring/ranking.py), as the same
 request in the row format (the user side repeated in every row), and as the ranking request
 to the same model served with `--no-dedup` (the user side computed per candidate): p50 /
 p99 latency, requests a second (one client, one request at a time) and the server's peak
@@ -165,7 +165,7 @@ def serving_figures(model_uri: str, warehouse: str, ds: str, reference: bool = T
 def ranking_bodies(rows, features, sizes=CANDIDATES) -> dict:
     """Per candidate count: the ranking request (the first row's user side, the first rows'
     item and context features as candidates) and the same request as sample rows."""
-    from recd_core.serving.ranking import candidate_side, user_side
+    from recd_core.scoring.ranking import candidate_side, user_side
 
     users, cands = user_side(features), candidate_side(features)
     user = {c: rows[c][0].as_py() for c in users}

@@ -26,7 +26,7 @@ class Batch:
     """One training batch. `kjt`: per-sample id features; `groups`: deduplicated ones.
     `shared`: the groups' unique-row results (embeddings, history tokens) kept across the
     batches of one ranking request, whose unique rows are the same user row in every batch
-    (serving/ranking.py): the model computes them for the first batch and reuses them; None
+    (scoring/ranking.py): the model computes them for the first batch and reuses them; None
     elsewhere (training, evaluation: each batch its own unique rows)."""
 
     dense: torch.Tensor  # [B, D] float32

@@ -11,7 +11,7 @@ loaded with `weights_only=True`.
 It takes two formats (one signature, every column optional): sample rows, one per
 impression (batch scoring), and ranking requests, one row per request with the user side
 once and a `candidates` column listing each candidate's item and context features
-(serving/ranking.py: the user side computed once a request). The input example is a
+(scoring/ranking.py: the user side computed once a request). The input example is a
 ranking request; `predict` answers one probability per row, or per candidate in order."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from recd_core.config import ENVELOPE_COLUMNS
 from recd_core.schema import events_schema
 
 EXAMPLE_ROWS = 5
-CANDIDATES = "candidates"  # a ranking request's column (serving/ranking.py)
+CANDIDATES = "candidates"  # a ranking request's column (scoring/ranking.py)
 MAX_CANDIDATES = 100_000  # candidates in one pyfunc call (`recd serve` has serve.max_rows)
 NON_FEATURE_COLUMNS = tuple(ENVELOPE_COLUMNS)  # never trusted from a request: filled in
 
@@ -76,12 +76,12 @@ class SampleScorer(mlflow.pyfunc.PythonModel):
                                   "the details", INTERNAL_ERROR) from None  # fmt: skip
 
     def _rank(self, frame: pd.DataFrame) -> np.ndarray:
-        """Ranking requests (serving/ranking.py): each row's candidates scored, in order."""
+        """Ranking requests (scoring/ranking.py): each row's candidates scored, in order."""
         from mlflow.exceptions import MlflowException
         from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, INVALID_PARAMETER_VALUE
 
-        from recd_core.serving.ranking import prepared_of, ranking_requests, score_ranking
-        from recd_core.serving.request import RequestError
+        from recd_core.scoring.ranking import prepared_of, ranking_requests, score_ranking
+        from recd_core.scoring.request import RequestError
 
         columns = {c: [_plain(v) for v in frame[c]] for c in frame.columns}
         try:
@@ -166,7 +166,7 @@ def scoring_example(samples: pa.Table) -> pd.DataFrame:
 def ranking_example(samples: pa.Table, features) -> pd.DataFrame:
     """A ranking request as the input example: the first row's user side once, the first
     rows' item and context features as its candidates (float64, as `scoring_example`)."""
-    from recd_core.serving.ranking import candidate_side, user_side
+    from recd_core.scoring.ranking import candidate_side, user_side
 
     rows = scoring_example(samples)
     request = {c: [_plain(rows[c].iloc[0])] for c in user_side(features)}

@@ -1,2 +1,2 @@
-"""Serving the champion: `recd serve` (app.py) over requests parsed and checked like ingest's
-events (request.py)."""
+"""Serving the champion: `recd serve` (app.py) over the scoring requests of
+recd_core.scoring (sample rows and ranking requests, checked like ingest's events)."""

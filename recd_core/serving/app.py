@@ -12,7 +12,7 @@ MLflow's scoring protocol, so a client of one works with the other:
     POST /invocations     application/json: dataframe_split | dataframe_records
                           -> {"predictions": [p, ...]}
                           sample rows (one per impression), or ranking requests (the
-                          user side once, a `candidates` list: serving/ranking.py), one
+                          user side once, a `candidates` list: scoring/ranking.py), one
                           probability per row or per candidate
 
 What it adds to MLflow's server is what an orchestrated service needs (`ServeConfig`):
@@ -22,7 +22,7 @@ What it adds to MLflow's server is what an orchestrated service needs (`ServeCon
     a request past serve.max_rows        413, before a column is built
     more than serve.max_in_flight        503 with Retry-After: the server holds at most that
       requests at once                   many bodies, so its memory is bounded
-    a value of the wrong type, a bad id  400 naming the row and the field (serving/request.py:
+    a value of the wrong type, a bad id  400 naming the row and the field (scoring/request.py:
                                          no coercion; ingest's checks)
     a request past serve.timeout_s       504; its scoring stops at the next batch
     anything unexpected                  500 "the server log has the details" (traceback
@@ -54,8 +54,8 @@ import numpy as np
 import pyarrow as pa
 
 from recd_core.config import FeatureSet, ServeConfig
-from recd_core.serving.ranking import CANDIDATES, probe_request, ranking_requests
-from recd_core.serving.request import RequestError, request_columns, request_table
+from recd_core.scoring.ranking import CANDIDATES, probe_request, ranking_requests
+from recd_core.scoring.request import RequestError, request_columns, request_table
 
 log = logging.getLogger("recd.serving")
 
@@ -78,7 +78,7 @@ class Scorer:
     def __post_init__(self) -> None:
         from recd_core.mlops.pyfunc import samples_features
         from recd_core.schema import events_schema
-        from recd_core.serving.ranking import prepared_of
+        from recd_core.scoring.ranking import prepared_of
 
         self.features = samples_features(self.meta)
         self.schema = events_schema(self.features)
@@ -88,7 +88,7 @@ class Scorer:
     def rank(self, requests: list, batch_rows: int, dedup: bool, deadline: float) -> np.ndarray:
         """Each ranking request's candidates scored (the user side once a request, or once a
         candidate with `dedup` off), one request after the other."""
-        from recd_core.serving.ranking import score_ranking
+        from recd_core.scoring.ranking import score_ranking
 
         with self.lock:
             return np.concatenate([score_ranking(self.model, self.prep, r, batch_rows, dedup,

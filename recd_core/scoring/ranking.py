@@ -48,7 +48,7 @@ from recd_core.dedup.sparse import InverseKeyedJaggedTensor, KeyedJaggedTensor
 from recd_core.dpp.batch_store import Batch, expand
 from recd_core.dpp.preprocess import Prepared, dense_matrix, feature_ids
 from recd_core.dpp.transforms import transform_dense
-from recd_core.serving.request import RequestError, typed_column
+from recd_core.scoring.request import RequestError, typed_column
 
 CANDIDATES = "candidates"
 
