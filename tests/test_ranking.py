@@ -143,3 +143,21 @@ def test_the_user_side_is_encoded_once_a_request_whatever_its_batches(served, fe
     assert sum(calls) == N * len(encoders) and len(calls) == 5 * len(encoders)
     by_rows = predict(model, meta, as_rows, batch_size=64, trust_sessions=False)
     np.testing.assert_allclose(scores, by_rows, rtol=0, atol=1e-6)
+
+
+def test_an_optional_feature_left_out_is_missing_not_refused(served, features):
+    """A feature the config marks `required: false` may be left out of a candidate (and of
+    the user side): null, as an event may lack it; a required one left out is refused."""
+    *_, rows = served
+    loose = features.model_copy(update={"features": [
+        f.model_copy(update={"required": False}) if f.name in ("item_tags", "user_friends") else f
+        for f in features.features]})  # fmt: skip
+    body = _body(rows, loose)
+    body.pop("user_friends")
+    body[CANDIDATES][1].pop("item_tags")
+    columns, n = request_columns({"dataframe_records": [body]}, 100)
+    (ranking,) = ranking_requests(columns, n, events_schema(loose), loose, 100)
+    assert ranking.candidates["item_tags"].null_count == 1
+    assert ranking.user["user_friends"].null_count == 1
+    with pytest.raises(RequestError, match="lacks user feature"):
+        ranking_requests(columns, n, events_schema(features), features, 100)

@@ -82,7 +82,7 @@ def ranking_requests(columns: dict[str, list], n: int, schema: pa.Schema,
     `max_rows` candidates in all is a 413. A refusal names the request, the candidate and
     the field."""
     users, cands = user_side(features), candidate_side(features)
-    missing = [c for c in users if c not in columns]
+    missing = [c for c in users if c not in columns and features[c].required]
     if missing:
         raise RequestError(f"the ranking request lacks user feature(s): {', '.join(missing)}")
     lists = columns[CANDIDATES]
@@ -99,16 +99,17 @@ def ranking_requests(columns: dict[str, list], n: int, schema: pa.Schema,
     out = []
     for r in range(n):
         where = f"request {r}: " if n > 1 else ""
-        user = _table({c: [columns[c][r]] for c in users}, fields, features, where + "user ")
+        user = _table({c: [columns[c][r] if c in columns else None] for c in users}, fields,
+                      features, where + "user ")  # fmt: skip
         rows: dict[str, list] = {c: [] for c in cands}
         for i, cand in enumerate(lists[r]):
             if not isinstance(cand, dict):
                 raise RequestError(f"{where}candidate {i}: expected an object of item features")
-            lacking = [c for c in cands if c not in cand]
+            lacking = [c for c in cands if c not in cand and features[c].required]
             if lacking:
                 raise RequestError(f"{where}candidate {i}: lacks {', '.join(map(repr, lacking))}")
-            for c in cands:
-                rows[c].append(cand[c])
+            for c in cands:  # an optional feature left out is missing (null), as in a log
+                rows[c].append(cand.get(c))
         out.append(Ranking(user, _table(rows, fields, features, where + "candidate ")))
     return out
 
