@@ -45,10 +45,12 @@ class SampleScorer(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context) -> None:
         from recd_core.modeling.saved import load_model
+        from recd_core.scoring.ranking import prepared_of
 
         self.model, self.meta = load_model(context.artifacts["dlrm"])
         self.features = samples_features(self.meta)
         self.schema = events_schema(self.features)
+        self.prep = prepared_of(self.meta)  # a ranking request's transforms and groups
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> np.ndarray:
         from mlflow.exceptions import MlflowException
@@ -80,7 +82,7 @@ class SampleScorer(mlflow.pyfunc.PythonModel):
         from mlflow.exceptions import MlflowException
         from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, INVALID_PARAMETER_VALUE
 
-        from recd_core.scoring.ranking import prepared_of, ranking_requests, score_ranking
+        from recd_core.scoring.ranking import ranking_requests, score_ranking
         from recd_core.scoring.request import RequestError
 
         columns = {c: [_plain(v) for v in frame[c]] for c in frame.columns}
@@ -89,8 +91,6 @@ class SampleScorer(mlflow.pyfunc.PythonModel):
                                         max_rows=MAX_CANDIDATES)  # fmt: skip
         except RequestError as e:
             raise MlflowException(f"scoring input {e}", INVALID_PARAMETER_VALUE) from None
-        if not hasattr(self, "prep"):
-            self.prep = prepared_of(self.meta)
         try:
             return np.concatenate(
                 [score_ranking(self.model, self.prep, r).astype(np.float64) for r in requests]

@@ -105,6 +105,7 @@ class Scorer:
 
 
 ALIASED = re.compile(r"^models:/(?P<name>[^/@]+)@(?P<alias>[\w-]+)$")
+PINNED = re.compile(r"^models:/(?P<name>[^/@]+)/(?P<version>\d+)$")
 
 
 def alias_version(uri: str) -> str | None:
@@ -130,9 +131,10 @@ def load_scorer(uri: str) -> Scorer:
         from recd_core.errors import BadInput, TrackingError, first_line
 
         try:
-            version = alias_version(uri)
-            pinned = f"models:/{ALIASED.match(uri)['name']}/{version}" if version else uri
-            scorer = mlflow.pyfunc.load_model(pinned).unwrap_python_model()
+            aliased, pinned = ALIASED.match(uri), PINNED.match(uri)
+            version = alias_version(uri) if aliased else pinned["version"] if pinned else None
+            source = f"models:/{aliased['name']}/{version}" if aliased else uri
+            scorer = mlflow.pyfunc.load_model(source).unwrap_python_model()
         except MlflowException as e:
             if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
                 raise BadInput(f"no model to serve at {uri}: {first_line(e, 200)}") from None
@@ -294,8 +296,11 @@ def build_app(first: Scorer, cfg: ServeConfig):
     @contextlib.asynccontextmanager
     async def lifespan(app):
         follow = None
-        if cfg.follow_alias_s > 0 and first.version is not None:
+        if cfg.follow_alias_s > 0 and ALIASED.match(first.served):
             follow = asyncio.create_task(follow_alias())
+        elif cfg.follow_alias_s > 0:
+            log.warning("serve.follow_alias_s: %s names no alias (models:/NAME@ALIAS); it is "
+                        "served as loaded", first.served)  # fmt: skip
         try:
             yield
         finally:
