@@ -261,8 +261,7 @@ def _encode(
     for f in prep.raw.features:
         if f.kind != "dense":
             continue
-        t = prep.cfg.transform_for(f)
-        out = transform_dense(dense_matrix(chunk[f.name], f.dim), t, prep.stats.get(f.name))
+        out = transformed_dense(chunk[f.name], f, prep)
         if isinstance(out, tuple):
             extra_ids[f.name] = out
         else:
@@ -331,6 +330,13 @@ def _add_ids(cols: dict, name: str, values: np.ndarray, lengths: np.ndarray, bou
     offsets = np.r_[0, np.cumsum(lengths)]
     cols[f"{name}.values"] = _lists(values, offsets[bounds], _I64)
     cols[f"{name}.lengths"] = _lists(lengths.astype(np.int32), bounds, _I32)
+
+
+def transformed_dense(col, spec, prep: Prepared):
+    """A dense feature's column transformed as the run's DPP does: [rows, dim] floats, or
+    (bucketized) an id list's values and lengths."""
+    return transform_dense(dense_matrix(col, spec.dim), prep.cfg.transform_for(spec),
+                           prep.stats.get(spec.name))  # fmt: skip
 
 
 def feature_ids(col, prep: Prepared, name: str) -> tuple[np.ndarray, np.ndarray]:

@@ -82,7 +82,7 @@ class SampleScorer(mlflow.pyfunc.PythonModel):
         from mlflow.exceptions import MlflowException
         from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, INVALID_PARAMETER_VALUE
 
-        from recd_core.scoring.ranking import ranking_requests, score_ranking
+        from recd_core.scoring.ranking import ranking_requests, score_rankings
         from recd_core.scoring.request import RequestError
 
         columns = {c: [_plain(v) for v in frame[c]] for c in frame.columns}
@@ -92,9 +92,7 @@ class SampleScorer(mlflow.pyfunc.PythonModel):
         except RequestError as e:
             raise MlflowException(f"scoring input {e}", INVALID_PARAMETER_VALUE) from None
         try:
-            return np.concatenate(
-                [score_ranking(self.model, self.prep, r).astype(np.float64) for r in requests]
-            )
+            return score_rankings(self.model, self.prep, requests)
         except Exception as e:  # noqa: BLE001 - the traceback to the log, not to the client
             logging.getLogger("recd.serving").exception("scoring failed")
             raise MlflowException(f"scoring failed ({type(e).__name__}); the server log has "

@@ -46,8 +46,7 @@ from recd_core.config import FeatureSet
 from recd_core.data.checks import first_failure, semantic_checks
 from recd_core.dedup.sparse import InverseKeyedJaggedTensor, KeyedJaggedTensor
 from recd_core.dpp.batch_store import Batch, expand
-from recd_core.dpp.preprocess import Prepared, dense_matrix, feature_ids
-from recd_core.dpp.transforms import transform_dense
+from recd_core.dpp.preprocess import Prepared, feature_ids, transformed_dense
 from recd_core.scoring.request import RequestError, typed_column
 
 CANDIDATES = "candidates"
@@ -152,12 +151,12 @@ def ranking_batch(ranking: Ranking, prep: Prepared, dedup: bool = True) -> Batch
     for f in prep.raw.features:
         if f.kind != "dense":
             continue
-        side_table = user if f.name in user.column_names else cands
-        out = transform_dense(dense_matrix(side_table[f.name], f.dim), prep.cfg.transform_for(f),
-                              prep.stats.get(f.name))  # fmt: skip
-        if side_table is user:
-            out = _repeat_ids(out, n) if isinstance(out, tuple) else np.repeat(out, n, axis=0)
-        (extra_ids.__setitem__(f.name, out) if isinstance(out, tuple) else dense_parts.append(out))
+        once = f.name in user.column_names  # the user's: transformed once, then repeated
+        out = transformed_dense((user if once else cands)[f.name], f, prep)
+        if isinstance(out, tuple):  # bucketized: an id list
+            extra_ids[f.name] = _repeat_ids(out, n) if once else out
+        else:
+            dense_parts.append(np.repeat(out, n, axis=0) if once else out)
     dense = np.concatenate(dense_parts, axis=1) if dense_parts else np.zeros((n, 0), np.float32)
     keys, values, lengths = [], [], []
     for f in prep.model.features:
@@ -170,22 +169,23 @@ def ranking_batch(ranking: Ranking, prep: Prepared, dedup: bool = True) -> Batch
         else:
             v, ln = feature_ids(cands[f.name], prep, f.name)
         keys.append(f.name)
-        values.append(torch.from_numpy(np.ascontiguousarray(v, np.int64)))
-        lengths.append(torch.from_numpy(np.ascontiguousarray(ln, np.int64)))
+        values.append(_int64(v))
+        lengths.append(_int64(ln))
     kjt = KeyedJaggedTensor(keys, torch.cat(values), torch.cat(lengths)) if keys else None
     groups = {}
     for g, gkeys in prep.groups.items():
         parts = [feature_ids(user[k], prep, k) for k in gkeys]
-        unique = KeyedJaggedTensor(
-            gkeys,
-            torch.cat([torch.from_numpy(np.ascontiguousarray(v, np.int64)) for v, _ in parts]),
-            torch.cat([torch.from_numpy(np.ascontiguousarray(ln, np.int64)) for _, ln in parts]),
-        )
+        unique = KeyedJaggedTensor(gkeys, torch.cat([_int64(v) for v, _ in parts]),
+                                   torch.cat([_int64(ln) for _, ln in parts]))  # fmt: skip
         groups[g] = InverseKeyedJaggedTensor(unique, torch.zeros(n, dtype=torch.int64),
                                              validate=False)  # fmt: skip
     batch = Batch(torch.from_numpy(np.ascontiguousarray(dense, np.float32)), kjt,
                   torch.zeros(n, dtype=torch.float32), groups)  # fmt: skip
     return batch if dedup else expand(batch)
+
+
+def _int64(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, np.int64))
 
 
 def _repeat_ids(parts: tuple[np.ndarray, np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -230,3 +230,11 @@ def score_ranking(model, prep: Prepared, ranking: Ranking, batch_rows: int = 102
             batch.shared = shared if dedup else None
             out.append(torch.sigmoid(model(batch)).numpy())
     return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+
+def score_rankings(model, prep: Prepared, requests: list[Ranking], batch_rows: int = 1024,
+                   dedup: bool = True, deadline: float | None = None) -> np.ndarray:  # fmt: skip
+    """Every request's candidates scored (`score_ranking`), one request after the other: the
+    answer of a body of ranking requests, float64 as the servers send it."""
+    scores = [score_ranking(model, prep, r, batch_rows, dedup, deadline) for r in requests]
+    return np.concatenate(scores).astype(np.float64)

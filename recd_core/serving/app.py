@@ -88,11 +88,10 @@ class Scorer:
     def rank(self, requests: list, batch_rows: int, dedup: bool, deadline: float) -> np.ndarray:
         """Each ranking request's candidates scored (the user side once a request, or once a
         candidate with `dedup` off), one request after the other."""
-        from recd_core.scoring.ranking import score_ranking
+        from recd_core.scoring.ranking import score_rankings
 
         with self.lock:
-            return np.concatenate([score_ranking(self.model, self.prep, r, batch_rows, dedup,
-                                                 deadline) for r in requests]).astype(np.float64)  # fmt: skip
+            return score_rankings(self.model, self.prep, requests, batch_rows, dedup, deadline)
 
     def score(self, table: pa.Table, batch_rows: int, deadline: float) -> np.ndarray:
         """Click probabilities, `batch_rows` rows at a time; past `deadline` (monotonic) it
@@ -211,10 +210,10 @@ def build_app(first: Scorer, cfg: ServeConfig):
             requests = ranking_requests(columns, n, scorer.schema, scorer.features, cfg.max_rows)
             del columns
             probs = scorer.rank(requests, cfg.batch_rows, cfg.dedup, deadline)
-            return json.dumps({"predictions": probs.tolist()}).encode()
-        table = request_table(columns, n, scorer.schema, scorer.features)
-        del columns
-        probs = scorer.score(table, cfg.batch_rows, deadline)
+        else:
+            table = request_table(columns, n, scorer.schema, scorer.features)
+            del columns
+            probs = scorer.score(table, cfg.batch_rows, deadline)
         return json.dumps({"predictions": probs.tolist()}).encode()
 
     async def invocations(request) -> Response:
