@@ -17,7 +17,7 @@ from pathlib import Path
 from components._kfp import write_outputs
 from recd_core.errors import BadInput, RecdError
 from recd_core.orchestration.graph import PULLED_FROM, STAGES
-from recd_core.orchestration.nodes import RDZV_PORT
+from recd_core.orchestration.nodes import NODE_OPTIONS, RDZV_PORT
 from recd_core.orchestration.schedule import training_day
 from recd_core.orchestration.stage_args import stage_args, stage_options
 from recd_core.orchestration.stages import run_stage, with_upstream
@@ -45,16 +45,8 @@ def parser(stage: str) -> argparse.ArgumentParser:
         help="Kubeflow: the executor input (`{{$}}`); the "
         "stage's typed outputs are written as it asks (components/_kfp.py)",
     )
-    p.add_argument(
-        "--nodes",
-        type=int,
-        default=1,
-        help="train across this many machines (pods), this one a node of them",
-    )
-    p.add_argument("--node-rank", type=int, default=0, help="this machine's node (0: hosts)")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="processes on this machine")
-    p.add_argument("--rendezvous", default="",
-                   help="the orchestrator's run id: where node 0's address is published")  # fmt: skip
+    for name, kind, default, text in NODE_OPTIONS:  # a stage run across machines
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=text)
     p.add_argument(
         "--scheduled-time",
         help="a recurring run's scheduled time (ISO 8601): "
@@ -80,7 +72,7 @@ def _stop_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, stop)
 
 
-NODE_FLAGS = ("--nodes", "--node-rank", "--nproc-per-node", "--rendezvous")
+NODE_FLAGS = tuple(f"--{name.replace('_', '-')}" for name, *_ in NODE_OPTIONS)
 
 
 def _without_node_flags(argv: list[str]) -> list[str]:
@@ -134,7 +126,7 @@ def main(stage: str, argv: list[str] | None = None) -> int:
     _stop_on_sigterm()
     argv = sys.argv[1:] if argv is None else argv
     ns = vars(parser(stage).parse_args(argv))
-    node = {k: ns.pop(k) for k in ("nodes", "node_rank", "nproc_per_node", "rendezvous")}
+    node = {name: ns.pop(name) for name, *_ in NODE_OPTIONS}
     out, upstream = ns.pop("output_metadata"), ns.pop("upstream_json")
     executor_input, scheduled = ns.pop("executor_input"), ns.pop("scheduled_time")
     extra = ns.pop("args_json")
@@ -166,6 +158,10 @@ def main(stage: str, argv: list[str] | None = None) -> int:
             write_outputs(stage, executor_input, stage_args(stage, args), summary, ups)
     except RecdError as e:
         print(f"recd {stage}: error: {e}", file=sys.stderr)
+        if out and not follower():  # as `recd <stage> --summary` does: the failure, its code
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({**e.summary, "status": "failed", "stage": stage,
+                                       "error": str(e), "exit_code": e.exit_code}, default=str))  # fmt: skip
         return e.exit_code
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)

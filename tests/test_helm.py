@@ -166,6 +166,45 @@ def test_training_across_pods_gets_its_rendezvous_service_and_the_dags_settings(
     assert "RECD_TRAIN_NODES" not in next(o for o in default if o["kind"] == "ConfigMap")["data"]
 
 
+def test_the_cronjob_trains_across_pods_as_an_indexed_job_of_recd_run_nodes(helm):
+    """With distributedTraining, the CronJob's Job is Indexed: `nodes` pods started
+    together, each `recd run` with its completion index as the node rank and the Job's name
+    as the rendezvous (options `recd run` takes), named under the headless Service and open
+    to each other; node 0's success ends the Job. Without it: one pod, as before."""
+    import typer
+
+    from recd_core.cli import app
+
+    cron = next(o for o in render(helm, "-f", str(ALT)) if o["kind"] == "CronJob")
+    job = cron["spec"]["jobTemplate"]["spec"]
+    assert (job["completionMode"], job["completions"], job["parallelism"]) == ("Indexed", 2, 2)
+    assert job["successPolicy"] == {"rules": [{"succeededIndexes": "0"}]}
+    pod = job["template"]
+    assert pod["metadata"]["labels"]["recd.ai/train-node"] == "true"
+    assert pod["spec"]["subdomain"] == "rel-recd-train"
+    container = pod["spec"]["containers"][0]
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+           for e in container["env"]}  # fmt: skip
+    assert env["RECD_NODE_RANK"] == (
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
+    assert env["RECD_JOB"] == "metadata.labels['batch.kubernetes.io/job-name']"
+    args = [a.replace("$(RECD_NODE_RANK)", "1").replace("$(RECD_JOB)", "rel-recd-daily-29001")
+            for a in container["args"]]  # fmt: skip
+    assert args[1] == "run", args
+    command = typer.main.get_command(app)
+    ctx = command.make_context("recd", list(args), resilient_parsing=False)
+    run = command.get_command(ctx, "run").make_context("run", args[2:], parent=ctx)
+    assert (run.params["nodes"], run.params["node_rank"], run.params["nproc_per_node"],
+            run.params["rendezvous"]) == (2, 1, 4, "rel-recd-daily-29001")  # fmt: skip
+    one = next(o for o in render(helm, "--set", "cronJob.enabled=true") if o["kind"] == "CronJob")
+    one_job = one["spec"]["jobTemplate"]["spec"]
+    assert "completionMode" not in one_job and "subdomain" not in one_job["template"]["spec"]
+    assert not any(
+        a.startswith("--node") for a in one_job["template"]["spec"]["containers"][0]["args"]
+    )
+
+
 def test_the_champion_is_served_ready_only_once_it_scores_a_ranking_request(helm):
     """The served champion: `recd serve` of the registry's alias, ready on /ready (a ranking
     request scored through the whole request path), rolled one pod at a time, reaching MLflow

@@ -91,3 +91,40 @@ def test_nodes_without_stable_names_find_node_0_through_the_warehouse(fresh_ware
     assert json.loads((tmp_path / "node1.json").read_text()) == {"status": "ok", "stage": "train",
                                                                   "rank": 1}  # fmt: skip
     assert not list(Path(fresh_warehouse.root, "_rendezvous").glob("*.json"))  # removed
+
+
+SMALL_CONFIG = Path(__file__).parent / "configs/small.yaml"
+
+
+@pytest.mark.slow
+def test_a_pipeline_across_two_nodes_trains_once_on_both_and_survives_node_0s_retry(tmp_path):
+    """`recd run --nodes 2` as the chart's Indexed Job runs it: the same command on both
+    pods but the node rank. Node 0's first attempt fails in train (a budget no placement
+    fits): it exits 2 with the one line, node 1 stays to follow its retry, which trains on
+    both nodes (world size 2), and both end 0."""
+    run = [BIN / "recd", "run", "--warehouse", tmp_path / "wh", "--logs", tmp_path / "logs",
+           "--ds", DAY, "--config", SMALL_CONFIG, "--max-steps", "3", "--nodes", "2",
+           "--nproc-per-node", "1", "--rendezvous", "recd-daily-29001"]  # fmt: skip
+
+    def node(k: int, *extra) -> subprocess.Popen:
+        return subprocess.Popen([*run, "--node-rank", str(k), "--summary",
+                                 tmp_path / f"node{k}.json", *extra],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+    follower = node(1)
+    failed = node(0, "--sharding", "row_wise", "--memory-budget-mb", "1")
+    log0 = failed.communicate(timeout=600)[0]
+    assert failed.returncode == 2, log0[-3000:]
+    reason = [line for line in log0.splitlines() if line.startswith("recd run: error:")]
+    assert len(reason) == 1 and "train: train.sharding=row_wise: no placement" in reason[0], log0
+    assert follower.poll() is None, "node 1 follows node 0's retry"
+    retry = node(0)
+    logs = [retry.communicate(timeout=600)[0], follower.communicate(timeout=600)[0]]
+    (tmp_path / "launch.log").write_text("\n".join([log0, *logs]))
+    assert [retry.returncode, follower.returncode] == [0, 0], "\n".join(logs)[-3000:]
+    summary = json.loads((tmp_path / "node0.json").read_text())
+    assert summary["train.world_size"] == 2 and summary["train.steps"] == 3
+    assert json.loads((tmp_path / "node1.json").read_text())["runs_joined"] == 1
+    assert "recd train: rank 1 of 2 done" in logs[1] and "failed here (exit" in logs[1]
+    channel = tmp_path / "wh" / "_rendezvous" / "recd-daily-29001"
+    assert sorted(p.name for p in channel.iterdir()) == ["done.json"]

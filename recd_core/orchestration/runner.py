@@ -22,10 +22,12 @@ def run_graph(
     args: dict,
     run_id: str | None = None,
     progress: Callable[[str, int], None] | None = None,
+    accelerated: Callable[[str, dict, list | None], dict] | None = None,
 ) -> dict[str, dict]:
     """Run every task of `graph` in order with the shared `args` (StageArgs fields); return
     each task's summary by task id. A failing stage raises (its `RecdError` when the
-    taxonomy knows it), after its MLflow run is closed FAILED."""
+    taxonomy knows it), after its MLflow run is closed FAILED. `accelerated`: how the
+    accelerated stage (train) runs instead of here (across machines: `nodes.Host`)."""
     done: dict[str, dict] = {}
     order = graph.order()
     for i, task in enumerate(order):
@@ -37,7 +39,8 @@ def run_graph(
         targs = with_upstream(task.stage, targs, sources)
         upstream = [done[t] for t in task.gathers] if task.gathers else None
         try:
-            summary = run_stage(task.stage, targs, upstream)
+            run = accelerated if accelerated and STAGES[task.stage].accelerated else run_stage
+            summary = run(task.stage, targs, upstream)
         except RecdError as e:  # say how far the graph got: nothing after this task ran
             ran = ", ".join(done) or "none"
             rest = ", ".join(t.id for t in order[i + 1 :]) or "none"
