@@ -129,9 +129,12 @@ class NodeGroup:
     channel: str
 
     def __post_init__(self):
-        if self.nodes < 1 or not 0 <= self.node_rank < self.nodes or self.per_node < 1:
-            raise BadInput(f"node {self.node_rank} of {self.nodes} machines of "
-                           f"{self.per_node} processes is no place in a run")  # fmt: skip
+        if self.nodes < 1 or self.per_node < 1:
+            raise BadInput(f"--nodes {self.nodes} --nproc-per-node {self.per_node}: both must "
+                           "be at least 1")  # fmt: skip
+        if not 0 <= self.node_rank < self.nodes:
+            raise BadInput(f"--node-rank {self.node_rank} is not a node of --nodes "
+                           f"{self.nodes} (0 to {self.nodes - 1})")  # fmt: skip
         if self.nodes > 1 and not self.channel:
             raise BadInput(f"--nodes {self.nodes} needs --rendezvous: the orchestrator's run "
                            "id, the same on every node")  # fmt: skip
