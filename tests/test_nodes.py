@@ -128,3 +128,17 @@ def test_a_pipeline_across_two_nodes_trains_once_on_both_and_survives_node_0s_re
     assert "recd train: rank 1 of 2 done" in logs[1] and "failed here (exit" in logs[1]
     channel = tmp_path / "wh" / "_rendezvous" / "recd-daily-29001"
     assert sorted(p.name for p in channel.iterdir()) == ["done.json"]
+
+
+@pytest.mark.parametrize(
+    ("place", "message"),
+    [((2, 0, 1, ""), "--nodes 2 needs --rendezvous"),
+     ((2, 2, 1, "job"), "--node-rank 2 is not a node of --nodes 2 (0 to 1)"),
+     ((2, 1, 0, "job"), "--nproc-per-node 0: both must be at least 1")],
+)  # fmt: skip
+def test_a_place_in_a_run_across_machines_that_cannot_be_is_refused_in_one_line(place, message):
+    from recd_core.errors import BadInput
+    from recd_core.orchestration.nodes import NodeGroup
+
+    with pytest.raises(BadInput, match=message.replace("(", r"\(").replace(")", r"\)")):
+        NodeGroup(*place)
