@@ -312,7 +312,7 @@ def _follow(command: str, summary_path: Path | None, args: dict, own: dict) -> N
     from recd_core.warehouse import Warehouse
 
     try:
-        result = follow(Warehouse(args.get("warehouse") or "data/default/warehouse"), _group(own))
+        result = follow(Warehouse(args["warehouse"]), _group(own))
     except RecdError as e:
         _fail(command, str(e), e.exit_code)
     write_summary(summary_path, {"status": "ok", **result})
