@@ -142,3 +142,48 @@ def test_a_place_in_a_run_across_machines_that_cannot_be_is_refused_in_one_line(
 
     with pytest.raises(BadInput, match=message.replace("(", r"\(").replace(")", r"\)")):
         NodeGroup(*place)
+
+
+def test_a_node_that_joined_a_dead_node_0_goes_to_its_retry_then_ends_with_the_pipeline(tmp_path):
+    """A node that joined a run whose node 0 is gone (its address answers nothing) does not
+    wait out torchrun's rendezvous timeout: it leaves for the run node 0's retry announces,
+    and ends when node 0 says its pipeline is done."""
+    import threading
+    import time
+
+    from recd_core.orchestration.nodes import NodeGroup, follow
+
+    wh = Warehouse(str(tmp_path / "wh"))
+    where = tmp_path / "wh" / "_rendezvous" / "recd-daily-1"
+    where.mkdir(parents=True)
+
+    def announce(run_id: str) -> None:
+        run = {"id": run_id, "addr": "127.0.0.1", "port": free_port(), "nodes": 2,
+               "per_node": 1, "stage": "train", "argv": ["-m", "components.train"]}  # fmt: skip
+        (where / "run.json.tmp").write_text(json.dumps(run))
+        (where / "run.json.tmp").rename(where / "run.json")
+
+    said: list[str] = []
+    result: dict = {}
+
+    def node1():
+        result.update(follow(wh, NodeGroup(2, 1, 1, "recd-daily-1"), wait_s=60, poll_s=0.2,
+                             say=said.append))  # fmt: skip
+
+    def seen(text: str) -> None:
+        deadline = time.monotonic() + 60
+        while not any(text in line for line in said):
+            assert time.monotonic() < deadline, said
+            time.sleep(0.1)
+
+    announce("dead-1")
+    thread = threading.Thread(target=node1)
+    thread.start()
+    seen("joining train run dead-1")
+    announce("retry-1")
+    seen("joining train run retry-1")
+    (where / "done.json").write_text("{}")
+    thread.join(60)
+    assert not thread.is_alive()
+    assert result == {"node": 1, "runs_joined": 0, "runs_failed": 2}
+    assert any("dead-1 failed here" in line and "newer run" in line for line in said), said

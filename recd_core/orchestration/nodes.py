@@ -31,6 +31,7 @@ announces a new attempt, which they join."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import socket
@@ -152,9 +153,12 @@ def _read(wh, path: str) -> dict | None:
         return None
 
 
-def _torchrun(group: NodeGroup, addr: str, port: int, argv: list[str]) -> tuple[int, str]:
+def _torchrun(group: NodeGroup, addr: str, port: int, argv: list[str],
+              superseded=lambda: False, poll_s: float = 5) -> tuple[int, str]:  # fmt: skip
     """This node's torchrun of the component `argv` names; its exit status and the failure's
-    one-line reason (the last `error:` line of its stderr, which passes through)."""
+    one-line reason (the last `error:` line of its stderr, which passes through). Stopped
+    when `superseded()` says node 0 announced a newer run or ended (a node 0 that died
+    before this node joined it, and its retry waiting for this node)."""
     _, *flags = torchrun_command(group.nodes, group.per_node, group.node_rank, addr, port)
     cmd = [sys.executable, "-m", "torch.distributed.run", *flags, *argv]
     reason: list[str] = []
@@ -169,12 +173,23 @@ def _torchrun(group: NodeGroup, addr: str, port: int, argv: list[str]) -> tuple[
         thread = threading.Thread(target=tee, daemon=True)
         thread.start()
         try:
-            code = p.wait()
+            while (code := _wait(p, poll_s)) is None:
+                if superseded():
+                    p.terminate()
+                    code = p.wait()
+                    reason[:] = ["node 0 announced a newer run, or ended"]
         except BaseException:  # SIGTERM (SystemExit), Ctrl-C: the node's processes too
             p.terminate()
             raise
         thread.join()
     return code, (reason or [""])[0]
+
+
+def _wait(p: subprocess.Popen, timeout_s: float) -> int | None:
+    try:
+        return p.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 class Host:
@@ -224,6 +239,14 @@ class Host:
                          json.dumps({"runs": self.runs}).encode())  # fmt: skip
 
 
+def _superseded(wh, where: str, run_id: str) -> bool:
+    """Has node 0 announced another run since `run_id`, or ended its pipeline?"""
+    if wh.exists_file(f"{where}/done.json"):
+        return True
+    found = _read(wh, f"{where}/run.json")
+    return found is not None and found["id"] != run_id
+
+
 def follow(wh, group: NodeGroup, wait_s: float = FOLLOW_WAIT_S, poll_s: float = 2,
            say=print) -> dict:  # fmt: skip
     """Node `group.node_rank` > 0 of a pipeline run across machines: join every training
@@ -245,7 +268,9 @@ def follow(wh, group: NodeGroup, wait_s: float = FOLLOW_WAIT_S, poll_s: float = 
             last = run["id"]
             say(f"node {group.node_rank}: joining {run['stage']} run {last} at "
                 f"{run['addr']}:{run['port']}")  # fmt: skip
-            code, reason = _torchrun(group, run["addr"], run["port"], run["argv"])
+            newer = functools.partial(_superseded, wh, where, last)
+            code, reason = _torchrun(group, run["addr"], run["port"], run["argv"], newer,
+                                     poll_s * 5)  # fmt: skip
             joined, failed = joined + (code == 0), failed + (code != 0)
             say(f"node {group.node_rank}: {run['stage']} run {last} "
                 + ("done" if code == 0 else f"failed here (exit {code}: {reason or 'see above'}); "
