@@ -37,6 +37,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -207,8 +208,6 @@ class Host:
 
     def run_stage(self, stage: str, args: dict, upstream: list[dict] | None = None) -> dict:
         """`stage` with `args` across the group's machines; its summary (rank 0's)."""
-        import tempfile
-
         from recd_core.modeling.launch import free_port
 
         if upstream:
