@@ -673,3 +673,29 @@ def test_an_ensembles_members_learn_as_models_of_their_own_and_it_scores_their_m
     np.testing.assert_allclose(p, torch.sigmoid(mean).numpy(), rtol=1e-5, atol=1e-6)
     warm = train(fresh_warehouse, DAY, pair, init_from=one["train.model_uri"])
     assert warm["train.init_from"] == "" and "members" in warm["train.init_reason"]
+
+
+def test_target_attention_per_unique_row_equals_attention_over_expanded_tokens():
+    """The candidate's attention over its user's history, with the tokens kept once per
+    unique row (the samples' queries brought to them), gives the same outputs and
+    gradients as expanding the tokens to every sample, for rows of 0 to many samples."""
+    from recd_core.modeling.model import target_attention
+
+    g = torch.Generator().manual_seed(0)
+    rows, width, d = 7, 9, 8
+    inverse = torch.tensor([3, 0, 3, 3, 5, 0, 6, 3, 1, 6])  # rows 2 and 4: no sample
+    valid = torch.rand(rows, width, generator=g) < 0.6
+    valid[:, 0] = True  # the null token
+    results = []
+    for unique in (True, False):
+        tokens = torch.randn(rows, width, d, generator=torch.Generator().manual_seed(1))
+        query = torch.randn(inverse.numel(), d, generator=torch.Generator().manual_seed(2))
+        tokens.requires_grad_(True), query.requires_grad_(True)
+        if unique:
+            out = target_attention(tokens, valid, query, inverse)
+        else:
+            out = target_attention(tokens[inverse], valid[inverse], query)
+        (out * torch.arange(out.numel()).reshape(out.shape)).sum().backward()
+        results.append((out.detach(), tokens.grad, query.grad))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
