@@ -154,9 +154,8 @@ def target_attention(
         scores  [U, T, K] = tokens @ queries^T    softmax over T, per query
         out     [U, K, d] = scores^T @ tokens  -> sample b: out[inverse[b], its slot]
 
-    The same numbers as expanding the tokens to [B, T, d], without the copy: 4-5x less time
-    for a batch of 1,024 samples of ~100 users, forward and backward, and 10x for one user's
-    1,000 candidates (a ranking request)."""
+    The same numbers as expanding the tokens to [B, T, d], without the copy, which costs the
+    more the more samples a row has (one user's candidates most; docs/journal.md)."""
     scale = tokens.shape[-1] ** 0.5
     if inverse is None:
         scores = torch.bmm(tokens, query.unsqueeze(2)).squeeze(2) / scale
