@@ -21,7 +21,7 @@ from recd_core.orchestration.nodes import NODE_OPTIONS, RDZV_PORT
 from recd_core.orchestration.schedule import training_day
 from recd_core.orchestration.stage_args import stage_args, stage_options
 from recd_core.orchestration.stages import run_stage, with_upstream
-from recd_core.report import print_summary
+from recd_core.report import print_summary, write_summary
 from recd_core.runtime import follower, launched_rank
 
 
@@ -92,34 +92,25 @@ def run_node(stage: str, argv: list[str], ns: dict, args: dict) -> int:
     its processes, each running this component with the same arguments; node 0 publishes
     its address in the warehouse for the others, which wait for it (orchestration/nodes.py).
     Its exit status is torchrun's."""
-    import subprocess
-
     from recd_core.orchestration.nodes import (
+        NodeGroup,
         await_master,
+        node_torchrun,
         published_master,
         rendezvous_key,
-        torchrun_command,
     )
     from recd_core.warehouse import Warehouse
 
     wh = Warehouse(args["warehouse"])
-    key = rendezvous_key(ns["rendezvous"] or "run", args.get("mode") or "dedup", args["ds"])
+    channel = ns["rendezvous"] or "run"
+    group = NodeGroup(ns["nodes"], ns["node_rank"], ns["nproc_per_node"], channel)
+    key = rendezvous_key(channel, args.get("mode") or "dedup", args["ds"])
     rest = [*_without_node_flags(argv), *(["--ds", args["ds"]] if "--ds" not in argv else [])]
-
-    def torchrun(addr: str, port: int) -> int:
-        _, *flags = torchrun_command(ns["nodes"], ns["nproc_per_node"], ns["node_rank"], addr, port)
-        cmd = [sys.executable, "-m", "torch.distributed.run", *flags, "-m", f"components.{stage}"]
-        with subprocess.Popen([*cmd, *rest]) as p:
-            try:
-                return p.wait()
-            except BaseException:  # SIGTERM (SystemExit), Ctrl-C: the node's processes too
-                p.terminate()
-                raise
-
-    if ns["node_rank"] == 0:
+    program = ["-m", f"components.{stage}", *rest]
+    if group.node_rank == 0:
         with published_master(wh, key) as addr:
-            return torchrun(addr, RDZV_PORT)
-    return torchrun(*await_master(wh, key))
+            return node_torchrun(group, addr, RDZV_PORT, program)[0]
+    return node_torchrun(group, *await_master(wh, key), program)[0]
 
 
 def main(stage: str, argv: list[str] | None = None) -> int:
@@ -148,23 +139,18 @@ def main(stage: str, argv: list[str] | None = None) -> int:
         ups = (json.loads(upstream) if upstream else []) + items
         summary = run_stage(stage, args, ups or None)
         if follower():  # rank 0 writes the outputs; a node's first process says it is done
-            if out and os.environ.get("LOCAL_RANK") == "0":
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps({"status": "ok", "stage": stage,
-                                           "rank": launched_rank()}))  # fmt: skip
+            if os.environ.get("LOCAL_RANK") == "0":
+                write_summary(out, {"status": "ok", "stage": stage, "rank": launched_rank()})
             print(f"recd {stage}: rank {launched_rank()} of {os.environ['WORLD_SIZE']} done")
             return 0
         if executor_input:
             write_outputs(stage, executor_input, stage_args(stage, args), summary, ups)
     except RecdError as e:
         print(f"recd {stage}: error: {e}", file=sys.stderr)
-        if out and not follower():  # as `recd <stage> --summary` does: the failure, its code
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps({**e.summary, "status": "failed", "stage": stage,
-                                       "error": str(e), "exit_code": e.exit_code}, default=str))  # fmt: skip
+        if not follower():  # as `recd <stage> --summary` does: the failure, its code
+            write_summary(out, {**e.summary, "status": "failed", "stage": stage,
+                                "error": str(e), "exit_code": e.exit_code})  # fmt: skip
         return e.exit_code
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(summary, indent=1, default=str))
+    write_summary(out, summary)
     print_summary(f"recd {stage}", summary)  # what `recd <stage>` prints, in the task log
     return 0

@@ -146,5 +146,6 @@ def classify(e: BaseException) -> RecdError | None:
 def of_exit(code: int, reason: str) -> RecdError:
     """The failure a recd process reported by its exit code (a stage run as a subprocess:
     the same class, so the caller's exit code and retry policy are the child's)."""
-    kind = {2: BadInput, 3: GateFailed, 4: TrackingError}.get(code, RecdError)
+    kind = next((k for k in (BadInput, GateFailed, TrackingError) if k.exit_code == code),
+                RecdError)  # fmt: skip
     return kind(reason or f"exited {code}")

@@ -154,11 +154,11 @@ def _read(wh, path: str) -> dict | None:
         return None
 
 
-def _torchrun(group: NodeGroup, addr: str, port: int, argv: list[str],
+def node_torchrun(group: NodeGroup, addr: str, port: int, argv: list[str],
               superseded=lambda: False, poll_s: float = 5) -> tuple[int, str]:  # fmt: skip
-    """This node's torchrun of the component `argv` names; its exit status and the failure's
-    one-line reason (the last `error:` line of its stderr, which passes through). Stopped
-    when `superseded()` says node 0 announced a newer run or ended (a node 0 that died
+    """This node's torchrun of the program `argv` names (`-m components.<stage> ...`): its
+    exit status and the failure's one-line reason (the last `error:` line of its stderr,
+    which passes through). Stopped when `superseded()` says node 0 announced a newer run or ended (a node 0 that died
     before this node joined it, and its retry waiting for this node)."""
     _, *flags = torchrun_command(group.nodes, group.per_node, group.node_rank, addr, port)
     cmd = [sys.executable, "-m", "torch.distributed.run", *flags, *argv]
@@ -223,7 +223,9 @@ class Host:
             write_atomically(self.wh.fs, path, json.dumps(run).encode())
             try:
                 out = f"{tmp}/summary.json"
-                code, reason = _torchrun(self.group, addr, port, [*argv, "--output-metadata", out])
+                code, reason = node_torchrun(
+                    self.group, addr, port, [*argv, "--output-metadata", out]
+                )
             finally:
                 with contextlib.suppress(OSError):
                     self.wh.fs.delete_file(path)
@@ -268,7 +270,7 @@ def follow(wh, group: NodeGroup, wait_s: float = FOLLOW_WAIT_S, poll_s: float = 
             say(f"node {group.node_rank}: joining {run['stage']} run {last} at "
                 f"{run['addr']}:{run['port']}")  # fmt: skip
             newer = functools.partial(_superseded, wh, where, last)
-            code, reason = _torchrun(group, run["addr"], run["port"], run["argv"], newer,
+            code, reason = node_torchrun(group, run["addr"], run["port"], run["argv"], newer,
                                      poll_s * 5)  # fmt: skip
             joined, failed = joined + (code == 0), failed + (code != 0)
             say(f"node {group.node_rank}: {run['stage']} run {last} "
