@@ -404,3 +404,70 @@ def test_gradient_boosted_trees_learn_what_two_ids_say_together():
     assert categorical == [0, 1] and x.shape == (n, 2 + 8 + 1)  # ids, tags multi-hot, length
     gbdt = gradient_boosted_trees(table.slice(0, 5000), table.slice(5000), features, False)
     assert gbdt["auc"] > 0.75 and gbdt["leaves"] in GBDT_LEAVES and gbdt["rounds"] >= 1
+
+
+def test_a_bench_rerun_keeps_what_was_measured_on_the_same_rows_and_code(fresh_warehouse, tmp_path):
+    """`make bench-1m` runs for hours: a rerun after an interruption reuses each model's
+    figures measured on the same rows by the same code, and fits again where either
+    differs or the kept file is damaged."""
+    import json
+
+    import pyarrow.compute as pc
+
+    from recd_core.bench.kept import Kept, rows_digest, source_digest
+    from recd_core.bench.references import logistic_regression, time_split
+    from recd_core.schema import feature_set_of
+
+    samples = fresh_warehouse.read("samples", "2026-11-01", layout="clustered")
+    mask = time_split(samples, 0.8, per_user=False)
+    train, held = samples.filter(pc.invert(mask)), samples.filter(mask)
+    features = feature_set_of(samples.schema)
+    features = features.model_copy(update={"features": [features["user_id"], features["item_id"]]})
+    fits = []
+
+    def fit(test=held) -> dict:
+        fits.append(test.num_rows)
+        return logistic_regression(train, test, features, per_user=False, strengths=(0.1,))
+
+    def key(test=held) -> dict:
+        return {
+            "rows": rows_digest(train, test),
+            "code": source_digest("recd_core.bench.references"),
+        }
+
+    first = Kept(tmp_path / "kept").figures("lr", key(), fit)
+    rerun = Kept(tmp_path / "kept")
+    assert rerun.figures("lr", key(), fit) == first and len(fits) == 1  # not fitted again
+    assert rerun.reused[0]["model"] == "lr" and rerun.reused[0]["measured"].startswith("20")
+    # a test row fewer: other rows, fitted again, and the new figures kept in its place
+    fewer = held.slice(1)
+    assert rows_digest(train, fewer) != rows_digest(train, held)
+    Kept(tmp_path / "kept").figures("lr", key(fewer), lambda: fit(fewer))
+    assert fits == [held.num_rows, held.num_rows - 1]
+    Kept(tmp_path / "kept").figures("lr", key(fewer), lambda: fit(fewer))
+    assert len(fits) == 2  # what is kept now is the second measurement
+    assert json.loads((tmp_path / "kept/lr.json").read_text())["figures"]["auc"] > 0.5
+    # a damaged file (a disk that filled up) is measured again, not a crash
+    (tmp_path / "kept/lr.json").write_text('{"key": "')
+    Kept(tmp_path / "kept").figures("lr", key(), fit)
+    assert len(fits) == 3
+
+
+def test_the_kept_figures_key_follows_the_code_a_model_imports_and_no_other(tmp_path):
+    """A change to a module the reference imports (transitively) measures it again; a
+    change elsewhere in the package does not throw its hours away."""
+    from recd_core.bench.kept import source_digest
+
+    pkg = tmp_path / "recd_core"
+    (pkg / "bench").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "metrics.py").write_text("def auc(): return 1\n")
+    (pkg / "serving.py").write_text("def serve(): pass\n")
+    (pkg / "bench/__init__.py").write_text("")
+    (pkg / "bench/base.py").write_text("from recd_core import metrics\n")
+    (pkg / "bench/ref.py").write_text("def fit():\n    from recd_core.bench.base import x\n")
+    before = source_digest("recd_core.bench.ref", root=pkg)
+    (pkg / "serving.py").write_text("def serve(): return 2\n")
+    assert source_digest("recd_core.bench.ref", root=pkg) == before
+    (pkg / "metrics.py").write_text("def auc(): return 2\n")  # imported by what ref imports
+    assert source_digest("recd_core.bench.ref", root=pkg) != before

@@ -51,6 +51,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from recd_core.bench.bounds import learnable_bounds, missed_terms
+from recd_core.bench.kept import Kept, rows_digest, source_digest
 from recd_core.bench.references import (
     factorization_machine,
     gradient_boosted_trees,
@@ -112,48 +113,77 @@ def movielens_quality(
     write_samples(wh, ML_TRAIN, "clustered", train_rows, pipeline.generate)
     write_samples(wh, ML_TEST, "clustered", test_rows, pipeline.generate)
     cfg = train_cfg or pipeline.train
-    by = "user" if per_user else "time"  # validate like the test split
-    prep = pipeline.preprocess.model_copy(
-        update={"batch_size": cfg.batch_size, "validation_by": by}
+    kept = Kept(out / "kept" / split)  # each model's figures, kept as it finishes
+    rows = rows_digest(train_rows, test_rows)
+    features = pipeline.features.model_dump(mode="json")
+
+    def fit_ours() -> dict:
+        by = "user" if per_user else "time"  # validate like the test split
+        prep = pipeline.preprocess.model_copy(
+            update={"batch_size": cfg.batch_size, "validation_by": by}
+        )
+        preprocess(wh, ML_TRAIN, prep)
+        trained = train(wh, ML_TRAIN, cfg)
+        scored = evaluate(wh, trained["train.model_uri"], ML_TEST)
+        return {
+            **{k: scored["eval." + k] for k in ("ne", "auc", "logloss", "ctr")},
+            **{
+                k: trained["train." + k]
+                for k in ("seconds", "samples_per_s", "batch_size", "members")
+            },  # fmt: skip
+            "epochs_trained": trained["train.steps"] / max(trained["train.steps_per_epoch"], 1),
+            "best_step": trained.get("train.best_step"),
+            "val_ne": trained.get("train.val_ne"),
+        }
+
+    ours = kept.figures(
+        "ours",
+        {
+            "rows": rows,
+            "features": features,
+            "train": cfg.model_dump(mode="json"),
+            "preprocess": pipeline.preprocess.model_dump(mode="json"),
+            "code": source_digest(*OURS_CODE),
+        },  # fmt: skip
+        fit_ours,
     )
-    preprocess(wh, ML_TRAIN, prep)
-    trained = train(wh, ML_TRAIN, cfg)
-    ours = evaluate(wh, trained["train.model_uri"], ML_TEST)
     refs = references(
-        train_rows, test_rows, pipeline.features, per_user, trained["train.batch_size"]
+        train_rows, test_rows, pipeline.features, per_user, ours["batch_size"], kept, rows
     )
-    h = ours["eval.logloss"] / ours["eval.ne"]  # the test rows' click entropy
+    h = ours["logloss"] / ours["ne"]  # the test rows' click entropy
     best_ne = min(r["ne"] for r in refs.values())
     best_auc = max(r["auc"] for r in refs.values())
     result = {
         q + "data": source.name if source.is_dir() else source.parent.name,
-        q + "ne": ours["eval.ne"],
-        q + "auc": ours["eval.auc"],
-        q + "logloss": ours["eval.logloss"],
+        q + "ne": ours["ne"],
+        q + "auc": ours["auc"],
+        q + "logloss": ours["logloss"],
         # log loss = NE x this (the test rows' click entropy): every model's, same rows
         q + "test_entropy": h,
         q + "lr_calibrated_ne": refs["lr"].pop("ne_calibrated"),
-        q + "auc_gain": ours["eval.auc"] - refs["lr"]["auc"],
-        q + "ne_gain": refs["lr"]["ne"] - ours["eval.ne"],
+        q + "auc_gain": ours["auc"] - refs["lr"]["auc"],
+        q + "ne_gain": refs["lr"]["ne"] - ours["ne"],
     }
     for name, ref in refs.items():  # lr_ne, lr_auc, lr_c, ..., din_ne, din_lr, ...
         ref.setdefault("logloss", ref["ne"] * h)
         result.update({f"{q}{name}_{k}": v for k, v in ref.items()})
     result.update({
         # ours against the best reference of any kind, figure by figure
-        q + "best_ne_gain": best_ne - ours["eval.ne"],
-        q + "best_auc_gain": ours["eval.auc"] - best_auc,
-        q + "train_minutes": trained["train.seconds"] / 60,
-        q + "train_samples_per_s": trained["train.samples_per_s"],
-        q + "batch_size": trained["train.batch_size"],
-        q + "members": trained["train.members"],
+        q + "best_ne_gain": best_ne - ours["ne"],
+        q + "best_auc_gain": ours["auc"] - best_auc,
+        q + "train_minutes": ours["seconds"] / 60,
+        q + "train_samples_per_s": ours["samples_per_s"],
+        q + "batch_size": ours["batch_size"],
+        q + "members": ours["members"],
         f"movielens_quality_{split}": {
             "train_rows": train_rows.num_rows,
             "test_rows": test_rows.num_rows,
-            "test_ctr": ours["eval.ctr"],
-            "epochs_trained": trained["train.steps"] / max(trained["train.steps_per_epoch"], 1),
-            "best_step": trained.get("train.best_step"),
-            "val_ne": trained.get("train.val_ne"),
+            "test_ctr": ours["ctr"],
+            "epochs_trained": ours["epochs_trained"],
+            "best_step": ours["best_step"],
+            "val_ne": ours["val_ne"],
+            # models whose figures an earlier run on the same rows and code measured
+            "kept": kept.reused,
         },
     })  # fmt: skip
     return result
@@ -164,11 +194,23 @@ def movielens_quality(
 REFERENCES = ("lr", "fm", "gbdt", *SEQUENTIAL)
 
 
+# the code each model's figures depend on (`source_digest` adds what these import)
+OURS_CODE = ("recd_core.dpp.preprocess", "recd_core.modeling.train", "recd_core.modeling.evaluate")
+
+
 def references(
-    train: pa.Table, test: pa.Table, features: FeatureSet, per_user: bool, batch: int
+    train: pa.Table,
+    test: pa.Table,
+    features: FeatureSet,
+    per_user: bool,
+    batch: int,
+    kept: Kept | None = None,
+    rows: str | None = None,
 ) -> dict:
     """Every reference's figures on `test` (`REFERENCES`), each with its `minutes` of
-    tuning and refitting on this machine; the sequential ones in ours' `batch`."""
+    tuning and refitting on this machine; the sequential ones in ours' `batch`. With
+    `kept`, a reference measured before on the same rows (`rows`: their digest) by the
+    same code is not fitted again."""
     fits = {
         "lr": logistic_regression,
         "fm": factorization_machine,
@@ -177,9 +219,19 @@ def references(
     }
     out = {}
     for name in REFERENCES:
-        started = time.perf_counter()
-        out[name] = fits[name](train, test, features, per_user)
-        out[name]["minutes"] = (time.perf_counter() - started) / 60
+
+        def fit(name: str = name) -> dict:
+            started = time.perf_counter()
+            figures = fits[name](train, test, features, per_user)
+            return {**figures, "minutes": (time.perf_counter() - started) / 60}
+
+        if kept is None:
+            out[name] = fit()
+            continue
+        code = getattr(fits[name], "func", fits[name]).__module__
+        key = {"rows": rows or rows_digest(train, test), "per_user": per_user, "batch": batch,
+               "features": features.model_dump(mode="json"), "code": source_digest(code)}  # fmt: skip
+        out[name] = kept.figures(name, key, fit)
     return out
 
 

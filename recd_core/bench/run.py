@@ -379,7 +379,7 @@ def _tuned(r: dict, p: str) -> str:
     return f"lr {r[p + 'lr']:g}, {r[p + 'passes']:.1f} passes of batch {r[p + 'batch']}"
 
 
-def movielens_markdown(r: dict, q: str, words: str) -> list[str]:
+def movielens_markdown(r: dict, q: str, words: str, kept: list[dict] = ()) -> list[str]:
     """One split's table: every reference, ours, ours over the best, with training times."""
     from recd_core.bench.quality import REFERENCES
 
@@ -409,6 +409,10 @@ def movielens_markdown(r: dict, q: str, words: str) -> list[str]:
         f"| {r[q + 'lr_calibrated_ne']:.4f} | {r[q + 'lr_calibrated_ne'] * h:.4f} "
         f"| {r[q + 'lr_auc']:.4f} | |",
     ]
+    if kept:  # figures an earlier run measured on the same rows with the same code
+        rows += ["", "Kept from an earlier run on the same rows and code (minutes are that "
+                 "run's): " + "; ".join(f"{k['model']} (measured {k['measured']}, {k['machine']})"
+                                       for k in kept) + "."]  # fmt: skip
     return rows
 
 
@@ -417,9 +421,10 @@ def quality_markdown(r: dict) -> list[str]:
     from recd_core.bench.quality import SPLITS
 
     rows: list[str] = []
-    for q, _, _, words in SPLITS.values():
+    for split, (q, _, _, words) in SPLITS.items():
         if q + "auc" in r:
-            rows += movielens_markdown(r, q, words)
+            kept = r.get(f"movielens_quality_{split}", {}).get("kept", [])
+            rows += movielens_markdown(r, q, words, kept)
     if r.get("week"):
         rows += [
             "",
