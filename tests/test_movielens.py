@@ -249,3 +249,29 @@ def test_recent_ratings_summarize_the_last_ten_across_the_session_boundary(
     # the twelfth: ratings 1..10, three liked (k = 3, 6, 9), sum 29
     np.testing.assert_allclose(recent[11], [4 / 12, -6 / 13, np.log(11)], rtol=1e-6)
     assert recent[12] == recent[11], "the same second is not before"
+
+
+def test_item_ratings_summarize_the_movie_by_every_user_before_and_never_the_same_second(
+    tmp_path, warehouse, ml_features
+):
+    """item_ratings: [share liked, mean rating - 3.5, log1p(count)] of the movie's ratings by
+    anyone at an earlier second: how it has been received so far, never the rating itself
+    nor one given in the same second."""
+    ratings = [
+        (1, 10, 5, 100),  # movie 10: liked by user 1 first,
+        (2, 10, 1, 200),  # then passed by user 2,
+        (3, 10, 4, 300),  # user 3 sees both; user 3 rates movie 20 in the same second as user 2
+        (3, 20, 2, 200),
+        (2, 20, 5, 200),
+        (1, 20, 3, 400),
+    ]
+    src = write_ml100k(tmp_path / "ml", ratings)
+    ingest(src, warehouse, DAY, ml_features, IngestConfig(format="movielens"))
+    row = {(r["user_id"], r["item_id"]): r for r in warehouse.read("events", DAY).to_pylist()}
+    np.testing.assert_allclose(row[(1, 10)]["item_ratings"], [0.5, 0.0, 0.0], err_msg="first")
+    np.testing.assert_allclose(row[(2, 10)]["item_ratings"], [2 / 3, 1.5 / 4, np.log(2)], rtol=1e-6)
+    # two ratings of movie 10 before user 3's: 5 and 1 (one liked), sum 6
+    np.testing.assert_allclose(row[(3, 10)]["item_ratings"], [2 / 4, -1 / 5, np.log(3)], rtol=1e-6)
+    assert row[(3, 20)]["item_ratings"] == row[(2, 20)]["item_ratings"], "the same second"
+    np.testing.assert_allclose(row[(3, 20)]["item_ratings"], [0.5, 0.0, 0.0])
+    np.testing.assert_allclose(row[(1, 20)]["item_ratings"], [2 / 4, 0 / 5, np.log(3)], rtol=1e-6)

@@ -21,7 +21,9 @@ session), `session_liked`, `session_passed`, `session_ratings` for the ones earl
 session (per sample; only ratings at an earlier second: within one second the order is
 unknown), and `recent_ratings`, the same summary of the user's last ten ratings at an
 earlier second, across the session boundary (per sample: the first rows of a session
-see how the last one went). Ratings are known once given, so none of these looks ahead.
+see how the last one went); `item_ratings`, the same summary of the movie's ratings by
+every user at an earlier second (item side: how it has been received so far). Ratings are
+known once given, so none of these looks ahead.
 The feature set may leave features out (the history, the zip codes): the adapter builds
 the columns it names.
 Rating lines are validated column-wise; a bad line, or a rating whose user or movie is not
@@ -273,6 +275,27 @@ def _rating_summary(
     return list_array(summary.ravel(), offsets, pa.list_(pa.float32()))
 
 
+def _item_summary(
+    items: np.ndarray, t: np.ndarray, liked: np.ndarray, rating: np.ndarray
+) -> pa.ListArray:
+    """Per rating, `_rating_summary` of its movie's ratings by every user at an earlier
+    second: how the movie has been received so far (a new movie's, or one whose taste
+    drifts, before its id's embedding has learned it)."""
+    n = items.size
+    if n == 0:
+        return _rating_summary(liked, rating, np.zeros(0, np.int64), np.zeros(0, np.int64))
+    by_item = np.lexsort((t, items))
+    ii, tt = items[by_item], t[by_item]
+    new_item = np.concatenate([[True], ii[1:] != ii[:-1]])
+    new_second = new_item | np.concatenate([[True], tt[1:] != tt[:-1]])
+    lo = np.maximum.accumulate(np.where(new_item, np.arange(n), 0))  # the movie's first
+    hi = np.maximum.accumulate(np.where(new_second, np.arange(n), 0))  # its second's first
+    summary = _rating_summary(liked[by_item], rating[by_item], lo, hi)
+    back = np.empty(n, np.int64)
+    back[by_item] = np.arange(n)  # each rating's row in the movie order
+    return summary.take(pa.array(back))
+
+
 def read_movielens(
     source: Path, features: FeatureSet, cfg: IngestConfig
 ) -> tuple[Parsed, Rejects, int, int]:
@@ -350,6 +373,8 @@ def read_movielens(
         if f"{side}_ratings" in features:
             built[f"{side}_ratings"] = _rating_summary(liked, r, lo, hi)
         rated |= {k: v if rows is None else v.take(rows) for k, v in built.items()}
+    if "item_ratings" in features:  # the movie's ratings by anyone, at an earlier second
+        rated["item_ratings"] = _item_summary(it, t, liked, r)
     genres = pa.array(items["item_genres"], pa.list_(pa.int64())).take(pa.array(iidx))
     columns = {
         "event_id": line_no[order],
