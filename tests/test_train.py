@@ -629,22 +629,26 @@ def test_the_tables_fold_in_the_validation_slice_after_it_chose_the_state(fresh_
     valid = BatchStore(fresh_warehouse, DAY, "dedup", split="validation")
     assert folded["train.folded_in_samples"] == sum(valid[k].size for k in range(len(valid)))
     assert kept["train.folded_in_samples"] == 0
-    assert folded["train.val_ne"] == kept["train.val_ne"]  # the same state was chosen
+    # two trainings agree to roundoff, not to the bit (the order of a few float sums varies
+    # from run to run: once 5e-9 of NE apart); the fold-in's own moves are far larger
+    same = dict(rtol=1e-5, atol=1e-7)
+    assert folded["train.val_ne"] == pytest.approx(kept["train.val_ne"], rel=1e-6)  # one state
     a, _ = load_model(folded["train.model_uri"])
     b, _ = load_model(kept["train.model_uri"])
-    assert torch.equal(a.calibration, b.calibration)
+    assert torch.allclose(a.calibration, b.calibration, **same)
     tables, theirs = set(b.sparse_parameters()), dict(a.named_parameters())
     for name, p in b.named_parameters():
         if p not in tables:
-            assert torch.equal(theirs[name], p), name  # dense layers stay
+            assert torch.allclose(theirs[name], p, **same), name  # dense layers stay
     table = b.table_of["position"]  # a table of its own: only the slice's positions move
-    moved = (a.bags[table].weight != b.bags[table].weight).any(dim=1)
+    moved = ~torch.isclose(a.bags[table].weight, b.bags[table].weight, **same).all(dim=1)
     shown = {int(v) for k in range(len(valid)) for v in valid[k].kjt.to_dict()["position"].values}
     assert moved.any() and set(moved.nonzero().flatten().tolist()) <= shown
     acc_a = read_optimizer(folded["train.model_uri"])["sparse"]["state"]
     acc_b = read_optimizer(kept["train.model_uri"])["sparse"]["state"]
-    grew = [bool((acc_a[k]["sum"] > acc_b[k]["sum"]).any()) for k in acc_b]
-    assert any(grew) and all(bool((acc_a[k]["sum"] >= acc_b[k]["sum"]).all()) for k in acc_b)
+    grew = [bool((acc_a[k]["sum"] > acc_b[k]["sum"] * (1 + 1e-3)).any()) for k in acc_b]
+    assert any(grew)
+    assert all(bool((acc_a[k]["sum"] >= acc_b[k]["sum"] * (1 - 1e-5)).all()) for k in acc_b)
 
 
 def test_an_ensembles_members_learn_as_models_of_their_own_and_it_scores_their_mean(
