@@ -175,6 +175,8 @@ def movielens_quality(
         q + "train_samples_per_s": ours["samples_per_s"],
         q + "batch_size": ours["batch_size"],
         q + "members": ours["members"],
+        # the models an earlier run measured on these rows with this code (bench.md says when)
+        q + "kept": ", ".join(k["model"] for k in kept.reused) or "none",
         f"movielens_quality_{split}": {
             "train_rows": train_rows.num_rows,
             "test_rows": test_rows.num_rows,
