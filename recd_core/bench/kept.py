@@ -116,6 +116,7 @@ def _plain(value):
 
 
 def machine() -> str:
+    """Where a figure was measured (minutes are this machine's)."""
     return f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 
 

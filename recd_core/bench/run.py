@@ -9,13 +9,12 @@ regression on MovieLens, the oracle on a synthetic week). Results go to `OUT/ben
 
 from __future__ import annotations
 
-import os
-import platform
 import shutil
 from pathlib import Path
 
 import numpy as np
 
+from recd_core.bench.kept import machine
 from recd_core.bench.serving import ranking_markdown, serving_markdown
 from recd_core.config import PACKAGE_CONFIGS, GenerateConfig
 from recd_core.orchestration.stages import run_stage
@@ -108,7 +107,7 @@ def run_bench(
         "bench.storage_over_lower_bound": storage["clustered_over_lower_bound"],
         "bench.ingest_rows_per_s": ing["ingest.rows_per_s"],
         "bench.ingest_mb_per_s": ing["ingest.bytes_in"] / 1e6 / ing["ingest.seconds"],
-        "bench.machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "bench.machine": machine(),
         "synthetic": {
             **storage,
             "ingest_rows": ing["ingest.rows_in"],
