@@ -130,7 +130,7 @@ def movielens_quality(
             **{
                 k: trained["train." + k]
                 for k in ("seconds", "samples_per_s", "batch_size", "members")
-            },  # fmt: skip
+            },
             "epochs_trained": trained["train.steps"] / max(trained["train.steps_per_epoch"], 1),
             "best_step": trained.get("train.best_step"),
             "val_ne": trained.get("train.val_ne"),
@@ -144,7 +144,7 @@ def movielens_quality(
             "train": cfg.model_dump(mode="json"),
             "preprocess": pipeline.preprocess.model_dump(mode="json"),
             "code": source_digest(*OURS_CODE),
-        },  # fmt: skip
+        },
         fit_ours,
     )
     refs = references(
