@@ -220,6 +220,9 @@ def references(
         **{name: partial(sequential_reference, name, batch=batch) for name in SEQUENTIAL},
     }
     out = {}
+    if kept is not None:  # what every reference's figures depend on besides its code
+        shared = {"rows": rows or rows_digest(train, test), "per_user": per_user,
+                  "batch": batch, "features": features.model_dump(mode="json")}  # fmt: skip
     for name in REFERENCES:
 
         def fit(name: str = name) -> dict:
@@ -231,9 +234,7 @@ def references(
             out[name] = fit()
             continue
         code = getattr(fits[name], "func", fits[name]).__module__
-        key = {"rows": rows or rows_digest(train, test), "per_user": per_user, "batch": batch,
-               "features": features.model_dump(mode="json"), "code": source_digest(code)}  # fmt: skip
-        out[name] = kept.figures(name, key, fit)
+        out[name] = kept.figures(name, {**shared, "code": source_digest(code)}, fit)
     return out
 
 

@@ -282,12 +282,10 @@ def _item_summary(
     second: how the movie has been received so far (a new movie's, or one whose taste
     drifts, before its id's embedding has learned it)."""
     n = items.size
-    if n == 0:
-        return _rating_summary(liked, rating, np.zeros(0, np.int64), np.zeros(0, np.int64))
     by_item = np.lexsort((t, items))
     ii, tt = items[by_item], t[by_item]
-    new_item = np.concatenate([[True], ii[1:] != ii[:-1]])
-    new_second = new_item | np.concatenate([[True], tt[1:] != tt[:-1]])
+    new_item = np.concatenate([[True], ii[1:] != ii[:-1]])[:n]
+    new_second = new_item | np.concatenate([[True], tt[1:] != tt[:-1]])[:n]
     lo = np.maximum.accumulate(np.where(new_item, np.arange(n), 0))  # the movie's first
     hi = np.maximum.accumulate(np.where(new_second, np.arange(n), 0))  # its second's first
     summary = _rating_summary(liked[by_item], rating[by_item], lo, hi)

@@ -155,11 +155,12 @@ def _read(wh, path: str) -> dict | None:
 
 
 def node_torchrun(group: NodeGroup, addr: str, port: int, argv: list[str],
-              superseded=lambda: False, poll_s: float = 5) -> tuple[int, str]:  # fmt: skip
+                  superseded=lambda: False, poll_s: float = 5) -> tuple[int, str]:  # fmt: skip
     """This node's torchrun of the program `argv` names (`-m components.<stage> ...`): its
     exit status and the failure's one-line reason (the last `error:` line of its stderr,
-    which passes through). Stopped when `superseded()` says node 0 announced a newer run or ended (a node 0 that died
-    before this node joined it, and its retry waiting for this node)."""
+    which passes through). Stopped when `superseded()` says node 0 announced a newer run
+    or ended (a node 0 that died before this node joined it, and its retry waiting for
+    this node)."""
     _, *flags = torchrun_command(group.nodes, group.per_node, group.node_rank, addr, port)
     cmd = [sys.executable, "-m", "torch.distributed.run", *flags, *argv]
     reason: list[str] = []
