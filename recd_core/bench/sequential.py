@@ -322,9 +322,9 @@ def sequential_reference(
     device: str = "auto",
 ) -> dict:
     """NE, log loss and AUC on `test` of `MODELS[name]` tuned on the latest 10% of
-    `train` (the learning rate and the steps), then refit on all of `train`. `batch`:
-    `batch`: the bench passes ours' (its batch scales with the data); `device` "auto": CUDA where the machine
-    has it, as ours trains (`train.device`)."""
+    `train` (the learning rate and the steps), then refit on all of `train`. `batch`: the
+    bench passes ours' (its batch scales with the data); `device` "auto": CUDA where the
+    machine has it, as ours trains (`train.device`)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(seed)
