@@ -86,6 +86,46 @@ def die_with_parent(parent: int) -> None:
         os._exit(143)
 
 
+def owned_child() -> dict:
+    """`subprocess.Popen`'s keywords for a child that must not outlive this process (a
+    benchmark's scoring server, its busy neighbour): its own process group, so `stop_group`
+    ends what it started too, and on Linux a SIGTERM from the kernel when the thread that
+    starts it ends, however it ends (SIGKILL, a test's timeout) where a `finally` never
+    runs. Call from the thread that outlives the child (the main thread)."""
+    parent = os.getpid()
+    try:
+        import ctypes
+        import signal
+
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # loaded here, not after fork
+    except (OSError, AttributeError):
+        return {"start_new_session": True}
+
+    def set_parent_death_signal() -> None:  # in the child, between fork and exec: no imports
+        prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the signal was set
+            os._exit(143)
+
+    return {"start_new_session": True, "preexec_fn": set_parent_death_signal}
+
+
+def stop_group(child, grace_s: float = 30) -> None:
+    """End a child started with `owned_child` and every process it started: SIGTERM to its
+    group, SIGKILL after `grace_s`."""
+    import signal
+    import subprocess
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, sig)
+        try:
+            child.wait(grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    child.wait()
+
+
 def _status_kb(field: str) -> int | None:
     with contextlib.suppress(OSError), open("/proc/self/status") as f:
         for line in f:

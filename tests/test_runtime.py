@@ -34,3 +34,59 @@ def test_a_cgroup_cpu_limit_caps_the_threads(tmp_path: Path):
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
     (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
     assert cpu_budget(v1) == 1
+
+
+SERVER = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+print(child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie (killed, not yet reaped) is gone for a user
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _gone(pid: int, within_s: float = 20) -> bool:
+    import time
+
+    deadline = time.monotonic() + within_s
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_benchs_server_ends_with_the_bench_even_when_the_bench_is_killed(tmp_path: Path):
+    """A bench killed where no `finally` runs (SIGKILL, a test's timeout) must not leave its
+    scoring server running; stopped the normal way, the server's own children end too."""
+    import signal
+
+    bench = f"""
+import subprocess, sys, time
+from recd_core.runtime import owned_child
+server = subprocess.Popen([sys.executable, "-c", {SERVER!r}], stdout=subprocess.PIPE,
+                          text=True, **owned_child())
+print(server.pid, server.stdout.readline().strip(), flush=True)
+time.sleep(300)
+"""
+    parent = subprocess.Popen([sys.executable, "-c", bench], stdout=subprocess.PIPE, text=True)
+    server, _ = map(int, parent.stdout.readline().split())
+    assert _alive(server)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    assert _gone(server), "the server outlived the killed bench"
+    os.killpg(server, signal.SIGKILL)  # its own child, orphaned: the kernel signals one level
+
+    from recd_core.runtime import owned_child, stop_group
+
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE,
+                              text=True, **owned_child())  # fmt: skip
+    grandchild = int(server.stdout.readline())
+    stop_group(server)
+    assert not _alive(server.pid) and _gone(grandchild), "the server's child outlived it"

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from recd_core.runtime import owned_child, stop_group
+
 NEIGHBOUR = "import torch\nx = torch.randn(1024, 1024)\nwhile True:\n    x @ x\n"
 POLICIES = {"passive": "PASSIVE", "spinning": "ACTIVE"}
 
@@ -30,7 +32,8 @@ def neighbour_figures(warehouse: str, ds: str, batch_size: int, repeats: int = 3
     for name, policy in POLICIES.items():
         env = os.environ | {"OMP_WAIT_POLICY": policy}
         args = [sys.executable, "-m", __name__, warehouse, ds, str(batch_size), str(repeats)]
-        out = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
+        out = subprocess.run(args, env=env, capture_output=True, text=True, check=False,
+                             **owned_child())  # fmt: skip
         if out.returncode != 0:
             raise RuntimeError(f"neighbour timing ({name}) failed: {out.stderr.strip()[-500:]}")
         r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -49,13 +52,13 @@ def _timed_beside_neighbour(warehouse: str, ds: str, batch_size: int, repeats: i
 
     table = Warehouse(warehouse).read_range("samples", ds, 0, 5 * batch_size, layout="clustered")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # torch's defaults
-    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], env=env)
+    # a busy loop that must not outlive a killed bench: `owned_child`
+    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], env=env, **owned_child())
     try:
         time.sleep(2)  # until it computes
         return bench_train(table, TrainConfig(batch_size=batch_size), repeats=repeats)
     finally:
-        neighbour.kill()
-        neighbour.wait()
+        stop_group(neighbour, grace_s=0)
 
 
 if __name__ == "__main__":

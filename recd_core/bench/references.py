@@ -7,6 +7,7 @@ tuned on the latest 10% of the training part, then refit on all of it."""
 from __future__ import annotations
 
 import itertools
+import logging
 
 import numpy as np
 import pyarrow as pa
@@ -14,6 +15,8 @@ import pyarrow.compute as pc
 
 from recd_core import metrics
 from recd_core.config import FeatureSet
+
+log = logging.getLogger(__name__)
 
 
 def _dense(col: pa.Array, f, rows: int) -> np.ndarray:
@@ -75,7 +78,8 @@ def logistic_regression(
     """NE and AUC on `test` of an L2 logistic regression on one-hot features, its strength
     chosen like our early stopping: fit on the earlier 90% of `train` by time (per user, as
     the split), the C with the best NE on the latest 10%, then refit on all of `train`. A
-    tuned reference, so a gain over it is real.
+    tuned reference, so a gain over it is real. The grid widens past an end the choice
+    sits on (`search`), as every reference's does.
 
     `ne_calibrated`: the same model calibrated as our training calibrates its model
     (modeling/calibration.py): a slope and an offset of the logit fitted on the latest 10%
@@ -94,11 +98,13 @@ def logistic_regression(
 
     x_fit, y_fit = design(fit_rows), _labels(fit_rows)
     x_val, y_val = design(val_rows), _labels(val_rows)
-    fits = {c: fit(x_fit, y_fit, c) for c in strengths}
-    val_ne = {
-        c: metrics.normalized_entropy(y_val, m.predict_proba(x_val)[:, 1]) for c, m in fits.items()
-    }
-    best = min(val_ne, key=val_ne.get)
+    fits = {}
+
+    def score(c: float) -> float:
+        fits[c] = fit(x_fit, y_fit, c)
+        return metrics.normalized_entropy(y_val, fits[c].predict_proba(x_val)[:, 1])
+
+    best, _ = search(strengths, score)
     calibration = fit_calibration(fits[best].decision_function(x_val), y_val)
     z = fit(design(train), _labels(train), best).decision_function(design(test))
     p, p_cal = (1.0 / (1.0 + np.exp(-v)) for v in (z, calibration.apply(z)))
@@ -193,25 +199,63 @@ class FactorizationMachine:
             return torch.sigmoid(self.logit(xs)).numpy().astype(np.float64)
 
 
+# values a tuned choice may add past either end of its grid (`search`)
+WIDEN = 2
+
+
+def _beyond(values: list, low: bool):
+    """The next value past the low or high end of sorted `values`, by the ratio of the two
+    values there (0.01, 0.03, ... -> 0.00333; leaves 31, 127 -> 8): integers stay integers."""
+    a, b = (values[0], values[1]) if low else (values[-1], values[-2])
+    step = a * a / b
+    return max(2, round(step)) if all(isinstance(v, int) for v in values) else step
+
+
+def search(grid, score, widen: int = WIDEN) -> tuple[object, dict]:
+    """The value of `grid` with the lowest `score(value)` (a validation NE), the grid extended
+    past an end while the best sits on it, at most `widen` values each way: a choice on the
+    end of its grid says the best lies beyond it, and a reference tuned short of its best
+    would flatter ours. Returns (the best value, {every value tried: its score})."""
+    scores = {v: score(v) for v in grid}
+    added = {True: 0, False: 0}  # values added below, above
+    while len(scores) > 1:
+        values = sorted(scores)
+        best = min(values, key=scores.get)
+        low = best == values[0]
+        if best not in (values[0], values[-1]) or added[low] >= widen:
+            break
+        value = _beyond(values, low)
+        if value in scores:  # integers rounded onto a value tried
+            break
+        added[low] += 1
+        log.info("tuning: %s chosen at its grid's end; trying %s", best, value)
+        scores[value] = score(value)
+    return min(scores, key=scores.get), scores
+
+
 def tune(grid, fit, validate, patience: int) -> tuple[float, object, int]:
-    """The grid value, and the step, at which a reference's validation NE is lowest: for each
-    value `fit(value, each)` trains a fresh model, calling `each(step, model)` at every
-    validation point, which validates it (`validate(model)` -> NE) and says whether to go on
-    (`patience` steps at most past the value's best). Returns (NE, value, step)."""
-    best = (np.inf, None, 0)
-    for value in grid:
+    """The grid value, and the step, at which a reference's validation NE is lowest (the grid
+    widened past an end as `search` does): for each value `fit(value, each)` trains a fresh
+    model, calling `each(step, model)` at every validation point, which validates it
+    (`validate(model)` -> NE) and says whether to go on (`patience` steps at most past the
+    value's best). Returns (NE, value, step)."""
+    steps = {}
+
+    def score(value) -> float:
         mine = [np.inf, 0]  # this value's best NE, and its step
 
-        def each(step: int, model, mine=mine) -> bool:
+        def each(step: int, model) -> bool:
             ne = validate(model)
             if ne < mine[0]:
                 mine[:] = [ne, step]
             return step - mine[1] < patience
 
         fit(value, each)
-        if mine[0] < best[0]:
-            best = (mine[0], value, mine[1])
-    return best
+        steps[value] = mine[1]
+        return mine[0]
+
+    value, scores = search(grid, score)
+    return scores[value], value, steps[value]
 
 
 def factorization_machine(
@@ -339,19 +383,21 @@ def gradient_boosted_trees(
                 "min_data_in_leaf": 100, "feature_fraction": 0.8, "bagging_fraction": 0.8,
                 "bagging_freq": 1, "cat_smooth": 10, "verbose": -1, "seed": 0}  # fmt: skip
 
-    best = (np.inf, None, 0)  # (validation NE, leaves, rounds)
     fit_set = lgb.Dataset(x_fit, y_fit, categorical_feature=cats, free_raw_data=False)
     val_set = lgb.Dataset(x_val, y_val, reference=fit_set, free_raw_data=False)
-    for num_leaves in leaves:
+    best_rounds = {}
+
+    def score(num_leaves: int) -> float:
         booster = lgb.train(
             params(num_leaves), fit_set, max_rounds, valid_sets=[val_set],
             callbacks=[lgb.early_stopping(patience, verbose=False)],
         )  # fmt: skip
+        best_rounds[num_leaves] = booster.best_iteration
         p_val = booster.predict(x_val, num_iteration=booster.best_iteration)
-        ne = metrics.normalized_entropy(y_val, p_val)
-        if ne < best[0]:
-            best = (ne, num_leaves, booster.best_iteration)
-    _, num_leaves, rounds = best
+        return metrics.normalized_entropy(y_val, p_val)
+
+    num_leaves, _ = search(leaves, score)
+    rounds = best_rounds[num_leaves]
     booster = lgb.train(
         params(num_leaves), lgb.Dataset(x_all, y_all, categorical_feature=cats), rounds
     )

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from recd_core.runtime import owned_child
+
 DAY = "2026-11-01"
 STAGES = ("synth", "ingest", "generate", "preprocess", "train")
 EXTRA = ("dpp",)  # not in the default run: the dedup-vs-baseline DPP ratio per size
@@ -52,7 +54,7 @@ def run_stage(args: list, summary: Path) -> dict:
     recd = str(Path(sys.executable).with_name("recd"))
     cmd = [recd, *map(str, args), "--summary", str(summary)]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **owned_child())
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - t0
     err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from recd_core.modeling.launch import free_port
+from recd_core.runtime import owned_child, stop_group
 
 SIZES = (1, 100, 10_000)
 REQUESTS = {1: 100, 100: 30, 10_000: 5}  # timed requests per size (recd serve)
@@ -110,19 +111,16 @@ def measure(server: subprocess.Popen, port: int, bodies: dict, requests: dict) -
 
 def run_server(cmd: list[str], port: int, requests: dict, bodies: dict,
                env: dict | None = None) -> dict:  # fmt: skip
-    """`cmd` (a server on `port`) measured (`measure`), then stopped."""
+    """`cmd` (a server on `port`) measured (`measure`), then stopped with what it started;
+    a bench killed meanwhile takes the server with it (`runtime.owned_child`)."""
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               env={**os.environ, **(env or {}),
-                                   "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})  # fmt: skip
+                                   "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
+                              **owned_child())  # fmt: skip
     try:
         return measure(server, port, bodies, requests)
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_group(server)
 
 
 def serving_figures(model_uri: str, warehouse: str, ds: str, reference: bool = True) -> dict:
