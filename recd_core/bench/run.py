@@ -360,9 +360,9 @@ def pipeline_markdown(r: dict) -> list[str]:
 
 # each reference's row: its words, given the result and the keys' prefix
 REFERENCE_ROWS = {
-    "lr": lambda r, q: f"logistic regression, one-hot (C={r[q + 'lr_c']})",
+    "lr": lambda r, q: f"logistic regression, one-hot (C={r[q + 'lr_c']:.3g})",
     "fm": lambda r, q: (
-        f"factorization machine, same one-hot (L2 {r[q + 'fm_l2']:g}, {r[q + 'fm_passes']} passes)"
+        f"factorization machine, same one-hot (L2 {r[q + 'fm_l2']:.3g}, {r[q + 'fm_passes']} passes)"
     ),
     "gbdt": lambda r, q: (
         f"gradient-boosted trees, LightGBM ({r[q + 'gbdt_leaves']} leaves, "
@@ -375,7 +375,7 @@ REFERENCE_ROWS = {
 
 
 def _tuned(r: dict, p: str) -> str:
-    return f"lr {r[p + 'lr']:g}, {r[p + 'passes']:.1f} passes of batch {r[p + 'batch']}"
+    return f"lr {r[p + 'lr']:.3g}, {r[p + 'passes']:.1f} passes of batch {r[p + 'batch']}"
 
 
 def movielens_markdown(r: dict, q: str, words: str, kept: list[dict] = ()) -> list[str]:
