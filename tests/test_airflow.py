@@ -154,6 +154,12 @@ def test_the_dags_parse_with_their_schedule_and_structure(airflow_home, tmp_path
     assert tasks["ingest_eval"]["downstream"] == ["generate_eval"]
     assert sorted(tasks["generate_eval"]["downstream"]) == ["evaluate"]
     assert all(t["retries"] == 2 and t["backoff"] for t in tasks.values())
+    # with retries off, the sensor still retries once (an Airflow race can fail a poke)
+    tasks = _probe(airflow_env(airflow_home, tmp_path, retries=0))["dags"]["recd_daily_retrain"][
+        "tasks"
+    ]
+    assert tasks["wait_for_logs"]["retries"] == 1
+    assert all(t["retries"] == 0 for k, t in tasks.items() if k != "wait_for_logs")
     wh = (tmp_path / "wh").as_uri()
     assert tasks["ingest"]["outlets"] == [f"{wh}/events", f"{wh}/quarantine"]
     assert tasks["generate"]["outlets"] == [f"{wh}/samples"]

@@ -169,9 +169,14 @@ def wait_for_logs(args: dict):
 
     wait_s = SETTINGS.logs_wait_hours * 3600
 
-    # the sensor's own timeout is a backstop a poke past the wait never reaches
+    # the sensor's own timeout is a backstop a poke past the wait never reaches. It retries
+    # at least once, whatever `retries` says: Airflow (3.2-3.3) can fail a reschedule-mode
+    # sensor when one poke's executor success arrives after the next poke started
+    # (apache/airflow#71172); a poke is harmless to repeat, and the real failure (the wait
+    # ran out) raises AirflowFailException, which never retries
     @task.sensor(task_id="wait_for_logs", poke_interval=SETTINGS.logs_poke_s, mode="reschedule",
-                 timeout=wait_s + 2 * SETTINGS.logs_poke_s)  # fmt: skip
+                 timeout=wait_s + 2 * SETTINGS.logs_poke_s,
+                 retries=max(SETTINGS.retries, 1))  # fmt: skip
     def waiting(run_args: dict, **context) -> PokeReturnValue:
         from airflow.sdk.exceptions import AirflowFailException
 
