@@ -62,7 +62,7 @@ def _gone(pid: int, within_s: float = 20) -> bool:
     return True
 
 
-def test_a_benchs_server_ends_with_the_bench_even_when_the_bench_is_killed(tmp_path: Path):
+def test_a_benchs_server_ends_with_the_bench_even_when_the_bench_is_killed():
     """A bench killed where no `finally` runs (SIGKILL, a test's timeout) must not leave its
     scoring server running; stopped the normal way, the server's own children end too."""
     import signal
