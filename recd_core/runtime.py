@@ -57,22 +57,31 @@ def cpu_budget(root: Path = Path("/sys/fs/cgroup")) -> int:
     return max(int(cpus or 1), 1)
 
 
+def _parent_death_signal():
+    """A call that asks the kernel for a SIGTERM when this process's parent ends (Linux's
+    `PR_SET_PDEATHSIG`; True where it took), or None where there is no such call. Loaded
+    here, so the call itself imports nothing (it may run between fork and exec)."""
+    import signal
+
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, int(signal.SIGTERM), 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
+
+
 def die_with_parent(parent: int) -> None:
     """End this process when `parent` (the process that started it) ends: a SIGTERM to a
     `recd` command (a pod stopped, an Airflow task timed out) must not leave its training
     ranks or DPP workers running under PID 1, writing into a run a retry is using. Linux:
     the kernel sends SIGTERM at the parent's death (`PR_SET_PDEATHSIG`); elsewhere a
     thread watches the parent. A parent already gone: this process ends now."""
-    import signal
     import threading
 
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
-            raise OSError(ctypes.get_errno(), "prctl")
-    except (OSError, AttributeError):
+    ask = _parent_death_signal()
+    if ask is None or not ask():
 
         def watch() -> None:
             import time
@@ -93,16 +102,12 @@ def owned_child() -> dict:
     starts it ends, however it ends (SIGKILL, a test's timeout) where a `finally` never
     runs. Call from the thread that outlives the child (the main thread)."""
     parent = os.getpid()
-    try:
-        import ctypes
-        import signal
-
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # loaded here, not after fork
-    except (OSError, AttributeError):
+    ask = _parent_death_signal()
+    if ask is None:
         return {"start_new_session": True}
 
-    def set_parent_death_signal() -> None:  # in the child, between fork and exec: no imports
-        prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    def set_parent_death_signal() -> None:  # in the child, between fork and exec
+        ask()
         if os.getppid() != parent:  # the parent died before the signal was set
             os._exit(143)
 
