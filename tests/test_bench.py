@@ -493,3 +493,38 @@ def test_the_kept_figures_key_follows_the_code_a_model_imports_and_no_other(tmp_
     assert source_digest("recd_core.bench.ref", root=pkg) == before
     (pkg / "metrics.py").write_text("def auc(): return 2\n")  # imported by what ref imports
     assert source_digest("recd_core.bench.ref", root=pkg) != before
+
+
+def test_the_movielens_tables_show_ours_and_the_best_reference_over_seeds(movielens_dir, tmp_path):
+    """`recd bench --seeds 2` on a slice of MovieLens: ours and the best reference fitted
+    again with another seed, the spread and ours' worst seed against the reference's best
+    under the table; a rerun keeps every seed's figures."""
+    import shutil
+
+    from recd_core.bench.quality import movielens_quality
+    from recd_core.bench.run import movielens_markdown
+    from recd_core.bench.sequential import SEQUENTIAL
+
+    src = tmp_path / "ml-slice"
+    src.mkdir()
+    for suffix in ("item", "user"):
+        shutil.copy(movielens_dir / f"ml-100k.{suffix}", src / f"ml-slice.{suffix}")
+    lines = (movielens_dir / "ml-100k.inter").read_text().splitlines()
+    kept_users = [ln for ln in lines[1:] if int(ln.split("\t")[0]) <= 40]
+    (src / "ml-slice.inter").write_text("\n".join([lines[0], *kept_users]) + "\n")
+    r = movielens_quality(src, tmp_path / "out", split="global", seeds=2)
+    q = "bench.quality.movielens_global."
+    best = r[q + "spread_reference"]
+    assert r[q + "seeds"] == 2 and r[q + "ours_seeds_fitted"] == 2
+    assert r[q + "ours_seeds_ne_min"] < r[q + "ours_seeds_ne_max"]  # the seed changed the fit
+    assert r[q + "ours_seeds_ne_min"] <= r[q + "ne"] <= r[q + "ours_seeds_ne_max"]
+    assert r[f"{q}{best}_seeds_fitted"] == (2 if best in SEQUENTIAL else 1)
+    # the lead of ours' worst seed over the reference's best is never more than the table's
+    assert r[q + "worst_seed_ne_gain"] <= r[q + "best_ne_gain"] + 1e-12
+    assert r[q + "worst_seed_auc_gain"] <= r[q + "best_auc_gain"] + 1e-12
+    md = "\n".join(movielens_markdown(r, q, "split globally"))
+    assert "recd DLRM, 2 seeds: mean (lowest-highest)" in md and "worst seed over" in md
+    again = movielens_quality(src, tmp_path / "out", split="global", seeds=2)
+    kept = again["movielens_quality_global"]["kept"]
+    assert {"ours", "ours.seed1"} <= {k["model"] for k in kept}
+    assert again[q + "worst_seed_ne_gain"] == r[q + "worst_seed_ne_gain"]

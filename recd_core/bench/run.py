@@ -87,6 +87,7 @@ def run_bench(
     train: bool = True,
     quality: bool = True,
     quality_days: int = 7,
+    seeds: int = 1,
 ) -> dict:
     out = Path(out)
     if (out / "warehouse").exists():
@@ -144,7 +145,7 @@ def run_bench(
 
         if movielens is not None:
             for split in SPLITS:  # per user, and globally by time
-                result.update(movielens_quality(movielens, out, split=split))
+                result.update(movielens_quality(movielens, out, split=split, seeds=seeds))
         if quality_days:
             result.update(synthetic_week(out, preset, days=quality_days))
             from recd_core.bench.serving import ranking_figures, serving_figures
@@ -408,11 +409,41 @@ def movielens_markdown(r: dict, q: str, words: str, kept: list[dict] = ()) -> li
         f"| {r[q + 'lr_calibrated_ne']:.4f} | {r[q + 'lr_calibrated_ne'] * h:.4f} "
         f"| {r[q + 'lr_auc']:.4f} | |",
     ]
+    rows += seed_rows(r, q)
     if kept:  # figures an earlier run measured on the same rows with the same code
         rows += ["", "Kept from an earlier run on the same rows and code (minutes are that "
                  "run's): " + "; ".join(f"{k['model']} (measured {k['measured']}, {k['machine']})"
                                        for k in kept) + "."]  # fmt: skip
     return rows
+
+
+SHORT_NAMES = {"lr": "the logistic regression", "fm": "the factorization machine",
+               "gbdt": "LightGBM", "din": "DIN", "dcn_v2": "DCN-v2", "sim": "SIM"}  # fmt: skip
+
+
+def seed_rows(r: dict, q: str) -> list[str]:
+    """The spread rows under a table (`quality.seed_spread`): ours and the best reference
+    over their seeds, mean (lowest-highest), and ours' worst seed over its best."""
+    if r.get(q + "seeds", 1) < 2:
+        return []
+    best = r[q + "spread_reference"]
+
+    def row(words: str, model: str) -> str:
+        p = f"{q}{model}_seeds_"
+        cells = [f"{r[p + k + '_mean']:.4f} ({r[p + k + '_min']:.4f}-{r[p + k + '_max']:.4f})"
+                 for k in ("ne", "logloss", "auc")]  # fmt: skip
+        return f"| {words} | " + " | ".join(cells) + f" | {r[p + 'minutes']:.1f} |"
+
+    n, fitted = r[q + "seeds"], r[f"{q}{best}_seeds_fitted"]
+    theirs = (f"{SHORT_NAMES[best]}, {fitted} seeds at its tuned learning rate" if fitted > 1
+              else f"{SHORT_NAMES[best]}, one fit (the same from the same rows every time)")  # fmt: skip
+    return [
+        row(f"recd DLRM, {n} seeds: mean (lowest-highest)", "ours"),
+        row(theirs, best),
+        f"| recd DLRM's worst seed over {SHORT_NAMES[best]}'s best, figure by figure "
+        f"| {r[q + 'worst_seed_ne_gain']:+.4f} | {r[q + 'worst_seed_logloss_gain']:+.4f} "
+        f"| {r[q + 'worst_seed_auc_gain']:+.4f} | |",
+    ]
 
 
 def quality_markdown(r: dict) -> list[str]:
