@@ -118,7 +118,8 @@ bench: $(STAMP) movielens
 	$(BIN)/recd --tracking-uri sqlite:///$(MLFLOW_DB) bench --preset standard --out build/bench \
 	  --movielens $(MOVIELENS) --seeds $(SEEDS)
 
-# MovieLens-1M split by time: ours next to the references (LR, FM, LightGBM) in one run,
+# MovieLens-1M split by time: ours next to the references (LR, FM, LightGBM, DIN, DCN-v2, SIM)
+# and ours and the best one over SEEDS seeds, in one run,
 # without the synthetic week (build/bench-1m/bench.md)
 bench-1m: $(STAMP) movielens-1m
 	$(BIN)/recd --tracking-uri sqlite:///$(MLFLOW_DB) bench --preset small --out build/bench-1m \
