@@ -166,7 +166,7 @@ def movielens_quality(
             runs[best].append(reference_again(best, refs[best], seed, train_rows, test_rows,
                                               pipeline.features, per_user, kept, rows))  # fmt: skip
     h = ours["logloss"] / ours["ne"]  # the test rows' click entropy
-    best_ne = min(r["ne"] for r in refs.values())
+    best_ne = refs[best]["ne"]
     best_auc = max(r["auc"] for r in refs.values())
     result = {
         q + "data": source.name if source.is_dir() else source.parent.name,
@@ -239,18 +239,20 @@ def references(
     if kept is not None:
         shared = _reference_key(train, test, features, per_user, batch, rows)
     for name in REFERENCES:
-
-        def fit(name: str = name) -> dict:
-            started = time.perf_counter()
-            figures = fits[name](train, test, features, per_user)
-            return {**figures, "minutes": (time.perf_counter() - started) / 60}
-
+        fit = partial(_timed, fits[name], train, test, features, per_user)
         if kept is None:
             out[name] = fit()
             continue
         code = getattr(fits[name], "func", fits[name]).__module__
         out[name] = kept.figures(name, {**shared, "code": source_digest(code)}, fit)
     return out
+
+
+def _timed(fit, *args, **kwargs) -> dict:
+    """A reference's figures with the `minutes` its tuning and refitting took here."""
+    started = time.perf_counter()
+    figures = fit(*args, **kwargs)
+    return {**figures, "minutes": (time.perf_counter() - started) / 60}
 
 
 def _reference_key(train, test, features: FeatureSet, per_user: bool, batch: int,
@@ -277,13 +279,8 @@ def reference_again(
            "code": source_digest(sequential_reference.__module__), "seed": seed,
            "lr": tuned["lr"]}  # fmt: skip
 
-    def fit() -> dict:
-        started = time.perf_counter()
-        figures = sequential_reference(name, train, test, features, per_user,
-                                       batch=tuned["batch"], learning_rates=(tuned["lr"],),
-                                       seed=seed)  # fmt: skip
-        return {**figures, "minutes": (time.perf_counter() - started) / 60}
-
+    fit = partial(_timed, sequential_reference, name, train, test, features, per_user,
+                  batch=tuned["batch"], learning_rates=(tuned["lr"],), seed=seed)  # fmt: skip
     return kept.figures(f"{name}.seed{seed}", key, fit)
 
 
