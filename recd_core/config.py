@@ -353,6 +353,12 @@ class TrainConfig(_Strict):
     # one-pass tables, where at a constant rate they wander
     lr_dense_pass_decay: float = Field(default=0.7, gt=0, le=1)
     validations_per_epoch: int = Field(default=4, gt=0)
+    # each validation scores (and early stopping keeps) the mean of the weights at the
+    # last this many validations, not the live weights (1): where the weights move more
+    # between validations than the states being chosen differ, the mean is steadier, so
+    # the state kept depends less on the seed (why: modeling/early_stopping.py). Costs a
+    # copy of the model per validation in the window, in memory and in checkpoints
+    average_states: int = Field(default=1, gt=0, le=16)
     # without `restart_tables`: stop after this many validations in a row without a better
     # validation NE (the best state is about the end of the first pass; two more
     # validations, half of a second pass, confirm it)

@@ -94,6 +94,7 @@ def test_sharding_refuses_what_it_cannot_do_in_one_line(fresh_warehouse):
     for update, nproc, reason in [
         ({}, 1, r"needs 2 or more processes \(train.nproc, --nproc\)"),
         ({"model": SMALL_MODEL.model_copy(update={"members": 3})}, 2, "members: 1"),
+        ({"average_states": 4}, 2, "average_states: 1"),
     ]:
         cfg = TrainConfig(**{**SHARDED, **update, "sharding": "auto"})
         with pytest.raises(ShardingRefused, match=reason):

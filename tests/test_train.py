@@ -97,18 +97,19 @@ def test_n_steps_end_at_the_same_loss_and_weights(fresh_warehouse):
     assert d["train.dedup_groups"] == {"user": 12} and b["train.dedup_groups"] == {}
 
 
+@pytest.mark.parametrize("average", [1, 3])
 def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(
-    fresh_warehouse, samples_warehouse, tmp_path
+    fresh_warehouse, samples_warehouse, tmp_path, average
 ):
     import shutil
 
     other = tmp_path / "other"
     shutil.copytree(samples_warehouse, other)
     # batches of 256: ~14 a pass, so the resumed run also restarts the tables for its
-    # second pass from the start it rebuilt (the seeded init), not from the checkpoint
-    cfg = TrainConfig(
-        batch_size=256, max_steps=20, checkpoint_every=4, model=SMALL_MODEL, threads=1
-    )
+    # second pass from the start it rebuilt (the seeded init), not from the checkpoint.
+    # `average`: the states averaged at the validations before the kill are checkpointed
+    cfg = TrainConfig(batch_size=256, max_steps=20, checkpoint_every=4, model=SMALL_MODEL,
+                      threads=1, average_states=average)  # fmt: skip
     script = textwrap.dedent(
         f"""
         import os, signal
@@ -283,6 +284,53 @@ def test_early_stopping_keeps_the_best_validated_state(fresh_warehouse):
     )
     model.reset_calibration()  # the raw logit: the state early stopping chose
     assert validate(model, valid, cpu)["eval.ne"] == pytest.approx(best_ne, rel=1e-5)
+
+
+def test_each_validation_scores_the_mean_of_the_last_states_and_the_best_mean_is_saved(
+    fresh_warehouse, monkeypatch
+):
+    """`average_states: 3`: what a validation scores is the mean of the weights at it and
+    the two validations before (fewer at the start; the init is no member), and the saved
+    model is the best of those means, not a live state."""
+    import recd_core.modeling.train as training
+
+    live, validated, steps = {}, {}, [0]
+    real_step, real_validate = training.train_step, training.validate
+
+    def copy(model):
+        return {n: v.detach().clone() for n, v in model.state_dict().items()}
+
+    def stepping(net, *args, **kwargs):
+        loss = real_step(net, *args, **kwargs)
+        steps[0] += 1
+        live[steps[0]] = copy(net)
+        return loss
+
+    def validating(model, valid, device):
+        validated[steps[0]] = copy(model)
+        return real_validate(model, valid, device)
+
+    monkeypatch.setattr(training, "train_step", stepping)
+    monkeypatch.setattr(training, "validate", validating)
+    cfg = TrainConfig(batch_size=128, epochs=2, patience=100, average_states=3,
+                      restart_tables=False, fold_in_validation=False, model=SMALL_MODEL)  # fmt: skip
+    s = fit(fresh_warehouse, cfg)
+    at = sorted(k for k in validated if k > 0)
+    assert len(at) >= 6 and s["train.steps"] == at[-1]
+    for i, step in enumerate(at):
+        members = at[max(0, i - 2) : i + 1]
+        for name, value in validated[step].items():
+            mean = sum(live[m][name] for m in members) / len(members)
+            torch.testing.assert_close(value, mean, msg=f"step {step}: {name}")
+    best = s["train.best_step"]
+    assert best in at[1:], "a mean of two states or more was the best"
+    model, _ = load_model(s["train.model_uri"])
+    model.reset_calibration()  # the raw logit: the state early stopping chose
+    saved = model.state_dict()
+    for name, value in validated[best].items():
+        torch.testing.assert_close(saved[name], value, msg=name)
+    differs = [n for n, v in validated[best].items() if not torch.equal(v, live[best][n])]
+    assert differs, "the saved state is a mean of several states, not the live one"
 
 
 def test_each_pass_restarts_the_tables_from_where_the_run_started(fresh_warehouse, monkeypatch):

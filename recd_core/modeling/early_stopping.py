@@ -11,10 +11,20 @@ tables and their Adagrad state again from where the run started (`TableStart`) a
 the dense layers (MEDA, Fan et al. 2024): a second pass over tables that have seen the day
 memorizes it, while new tables each pass let the layers above them learn from several
 passes. `pass_patience` then counts passes without a better validation NE, since a pass
-begins below the best."""
+begins below the best.
+
+Averaged states (`average_states`, MovieLens: 4): a validation scores the mean of the
+weights at the last k validations instead of the live ones, and that mean is what the
+run keeps. On ml-100k split globally the live weights' validation NE moves by up to 0.013
+between validations, more than the states it chooses between differ, and the test NE of
+the state chosen moved with the seed (0.8147-0.8309); the mean of nearby states moves
+less and scores better than its members (Polyak averaging, SWA: Izmailov et al. 2018).
+The window is the run's own: it starts after the first step (the scratch init is no
+state to average) and again when a pass restarts the tables."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -44,6 +54,7 @@ class EarlyStopping:
 
     patience: int
     per_pass: bool = False
+    average: int = 1  # the validated state: the mean of the last this many (`average_states`)
     best_ne: float = float("inf")
     best_step: int = -1
     bad: int = 0
@@ -54,6 +65,28 @@ class EarlyStopping:
     best_optimizer: dict | None = None
     history: list[list[float]] = dataclasses.field(default_factory=list)  # step, NE, AUC
     losses: list[list[float]] = dataclasses.field(default_factory=list)  # step, loss
+    # the live weights at the last `average` validations (on the CPU), oldest first
+    window: list[dict] = dataclasses.field(default_factory=list)
+
+    @contextlib.contextmanager
+    def averaged(self, model: Model, step: int):
+        """Inside, `model` holds the mean of its weights at this and the `average - 1`
+        validations before (fewer at the run's or a pass's start); after, its live
+        weights again. Integer tensors are the live ones. The identity when `average` is
+        1, and at step 0: the init is the window's start, not a member."""
+        if self.average == 1 or step == 0:
+            yield
+            return
+        live = on_cpu(model.state_dict())
+        self.window = [*self.window, live][-self.average :]
+        n = len(self.window)
+        mean = {k: (sum(s[k] for s in self.window) / n if v.is_floating_point() else v)
+                for k, v in live.items()}  # fmt: skip
+        model.load_state_dict(mean)
+        try:
+            yield
+        finally:
+            model.load_state_dict(live)
 
     def update(self, step: int, figures: dict, model: Model, optimizers: dict) -> None:
         # plain floats: the checkpoint is loaded with weights_only=True (no numpy scalars)
@@ -77,13 +110,13 @@ class EarlyStopping:
             self.stop = self.bad >= self.patience
 
     def state(self) -> dict:
-        return {
-            k: v for k, v in dataclasses.asdict(self).items() if k not in ("patience", "per_pass")
-        }
+        fixed = ("patience", "per_pass", "average")  # the config's, not the run's
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in fixed}
 
     @classmethod
-    def from_state(cls, patience: int, state: dict | None, per_pass: bool = False) -> EarlyStopping:
-        return cls(patience, per_pass, **(state or {}))
+    def from_state(cls, patience: int, state: dict | None, per_pass: bool = False,
+                   average: int = 1) -> EarlyStopping:  # fmt: skip
+        return cls(patience, per_pass, average, **(state or {}))
 
     def summary(self) -> dict:
         if not self.history:

@@ -173,6 +173,7 @@ def fit(run: Run) -> None:
         epoch, k = divmod(run.step, run.per_epoch)
         if run.restart is not None and epoch > 0 and k == 0:  # a new pass: new tables
             run.restart.restore(model, run.opt_sparse)
+            early.window = []  # states of other tables: no mean with the new ones
             for group in run.opt_dense.param_groups:  # saved with the optimizer: kept on resume
                 group["lr"] *= cfg.lr_dense_pass_decay
         order = epoch_order(len(run.store), cfg.seed, epoch)
@@ -190,8 +191,9 @@ def fit(run: Run) -> None:
         scores = None
         if run.validating and (step % every == 0 or step == run.total
                                or (early.per_pass and pass_end)):  # fmt: skip
-            scores = validate(model, valid, run.device)
-            early.update(step, scores, model, run.optimizer_states())
+            with early.averaged(model, step):  # the state validated and kept
+                scores = validate(model, valid, run.device)
+                early.update(step, scores, model, run.optimizer_states())
         if run.rank == 0 and (scores is not None or step % max(run.total // 10, 1) == 0):
             report_progress(run, scores)
         if run.validating and pass_end:
@@ -257,7 +259,7 @@ def setup(
         restart = TableStart.capture(model, opt_sparse)
     name = run_name(ds, cfg, str(manifest.get("write_id", "")) + (init.uri or ""))
     patience = cfg.pass_patience if restart is not None else cfg.patience
-    early = EarlyStopping(patience, per_pass=restart is not None)
+    early = EarlyStopping(patience, per_pass=restart is not None, average=cfg.average_states)
     checkpoints = parallel.checkpoints(wh, name, cfg.keep_checkpoints, model)
     step = 0
     state = checkpoints.latest()
@@ -266,7 +268,8 @@ def setup(
         opt_dense.load_state_dict(state["optimizer"]["dense"])
         opt_sparse.load_state_dict(state["optimizer"]["sparse"])
         step = int(state["step"])
-        early = EarlyStopping.from_state(patience, state.get("early"), restart is not None)
+        early = EarlyStopping.from_state(patience, state.get("early"), restart is not None,
+                                         cfg.average_states)  # fmt: skip
     per_epoch = parallel.steps_per_epoch(len(store))
     if per_epoch == 0:
         raise BatchMismatch(
@@ -305,7 +308,8 @@ def finish(run: Run) -> dict:
     and folded in; the summary; rank 0 saves the model."""
     cfg, model, valid, early = run.cfg, run.model, run.valid, run.early
     optimizer = run.optimizer_states()
-    if early.best_state is not None and early.best_step != run.step:
+    # the live weights are the best state's only when it was the last, and not a mean
+    if early.best_state is not None and (early.best_step != run.step or early.average > 1):
         model.load_state_dict(early.best_state)
         optimizer = early.best_optimizer
     checked = run.parallel.cross_check(model, valid) if run.validating else {}

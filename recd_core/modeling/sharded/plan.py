@@ -35,6 +35,9 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         )
     if cfg.model.members > 1:
         raise ShardingRefused("sharded training trains one model: set train.model.members: 1")
+    if cfg.average_states > 1:
+        raise ShardingRefused("sharded training keeps the live tables, not a mean of states: "
+                              "set train.average_states: 1")  # fmt: skip
     if cfg.adagrad_initial_accumulator:
         raise ShardingRefused(
             "sharded tables' fused Adagrad starts from a zero accumulator: "
