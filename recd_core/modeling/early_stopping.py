@@ -69,12 +69,12 @@ class EarlyStopping:
     window: list[dict] = dataclasses.field(default_factory=list)
 
     @contextlib.contextmanager
-    def averaged(self, model: Model, step: int):
+    def averaged(self, model: Model):
         """Inside, `model` holds the mean of its weights at this and the `average - 1`
         validations before (fewer at the run's or a pass's start); after, its live
         weights again. Integer tensors are the live ones. The identity when `average` is
-        1, and at step 0: the init is the window's start, not a member."""
-        if self.average == 1 or step == 0:
+        1. The validation before the first step scores the init without it: no member."""
+        if self.average == 1:
             yield
             return
         live = on_cpu(model.state_dict())

@@ -191,7 +191,7 @@ def fit(run: Run) -> None:
         scores = None
         if run.validating and (step % every == 0 or step == run.total
                                or (early.per_pass and pass_end)):  # fmt: skip
-            with early.averaged(model, step):  # the state validated and kept
+            with early.averaged(model):  # the state validated and kept
                 scores = validate(model, valid, run.device)
                 early.update(step, scores, model, run.optimizer_states())
         if run.rank == 0 and (scores is not None or step % max(run.total // 10, 1) == 0):
