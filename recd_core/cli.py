@@ -403,6 +403,13 @@ def bench_cmd(
             min=1, help="fits of ours and of the best reference per MovieLens split (a spread)"
         ),
     ] = 1,
+    kept: Annotated[
+        Path | None,
+        typer.Option(
+            help="where each MovieLens model's figures are kept as it finishes, and reused "
+            "while its rows and code are unchanged (default: <out>/kept)"
+        ),
+    ] = None,
     summary: SummaryOpt = None,
 ):
     """The headline ratios measured side by side (storage, ingestion, DPP, training) and the
@@ -412,7 +419,7 @@ def bench_cmd(
     def body():
         return run_bench(
             preset, out, movielens, train=train, quality=quality, quality_days=quality_days,
-            seeds=seeds,
+            seeds=seeds, kept=kept,
         )  # fmt: skip
 
     _run(ctx, "bench", summary or out / "bench.json", body)

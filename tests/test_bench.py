@@ -498,7 +498,8 @@ def test_the_kept_figures_key_follows_the_code_a_model_imports_and_no_other(tmp_
 def test_the_movielens_tables_show_ours_and_the_best_reference_over_seeds(movielens_dir, tmp_path):
     """`recd bench --seeds 2` on a slice of MovieLens: ours and the best reference fitted
     again with another seed, the spread and ours' worst seed against the reference's best
-    under the table; a rerun keeps every seed's figures."""
+    under the table; a rerun elsewhere pointed at the first run's kept folder reuses every
+    seed's figures."""
     import shutil
 
     from recd_core.bench.quality import movielens_quality
@@ -524,7 +525,8 @@ def test_the_movielens_tables_show_ours_and_the_best_reference_over_seeds(moviel
     assert r[q + "worst_seed_auc_gain"] <= r[q + "best_auc_gain"] + 1e-12
     md = "\n".join(movielens_markdown(r, q, "split globally"))
     assert "recd DLRM, 2 seeds: mean (lowest-highest)" in md and "worst seed over" in md
-    again = movielens_quality(src, tmp_path / "out", split="global", seeds=2)
+    again = movielens_quality(src, tmp_path / "rerun", split="global", seeds=2,
+                              kept=tmp_path / "out" / "kept")  # fmt: skip
     kept = again["movielens_quality_global"]["kept"]
     assert {"ours", "ours.seed1"} <= {k["model"] for k in kept}
     assert again[q + "worst_seed_ne_gain"] == r[q + "worst_seed_ne_gain"]

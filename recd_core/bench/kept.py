@@ -5,7 +5,7 @@ model's figures are written as soon as it finishes; a rerun after an interruptio
 reboot, a killed session, a crash in a later model) reuses what was measured on the same
 rows by the same code and fits only the rest:
 
-    <out>/kept/<split>/<model>.json
+    <out>/kept/<split>/<model>.json          (`recd bench --kept DIR`: DIR/<split>/...)
       {"key":      "5e1f…",                 a digest of what determines the figures:
                                             the rows (train and test, their content), the
                                             model's parameters and the source of the code
@@ -18,6 +18,9 @@ rows by the same code and fits only the rest:
 A key that differs (other rows, changed code, other parameters) fits again and replaces
 the file; so does a file that cannot be read (a crash mid-write leaves the previous
 version: files are replaced atomically). Delete `<out>/kept` to measure everything again.
+The records behind the ml-1m tables in docs/benchmarks.md are kept in docs/results/ml-1m:
+`--kept docs/results/ml-1m` renders the tables from those whose key still matches (the same
+rows and code) and fits only what is missing or stale; a fresh folder measures it all.
 """
 
 from __future__ import annotations

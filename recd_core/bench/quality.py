@@ -92,6 +92,7 @@ def movielens_quality(
     train_cfg: TrainConfig | None = None,
     split: str = "user",
     seeds: int = 1,
+    kept: Path | None = None,
 ) -> dict:
     """Ours vs the references (`REFERENCES`: logistic regression, factorization machine,
     gradient-boosted trees, DIN, DCN-v2, SIM) on MovieLens ratings split by time (`SPLITS`:
@@ -99,7 +100,9 @@ def movielens_quality(
     release the adapter reads, with the built-in configuration (it scales with the data).
     The references tune on the latest tenth of the training part, split the same way; ours
     validates on it. `seeds` > 1: ours and the best reference fitted again with other
-    seeds (`seed_spread`), so a lead is read against the spread of a single fit."""
+    seeds (`seed_spread`), so a lead is read against the spread of a single fit. `kept`:
+    where each model's figures are kept as it finishes (`<out>/kept` unless given;
+    bench/kept.py)."""
     q, per_user, share, _ = SPLITS[split]
     from recd_core.data.generate import generate, write_samples
     from recd_core.data.ingest import ingest
@@ -119,7 +122,7 @@ def movielens_quality(
     write_samples(wh, ML_TRAIN, "clustered", train_rows, pipeline.generate)
     write_samples(wh, ML_TEST, "clustered", test_rows, pipeline.generate)
     cfg = train_cfg or pipeline.train
-    kept = Kept(out / "kept" / split)  # each model's figures, kept as it finishes
+    kept = Kept((kept or out / "kept") / split)  # each model's figures, as it finishes
     rows = rows_digest(train_rows, test_rows)
     features = pipeline.features.model_dump(mode="json")
 

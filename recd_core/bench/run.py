@@ -88,6 +88,7 @@ def run_bench(
     quality: bool = True,
     quality_days: int = 7,
     seeds: int = 1,
+    kept: Path | None = None,
 ) -> dict:
     out = Path(out)
     if (out / "warehouse").exists():
@@ -145,7 +146,8 @@ def run_bench(
 
         if movielens is not None:
             for split in SPLITS:  # per user, and globally by time
-                result.update(movielens_quality(movielens, out, split=split, seeds=seeds))
+                result.update(movielens_quality(movielens, out, split=split, seeds=seeds,
+                                                kept=kept))  # fmt: skip
         if quality_days:
             result.update(synthetic_week(out, preset, days=quality_days))
             from recd_core.bench.serving import ranking_figures, serving_figures
