@@ -138,6 +138,7 @@ def run_bench(
         result["bench.movielens.storage_over_lower_bound"] = ml["clustered_over_lower_bound"]
         result["movielens"] = {
             **ml,
+            "data": movielens.name if movielens.is_dir() else movielens.parent.name,
             "ingest_rows": ml_ing["ingest.rows_in"],
             "ingest_quarantined": ml_ing["ingest.rows_quarantined"],
         }
@@ -206,7 +207,11 @@ def markdown(r: dict) -> str:
         s = r.get(name)
         if not s:
             continue
-        label = f"synthetic ({r['bench.preset']})" if name == "synthetic" else "MovieLens-100k"
+        label = (
+            f"synthetic ({r['bench.preset']})"
+            if name == "synthetic"
+            else f"MovieLens ({s['data']})"
+        )
         rows.append(
             f"| {label} | {s['rows']:,} | {s['sessions']:,} | {human_bytes(s['shuffled_bytes'])} | "
             f"{human_bytes(s['clustered_bytes'])} | **{s['storage_ratio']:.2f}x** | {human_bytes(s['lower_bound_bytes'])} | "
