@@ -65,6 +65,7 @@ from recd_core.config import (
     TrainConfig,
     load_pipeline_config,
 )
+from recd_core.data.movielens import release_name
 from recd_core.warehouse import Warehouse
 
 ML_ALL, ML_TRAIN, ML_TEST = "2026-10-01", "2026-10-02", "2026-10-03"
@@ -172,7 +173,7 @@ def movielens_quality(
     best_ne = refs[best]["ne"]
     best_auc = max(r["auc"] for r in refs.values())
     result = {
-        q + "data": source.name if source.is_dir() else source.parent.name,
+        q + "data": release_name(source),
         q + "ne": ours["ne"],
         q + "auc": ours["auc"],
         q + "logloss": ours["logloss"],

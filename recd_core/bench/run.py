@@ -17,6 +17,7 @@ import numpy as np
 from recd_core.bench.kept import machine
 from recd_core.bench.serving import ranking_markdown, serving_markdown
 from recd_core.config import PACKAGE_CONFIGS, GenerateConfig
+from recd_core.data.movielens import release_name
 from recd_core.orchestration.stages import run_stage
 from recd_core.report import human_bytes
 from recd_core.warehouse import Warehouse
@@ -138,7 +139,7 @@ def run_bench(
         result["bench.movielens.storage_over_lower_bound"] = ml["clustered_over_lower_bound"]
         result["movielens"] = {
             **ml,
-            "data": movielens.name if movielens.is_dir() else movielens.parent.name,
+            "data": release_name(movielens),
             "ingest_rows": ml_ing["ingest.rows_in"],
             "ingest_quarantined": ml_ing["ingest.rows_quarantined"],
         }

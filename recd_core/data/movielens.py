@@ -76,6 +76,12 @@ RELEASES = {  # the files of each MovieLens release
 }
 
 
+def release_name(source: Path) -> str:
+    """What the bench's tables call a release: its folder's name (`ml-1m`), given the
+    folder or its ratings file."""
+    return source.name if source.is_dir() else source.parent.name
+
+
 def detect(source: Path) -> tuple[Layout, Path, Path, Path]:
     """The layout and the (ratings, users, items) paths for a directory or ratings file."""
     if not source.exists():
