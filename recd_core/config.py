@@ -213,8 +213,8 @@ class IngestConfig(_Strict):
     ts_before_day_s: int = Field(default=86_400, ge=0)
     ts_after_day_s: int = Field(default=3_600, ge=0)
     # Events once: an event_id already published in the events of the `dedup_window_days`
-    # days before is a redelivery (the same events delivered again across midnight), and
-    # quarantined naming the day it was first published on; so an evaluation day never
+    # days before (or after: a day ingested late) is a redelivery (the same events
+    # delivered again across midnight), and quarantined naming the day it was published on; so an evaluation day never
     # holds a training day's events. 0: off. Event logs only (a MovieLens export is one
     # table, its ids line numbers)
     dedup_window_days: int = Field(default=1, ge=0, le=31)
@@ -562,12 +562,28 @@ def _format_validation_error(err: ValidationError, where: str) -> str:
     return f"invalid config in {where}:\n" + "\n".join(lines)
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; past this it is refused unread
+# libyaml's loader where PyYAML was built with it (a 10 MB file: seconds, not minutes)
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A config file's mapping; refused in one line when it is missing, larger than
+    `MAX_CONFIG_BYTES` (before a byte is parsed), not YAML, or not a mapping."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"config file {path} is larger than {MAX_CONFIG_BYTES:,} bytes: "
+                "not a recd config (refused unread)"
+            )
+        data = yaml.load(raw.decode("utf-8"), Loader=YAML_LOADER)  # noqa: S506 - a safe loader
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recd_core.config import FeatureSet
-from recd_core.errors import BadInput
+from recd_core.errors import BadInput, first_line
 from recd_core.stored_files import PartitionDamaged
 from recd_core.warehouse import Warehouse
 
@@ -317,12 +317,22 @@ def status(wh: Warehouse, ds: str, features: FeatureSet | None = None) -> list[d
             name = wh.partition_name(table, ds, **keys)
             try:
                 m = wh.manifest(table, ds, **keys)
-            except (PartitionDamaged, FileNotFoundError) as e:
-                rows.append({"partition": name, "state": "damaged", "why": str(e)})
-                continue
-            lineage = m.get("lineage")
-            rows.append(_row(wh, name, m.get("write_id"), m.get("written_at"), m.get("rows"),
-                             lineage, features, memo))  # fmt: skip
+                wrong = _wrong_fields(m)
+                if wrong:
+                    raise PartitionDamaged(f"its manifest's {wrong} is not what recd writes")
+                row = _row(
+                    wh,
+                    name,
+                    m.get("write_id"),
+                    m.get("written_at"),
+                    m.get("rows"),
+                    m.get("lineage"),
+                    features,
+                    memo,
+                )
+            except (PartitionDamaged, FileNotFoundError, ValueError) as e:
+                row = {"partition": name, "state": "damaged", "why": str(e)}
+            rows.append(row)
     for run in _models_of(wh, ds):
         meta = _model_json(wh, run)
         if meta is None:
@@ -340,6 +350,25 @@ def status(wh: Warehouse, ds: str, features: FeatureSet | None = None) -> list[d
     return rows
 
 
+def _wrong_fields(m: dict) -> str | None:
+    """The first field of manifest `m` that status reads and that is not of the type recd
+    writes (a hand-edited or damaged manifest), or None."""
+    lineage = m.get("lineage")
+    checks = {
+        "write_id": (str, type(None)),
+        "written_at": (str, type(None)),
+        "rows": (int, type(None)),
+        "lineage": (dict, type(None)),
+    }
+    for field, types in checks.items():
+        if not isinstance(m.get(field), types) or isinstance(m.get(field), bool):
+            return field
+    for field in ("inputs", "peers", "logs"):
+        if not isinstance((lineage or {}).get(field) or {}, dict):
+            return f"lineage.{field}"
+    return None
+
+
 def _row(wh, name, write_id, written_at, nrows, lineage, features, memo) -> dict:
     inputs = {**(lineage or {}).get("inputs", {}), **(lineage or {}).get("peers", {})}
     row = {"partition": name, "write_id": write_id, "written_at": written_at, "rows": nrows,
@@ -350,7 +379,11 @@ def _row(wh, name, write_id, written_at, nrows, lineage, features, memo) -> dict
     if not lineage:
         return {**row, "state": "unknown", "why": "no lineage recorded (written by hand or "
                                                   "by an older recd)"}  # fmt: skip
-    found = staleness(wh, name, lineage if name.startswith("models/") else None, memo)
+    try:
+        found = staleness(wh, name, lineage if name.startswith("models/") else None, memo)
+    except (PartitionDamaged, AttributeError, TypeError, KeyError) as e:
+        # an input's manifest damaged (its own row says how): what was built from it follows
+        return {**row, "state": "stale", "why": f"an input is damaged ({first_line(e, 200)})"}
     if found:
         return {**row, "state": "stale", "why": found.brief()}
     if features is not None and lineage.get("features") not in (None, feature_digests(features)):

@@ -82,6 +82,33 @@ def test_invalid_yaml_and_missing_file(tmp_path: Path):
         load_pipeline_config(tmp_path / "missing.yaml")
 
 
+def test_a_config_past_its_size_limit_is_refused_unread_and_a_yaml_bomb_stays_small(tmp_path):
+    """A 10 MB config (one unknown key, as a probe sent) is refused before it is parsed, on
+    the CLI in one line with exit 2; an alias bomb is parsed by the C loader as shared
+    references, not expanded, and refused as the config it is not."""
+    import resource
+    import subprocess
+    import sys
+
+    big = tmp_path / "big.yaml"
+    big.write_text("unknown_key: " + "x" * 10_000_000 + "\n")
+    with pytest.raises(ConfigError, match="larger than 1,048,576 bytes"):
+        load_pipeline_config(big)
+    status_cmd = [sys.executable, "-m", "recd_core.cli", "status", "--ds", "2026-11-01"]
+    status_cmd += ["--warehouse", str(tmp_path / "wh"), "--config", str(big)]
+    r = subprocess.run(status_cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "larger than" in r.stderr, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+    bomb = tmp_path / "bomb.yaml"
+    levels = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    bomb.write_text("\n".join(levels) + "\ntrain: *a9\n")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ConfigError):
+        load_pipeline_config(bomb)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB
+
+
 @pytest.mark.parametrize(
     "spec, problem",
     [
@@ -137,9 +164,14 @@ def test_a_partial_config_changes_only_the_fields_it_names(tmp_path):
     )
     cfg = load_pipeline_config(path)
     assert cfg.train.cooccurrence_weight == 0 and cfg.train.model.embedding_dim == 16
-    rest = cfg.train.model_copy(update={"cooccurrence_weight": builtin.train.cooccurrence_weight,
-                                        "model": builtin.train.model.model_copy(
-                                            update={"embedding_dim": builtin.train.model.embedding_dim})})  # fmt: skip
+    rest = cfg.train.model_copy(
+        update={
+            "cooccurrence_weight": builtin.train.cooccurrence_weight,
+            "model": builtin.train.model.model_copy(
+                update={"embedding_dim": builtin.train.model.embedding_dim}
+            ),
+        }
+    )
     assert rest == builtin.train  # batch size 512 and every other field kept
     assert cfg.model_dump(exclude={"train"}) == builtin.model_dump(exclude={"train"})
     # a file naming a built-in feature set keeps that set's own settings (MovieLens' training)

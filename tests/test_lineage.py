@@ -222,6 +222,63 @@ def test_a_redelivery_across_midnight_is_quarantined_with_the_day_first_publishe
     assert f"rerun `recd ingest --ds {NEXT}`" in rows[f"events/ds={NEXT}"]["why"]
 
 
+def test_a_redelivery_is_caught_whichever_of_the_two_days_is_ingested_first(
+    tmp_path, small_logs, features
+):
+    """The next day ingested before the day (a backfill): 50 of the day's events, delivered
+    again in the next day's logs, were published there first; the day's own ingest then
+    quarantines them, naming the next day, and each event is published once. The later day
+    is no peer of the earlier one in its lineage (each would make the other stale)."""
+    wh = Warehouse(tmp_path / "wh")
+    nxt = day(tmp_path, small_logs, NEXT)
+    again = lines_of(small_logs / f"ds={DAY}")[-50:]
+    (nxt / "redelivered.jsonl").write_bytes(b"\n".join(again) + b"\n")
+    later = ingest(nxt, wh, NEXT, features, IngestConfig())
+    assert later["ingest.rows_redelivered"] == 0  # nothing published before it: kept there
+    s = ingest(day(tmp_path, small_logs), wh, DAY, features, IngestConfig())
+    assert s["ingest.rows_redelivered"] == 50
+    reasons = [
+        r for r in wh.read("quarantine", DAY)["reason"].to_pylist() if r.startswith("redelivered")
+    ]
+    assert len(reasons) == 50 and all(f"published on ds={NEXT}" in r for r in reasons)
+    ids = [
+        set(np.asarray(wh.read("events", d, ["event_id"])["event_id"]).tolist())
+        for d in (DAY, NEXT)
+    ]
+    assert not ids[0] & ids[1]
+    assert s["ingest.inputs"] == {}  # no day before; the later day read, not a peer
+    assert {r["state"] for r in status(wh, DAY) + status(wh, NEXT)} == {"fresh"}
+
+
+@pytest.mark.parametrize("damage", ["not json", "lineage a string", "inputs a list", "rows a dict"])
+def test_status_lists_a_damaged_manifest_as_damaged_and_goes_on(fresh_warehouse, damage):
+    """`recd status` on a day whose events manifest is damaged: that row `damaged` (why),
+    the rest listed, exit 0; no traceback."""
+    from recd_core.warehouse import MANIFEST
+
+    path = Path(fresh_warehouse.partition_path("events", DAY)) / MANIFEST
+    m = json.loads(path.read_text())
+    if damage == "not json":
+        path.write_text("{ not json")
+    else:
+        field, value = {
+            "lineage a string": ("lineage", "x"),
+            "rows a dict": ("rows", {"a": 1}),
+            "inputs a list": ("lineage", {**m["lineage"], "inputs": [1]}),
+        }[damage]
+        path.write_text(json.dumps({**m, field: value}))
+    rows = {r["partition"]: r for r in status(fresh_warehouse, DAY)}
+    assert rows[f"events/ds={DAY}"]["state"] == "damaged", rows[f"events/ds={DAY}"]
+    # what was built from it: stale where its lineage cannot be followed up through it
+    follows = "fresh" if damage == "rows a dict" else "stale"  # its write id still matches
+    assert rows[f"samples/layout=clustered/ds={DAY}"]["state"] == follows
+    status_cmd = [sys.executable, "-m", "recd_core.cli", "status", "--ds", DAY]
+    status_cmd += ["--warehouse", fresh_warehouse.uri]
+    r = subprocess.run(status_cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "damaged" in r.stdout + r.stderr
+
+
 def test_every_file_of_a_day_is_read_by_its_content_or_named(tmp_path, small_logs, features):
     src = day(tmp_path, small_logs)
     lines = lines_of(src)

@@ -189,6 +189,8 @@ def test_a_malformed_request_of_each_kind_is_one_line_naming_what(champion):
         (b"[1, 2, 3]", 400, "JSON object"),
         (b'{"dataframe_split": {"columns": ["a", "b"], "data": [[1]]}}', 400, "row 0"),
         (b"\xff\xfe not text", 400, "UTF-8"),
+        (b'{"dataframe_records": [{"item_id": 1, "\\ud800": 2}]}', 400, "lone UTF-16 surrogate"),
+        (json.dumps(with_value("user_history", ["\ud800"])).encode(), 400, "surrogate"),
         (b'{"dataframe_records": [{"item_id": ' + b"9" * 5000 + b"}]}", 400, "invalid JSON"),
     ]
     server = recd_serve(uri)

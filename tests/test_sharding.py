@@ -2,10 +2,12 @@
 with one process, resumes after SIGKILL, refuses what it cannot place; interop with
 TorchRec's KJTs."""
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import pytest
 import torch
@@ -209,7 +211,10 @@ def test_a_warm_start_whose_weights_do_not_fit_trains_sharded_from_scratch(fresh
     start = _start(fresh_warehouse)
     weights = torch.load(Path(start, "model.pt"), weights_only=True)
     weights["bags.t_items.weight"] = weights["bags.t_items.weight"][:10]  # another table size
-    torch.save(weights, Path(start, "model.pt"))
+    torch.save(weights, Path(start, "model.pt"))  # as another model code saved it: its checksum
+    meta = json.loads(Path(start, "model.json").read_text())
+    meta["checksums"]["model.pt"] = zlib.crc32(Path(start, "model.pt").read_bytes())
+    Path(start, "model.json").write_text(json.dumps(meta))
     cfg = TrainConfig(**SHARDED, max_steps=2, sharding="row_wise", seed=1)
     s = train(fresh_warehouse, DAY, cfg, nproc=2, init_from=start)
     assert s["train.init_from"] == "" and "weights do not fit this model" in s["train.init_reason"]

@@ -334,7 +334,25 @@ def sharded_markdown(r: dict) -> list[str]:
             f"Python, torch, TorchRec, the batches, the dense layers). At half the budget: "
             f"`{r['sharded.half_budget_refusal']}`",
         ]
-    return rows + pipeline_markdown(r)
+    return rows + pipeline_markdown(r) + verify_markdown(r)
+
+
+def verify_markdown(r: dict) -> list[str]:
+    """What verifying a saved model's shard files costs (bench/sharded.py)."""
+    if "sharded.verify.bytes" not in r:
+        return []
+    v, mb = "sharded.verify.", 1 << 20
+    return [
+        "",
+        f"Verifying a saved model's shard files ({r[v + 'rows']:,} x {r[v + 'dim']} table "
+        f"and accumulators, {r[v + 'bytes'] / mb:,.0f} MB, page cache warm):",
+        "",
+        "| reading every byte | verified open (size, box, CRC-32) | private open (a server's "
+        "copy, then checked) | the whole table read through the maps |",
+        "|---|---|---|---|",
+        f"| {r[v + 'read_s']:.2f} s | {r[v + 'verify_s']:.2f} s | {r[v + 'private_s']:.2f} s "
+        f"| {r[v + 'materialize_s']:.2f} s |",
+    ]
 
 
 def pipeline_markdown(r: dict) -> list[str]:

@@ -43,8 +43,8 @@ SHARDINGS = ("table_wise", "row_wise")
 
 
 def sharded_figures(table_path: str, cfg_json: str, budget_mb: int = 400) -> dict:
-    """The three parts, each in fresh processes (see the module)."""
-    figures = pipeline_figures()
+    """The four parts, the three with processes of their own in fresh ones (the module)."""
+    figures = pipeline_figures() | verify_figures()
     for part, arg in (("comm", cfg_json), ("budget", str(budget_mb))):
         with tempfile.TemporaryDirectory() as tmp:
             out = f"{tmp}/figures.json"
@@ -156,6 +156,77 @@ def pipeline_figures() -> dict:
                    for st in ("evaluate", "register")},
             }  # fmt: skip
     return figures
+
+
+VERIFY_ROWS = 4_096_000  # the over-budget part's items table
+
+
+def verify_figures(rows: int = VERIFY_ROWS, dim: int = 32, world: int = 2) -> dict:
+    """What verifying a saved model's shard files costs (shard_files.py: size, box, CRC-32
+    of every file), on a table of `rows` x `dim` saved row-wise by `world` ranks with its
+    accumulators: a plain sequential read of the same files beside it (the floor any
+    reader of every byte pays), the verified open, the private open a server makes (copy
+    and check in one pass), and reading the whole table through the maps afterwards (what
+    a warm start's placement reads). Page cache warm for each, as after the save."""
+    from pathlib import Path
+
+    import pyarrow.fs as pafs
+    import torch
+
+    from recd_core.modeling.shard_files import layout, open_tables, write_shard
+    from recd_core.modeling.sharded.tables import TableSpec
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    with tempfile.TemporaryDirectory() as root:
+        table, acc = torch.randn(rows, dim), torch.rand(rows)
+        cut = [(r0, min(rows, r0 + -(-rows // world))) for r0 in range(0, rows, -(-rows // world))]
+        entries = [
+            (
+                "t.weight",
+                write_shard(
+                    pafs.LocalFileSystem(),
+                    root,
+                    "t",
+                    (r0, 0, r1 - r0, dim),
+                    table[r0:r1],
+                    acc[r0:r1],
+                ),
+            )
+            for r0, r1 in cut
+        ]
+        meta = {
+            "tables": layout(dim, world, [TableSpec("t", rows, ("f",), "t.weight", 0.05)], entries)
+        }
+        del table, acc
+        files = sorted(Path(root, "tables").iterdir())
+        size = sum(f.stat().st_size for f in files)
+
+        def read_all() -> None:
+            for f in files:
+                with open(f, "rb") as src:
+                    while src.read(1 << 23):
+                        pass
+
+        read_all()  # the cache as a reader after the save finds it
+        read_s = min(timed(read_all) for _ in range(3))
+        verify_s = min(timed(lambda: open_tables(Path(root), meta)) for _ in range(3))
+        with tempfile.TemporaryDirectory() as copies:
+            private_s = timed(lambda: open_tables(Path(root), meta, Path(copies)))
+        (lazy,) = open_tables(Path(root), meta).values()
+        whole_s = timed(lazy.materialize)
+    return {
+        "sharded.verify.rows": rows,
+        "sharded.verify.dim": dim,
+        "sharded.verify.bytes": size,
+        "sharded.verify.read_s": read_s,
+        "sharded.verify.verify_s": verify_s,
+        "sharded.verify.private_s": private_s,
+        "sharded.verify.materialize_s": whole_s,
+    }
 
 
 def _spawn(fn, nproc: int, *args) -> dict:

@@ -139,8 +139,8 @@ def duplicate_events(parts: list[_Part]) -> dict[int, _Drop]:
 
 def redelivered_events(parts: list[_Part], drops: dict[int, _Drop],
                        published: dict[str, np.ndarray]) -> int:  # fmt: skip
-    """Add to `drops` every event already published on an earlier day (`published`: each
-    such day's event ids, sorted); how many there were."""
+    """Add to `drops` every event already published on another day of the window
+    (`published`: each such day's event ids, sorted); how many there were."""
     found = 0
     for day in sorted(published, reverse=True):  # the latest publication first
         ids = published[day]
@@ -166,20 +166,26 @@ def redelivered_events(parts: list[_Part], drops: dict[int, _Drop],
 
 def published_ids(warehouse: Warehouse, ds: str, days: int) -> tuple[dict[str, np.ndarray],
                                                                     dict[str, str]]:  # fmt: skip
-    """The event ids published on each of the `days` days before `ds` that has events
-    (sorted), and those partitions' write ids (the events partition's inputs)."""
+    """The event ids published on each of the `days` days before `ds`, and after it, that
+    has events (sorted), and the days before's write ids (the events partition's peers).
+
+    Both sides, so an event is published once whichever of two days is ingested first (a
+    backfill, a late day): the first publication keeps it, the other day quarantines it.
+    Only the days before are peers in the lineage: a later day as a peer would make each
+    of two days stale whenever the other is rerun, for ever."""
     import datetime as dt
 
     from recd_core.lineage import write_ids
 
     first = dt.date.fromisoformat(ds)
-    before = [(first - dt.timedelta(days=k)).isoformat() for k in range(1, days + 1)]
+    around = [(first + dt.timedelta(days=k)).isoformat() for k in range(-days, days + 1) if k]
     ids, inputs = {}, {}
-    for day in before:
+    for day in around:
         if not warehouse.exists("events", day):
             continue
         with warehouse.pinned("events", day):
-            inputs.update(write_ids(warehouse, "events", [day]))
+            if day < ds:
+                inputs.update(write_ids(warehouse, "events", [day]))
             col = warehouse.read("events", day, columns=["event_id"])["event_id"]
             ids[day] = np.sort(np.asarray(col, np.int64))
     return ids, inputs

@@ -47,7 +47,8 @@ class SampleScorer(mlflow.pyfunc.PythonModel):
         from recd_core.modeling.saved import load_model
         from recd_core.scoring.ranking import prepared_of
 
-        self.model, self.meta = load_model(context.artifacts["dlrm"])
+        # a server's: its own copies of any shard files, whatever becomes of the artifacts
+        self.model, self.meta = load_model(context.artifacts["dlrm"], private=True)
         self.features = samples_features(self.meta)
         self.schema = events_schema(self.features)
         self.prep = prepared_of(self.meta)  # a ranking request's transforms and groups

@@ -11,17 +11,22 @@ warm start): the model directory, its two files, and scoring with it.
                       optimizer (whose first steps then undo much of the model)
         model.json    {"features": the model's FeatureSet, "train": its TrainConfig,
                        "prepared": DPP's transforms, statistics and dedup groups (score with
-                       these), "summary": the training summary}
+                       these), "summary": the training summary, "checksums": the CRC-32
+                       of model.pt and optimizer.pt, checked by every reader}
 
 A model whose tables no process holds (a sharded run's, `train.saved_layout`) keeps them as
 shard files beside these, every rank writing its own: model.pt and optimizer.pt then hold
 the rest, model.json's "tables" the layout (shard_files.py). Readers get the same model
 either way: `load_model` maps the shards' rows on demand (`MappedDLRM`), a warm start reads
-the row ranges it places.
+the row ranges it places. Nothing is trusted before it is verified: model.pt and
+optimizer.pt against their recorded checksums (a model saved before checksums were recorded
+is read as it is), the shard files as shard_files.py says; a failure is a `ModelError`, one
+line naming the file.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import hashlib
@@ -29,6 +34,7 @@ import io
 import json
 import time
 import warnings
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,7 +48,7 @@ from recd_core.dpp.preprocess import Prepared, batch_ranges, encode_batch
 from recd_core.errors import BadInput, first_line
 from recd_core.leftovers import owned_tempdir, write_atomically
 from recd_core.modeling.model import Model, build_model
-from recd_core.modeling.shard_files import files_of, is_sharded, open_tables
+from recd_core.modeling.shard_files import LazyTable, files_of, is_sharded, open_tables
 from recd_core.warehouse import Warehouse
 
 
@@ -93,38 +99,76 @@ OPTIMIZER_FILE = "optimizer.pt"
 
 def _saved_file(location: str, name: str, optional: bool = False) -> tuple[bytes, str] | None:
     """One file of a saved model (a local directory, or `<warehouse>/models/<run>`): its
-    bytes and where it was read; a missing one is an error, or None when `optional`."""
+    bytes and where it was read; a missing one is a `ModelError`, or None when `optional`."""
     path = Path(location)
     if path.is_dir():
-        if (path / name).exists():
+        if (path / name).is_file():
             return (path / name).read_bytes(), str(path / name)
     elif "/models/" not in location:
-        raise ValueError(
-            f"{location}: no such model (expected a model directory or <warehouse>/models/<run>)"
+        raise ModelError(
+            f"model not found: {location} (expected a model directory or <warehouse>/models/<run>)"
         )
     else:
         wh, base = _model_location(location)
         if wh.exists_file(f"{base}/{name}"):
             return read_bytes(wh, f"{base}/{name}"), f"{base}/{name}"
+        if not wh.exists_file(f"{base}/model.json"):
+            raise ModelError(f"model not found: {location}")
     if optional:
         return None
-    raise FileNotFoundError(f"{location} has no {name}")
+    raise ModelError(f"{location} has no {name}: not a recd model, or an incomplete copy of one")
+
+
+def _verified(meta: dict, name: str, data: bytes, where: str) -> bytes:
+    """`data`, the model's file `name`, once its CRC-32 is the one model.json records."""
+    recorded = (meta.get("checksums") or {}).get(name)
+    if recorded is not None and zlib.crc32(data) != recorded:
+        raise ModelError(
+            f"{where}: its bytes do not match the CRC-32 model.json records "
+            "(changed or damaged since it was saved)"
+        )
+    return data
 
 
 def read_saved(location: str) -> tuple[dict, bytes, str]:
-    """model.json (parsed) and model.pt (bytes) of a saved model, local or in a warehouse."""
-    (meta, _), (weights, where) = (
-        _saved_file(location, "model.json"),
-        _saved_file(location, "model.pt"),
-    )
-    return json.loads(meta), weights, where
+    """model.json (parsed) and model.pt (bytes, verified) of a saved model, local or in a
+    warehouse."""
+    text, where_meta = _saved_file(location, "model.json")
+    weights, where = _saved_file(location, "model.pt")
+    try:
+        meta = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ModelError(f"{where_meta} is not JSON: a damaged or partial copy") from None
+    if not isinstance(meta, dict):
+        raise ModelError(f"{where_meta} is not a recd model's model.json")
+    return meta, _verified(meta, "model.pt", weights, where), where
 
 
-def read_optimizer(location: str) -> dict | None:
-    """The optimizer state saved beside a model (`optimizer.pt`), or None (a model saved
-    without one: the optimizer then starts afresh)."""
+def read_optimizer(location: str, meta: dict | None = None) -> dict | None:
+    """The optimizer state saved beside a model (`optimizer.pt`, verified against `meta`,
+    its model.json), or None (a model saved without one: the optimizer then starts afresh)."""
     found = _saved_file(location, OPTIMIZER_FILE, optional=True)
-    return torch_load(found[0], found[1], "model") if found else None
+    if found is None:
+        return None
+    meta = meta if meta is not None else read_saved(location)[0]
+    return torch_load(_verified(meta, OPTIMIZER_FILE, *found), found[1], "model")
+
+
+def saved_tables(location: str, meta: dict, private: bool = False) -> dict[str, LazyTable]:
+    """The verified shard files of the sharded model at `location` (shard_files.py), mapped;
+    `private`: mapped from copies that are unlinked once mapped, so nothing else can change
+    or truncate what the process reads (the kernel frees them with the last map)."""
+    directory = local_model_dir(location, meta)
+    try:
+        if not private:
+            return open_tables(directory, meta)
+        with owned_tempdir("recd-private-model-") as copies:  # a killed loader's: swept
+            return open_tables(directory, meta, Path(copies))
+    except (KeyError, TypeError, AttributeError) as e:
+        what = f"missing {e}" if isinstance(e, KeyError) else first_line(e, 120)
+        raise ModelError(
+            f"{directory / 'model.json'}: its tables' layout is damaged ({what})"
+        ) from None
 
 
 def save_model(
@@ -146,9 +190,11 @@ def save_model(
     is written last: a model without it is incomplete."""
     base = model_base(wh, run)
     state = model.state_dict() if state is None else state
-    write_bytes(wh, f"{base}/model.pt", torch_bytes({k: v.cpu() for k, v in state.items()}))
+    files = {"model.pt": torch_bytes({k: v.cpu() for k, v in state.items()})}
     if optimizer is not None:
-        write_bytes(wh, f"{base}/{OPTIMIZER_FILE}", torch_bytes(optimizer))
+        files[OPTIMIZER_FILE] = torch_bytes(optimizer)
+    for name, data in files.items():
+        write_bytes(wh, f"{base}/{name}", data)
     meta = {
         "features": model.features.model_dump(mode="json"),
         "train": cfg.model_dump(mode="json"),
@@ -156,6 +202,7 @@ def save_model(
         "summary": {k: v for k, v in summary.items() if k != "train.model_uri"},
         **({"lineage": lineage} if lineage else {}),
         **({"tables": tables} if tables else {}),
+        "checksums": {name: zlib.crc32(data) for name, data in files.items()},
     }
     write_bytes(wh, f"{base}/model.json", json.dumps(meta, indent=1).encode())
     return f"{wh.uri.rstrip('/')}/models/{run}"
@@ -173,16 +220,18 @@ def _model_location(uri: str) -> tuple[Warehouse, str]:
     return wh, f"{wh.root}/models/{run}"
 
 
-def load_model(uri: str) -> tuple[Model, dict]:
+def load_model(uri: str, private: bool = False) -> tuple[Model, dict]:
     """A saved model (state dict + model.json) at `<warehouse>/models/<run>` or in a local
-    directory (a copy, e.g. MLflow's model artifacts), for scoring."""
+    directory (a copy, e.g. MLflow's model artifacts), verified, for scoring; `private`: a
+    sharded model's tables mapped from copies of its own (a server, which must outlive
+    whatever happens to the files it loaded)."""
     meta, weights, where = read_saved(str(uri))
     try:
         if is_sharded(meta):
             from recd_core.modeling.mapped_model import MappedDLRM
 
             features = FeatureSet.model_validate(meta["features"])
-            tables = open_tables(local_model_dir(str(uri), meta), meta)
+            tables = saved_tables(str(uri), meta, private)
             model = MappedDLRM(features, saved_train_config(meta).model, tables)
             model.load_state_dict(torch_load(weights, where, "model"))
             return model.eval(), meta
@@ -229,7 +278,6 @@ def local_model_dir(location: str, meta: dict) -> Path:
     wh, base = _model_location(location)
     if wh.fs.type_name == "local":
         return Path(base)
-    import atexit
     import shutil
     import tempfile
 

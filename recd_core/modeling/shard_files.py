@@ -17,8 +17,20 @@ rows it looks up (evaluate, the registry's scoring, serving) or the row ranges i
 
 Raw arrays rather than torch files: a memory map reads a row range without reading the
 file, and writing streams the shard in row blocks (torch.save of a shard would copy it
-whole, and save a view's whole storage). A shard's bytes are checked against its box when
-opened: a short file is refused in one line naming it.
+whole, and save a view's whole storage).
+
+Verified before trusted (`open_tables`): model.json is the manifest, and nothing it names
+is read until it holds together: every path a plain one inside the model's directory (no
+`..`, no absolute path, no link out, a regular file), every box inside its table and named
+as its file is, the boxes of a table tiling it exactly (no overlap, no gap), float32 only,
+accumulators on every shard of a table or on none (as the table's `"accumulators"` says),
+and each file of its box's size and of the CRC-32 recorded when it was written (one
+sequential pass while opening; the pages it reads are the ones the map then finds cached).
+A failure is one line naming the file and what is wrong, never what the file holds.
+A reader that must outlive changes to the files (a server) takes `private`: each shard is
+copied into a directory the process owns, checked there and mapped, and the copy unlinked
+once mapped, so a shard truncated, replaced or deleted under it changes nothing it reads (a
+mapped file truncated under its reader is a SIGBUS).
 
 The readers are duck-typed for the two places a table's state is consumed: `LazyTable`
 (`.shape`, `table[r0:r1, c0:c1]`, `rows(ids)`) and `LazyAccumulator` (`.numel()`,
@@ -28,10 +40,12 @@ a state holding them into plain tensors (a one-process run that holds the tables
 from __future__ import annotations
 
 import mmap
+import shutil
+import stat
 import sys
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import torch
@@ -40,7 +54,9 @@ from recd_core.errors import BadInput
 from recd_core.leftovers import write_atomically
 
 LAYOUT = "shards"
+DTYPE = "float32"  # the only one written or read: little-endian, 4 bytes a value
 ROW_BLOCK = 1 << 16  # rows a write converts at once: the writer's memory beyond the shard
+CHECK_BLOCK = 1 << 23  # bytes a check reads at once
 
 
 class ShardFileError(BadInput):
@@ -76,7 +92,7 @@ def write_shard(fs, base: str, table: str, box, weights: torch.Tensor,
     """One shard of one table (its weights, its rows' accumulators) in `base`/`folder`; its
     model.json entry (its files named relative to `base`)."""
     name = shard_name(table, box, folder)
-    entry = {"box": list(box), "weights": f"{name}.f32",
+    entry = {"box": list(box), "dtype": DTYPE, "weights": f"{name}.f32",
              "crc32": write_array(fs, f"{base}/{name}.f32", weights)}  # fmt: skip
     if accumulators is not None:
         acc = accumulators.reshape(-1)[: box[2]]
@@ -93,10 +109,33 @@ def layout(dim: int, world: int, specs, entries: list[dict]) -> dict:
         tables[key]["shards"].append(entry)
     for key, t in tables.items():
         t["shards"].sort(key=lambda e: (e["box"][0], e["box"][1]))
-        area = sum(e["box"][2] * e["box"][3] for e in t["shards"])
-        if area != t["rows"] * dim:
-            raise RuntimeError(f"{key}: its shards cover {area} of {t['rows'] * dim} values")
+        problem = tiling_problem([tuple(e["box"]) for e in t["shards"]], t["rows"], dim)
+        if problem:
+            raise RuntimeError(f"{key}: {problem}")
+        with_acc = {"accumulators" in e for e in t["shards"]}
+        if len(with_acc) > 1:
+            raise RuntimeError(f"{key}: accumulators written for some of its shards only")
+        t["accumulators"] = with_acc == {True}
     return {"layout": LAYOUT, "dim": dim, "world": world, "tables": tables}
+
+
+def tiling_problem(boxes: list[tuple[int, int, int, int]], rows: int, dim: int) -> str | None:
+    """Why `boxes` (`r0, c0, nr, nc`) do not tile a rows x dim table exactly (a box outside
+    it, two overlapping, a gap), or None."""
+    for r0, c0, nr, nc in boxes:
+        if min(r0, c0, nr, nc) < 0 or r0 + nr > rows or c0 + nc > dim:
+            return f"box {[r0, c0, nr, nc]} lies outside the table ({rows} x {dim})"
+    ordered = sorted(boxes)
+    for i, (r0, c0, nr, nc) in enumerate(ordered):
+        for s0, d0, mr, mc in ordered[i + 1 :]:
+            if s0 >= r0 + nr:
+                break  # sorted by first row: no later box reaches back into this one
+            if d0 < c0 + nc and c0 < d0 + mc and mr and mc and nr and nc:
+                return f"boxes {[r0, c0, nr, nc]} and {[s0, d0, mr, mc]} overlap"
+    area = sum(nr * nc for _, _, nr, nc in boxes)
+    if area != rows * dim:
+        return f"its shards cover {area} of {rows * dim} values (a gap)"
+    return None
 
 
 def is_sharded(meta: dict) -> bool:
@@ -113,20 +152,62 @@ class _Shard:
     accumulators: np.memmap | None
 
 
-def _mapped(path: Path, shape: tuple[int, ...]) -> np.memmap:
-    expected = int(np.prod(shape)) * 4
-    try:
-        size = path.stat().st_size
-    except OSError:
-        raise ShardFileError(f"{path}: the model's shard file is missing") from None
-    if size != expected:
+def plain(name: object, where: Path, what: str) -> str:
+    """model.json's `name` (a file of the model), once it is a plain relative path: no
+    `..`, not absolute; refused, naming `where`, otherwise."""
+    parts = PurePosixPath(name).parts if isinstance(name, str) else ()
+    if not parts or name.startswith("/") or "\\" in name or ".." in parts or "\0" in name:
         raise ShardFileError(
-            f"{path}: {size} bytes, its box {'x'.join(map(str, shape))} float32 needs "
-            f"{expected} (a damaged or partial copy of the model)"
+            f"{where}: {what} {repr(name)[:120]} is not a path inside the model's directory: "
+            "refused, nothing read"
+        )
+    return name
+
+
+def inside(directory: Path, name: object, what: str) -> Path:
+    """`directory`/`name`, where `name` is `plain` and no link leads it out of `directory`;
+    refused before anything is opened."""
+    path = directory / plain(name, directory / "model.json", what)
+    if not path.resolve().is_relative_to(directory.resolve()):
+        raise ShardFileError(
+            f"{path}: {what} is a link out of the model's directory: refused, nothing read"
+        )
+    return path
+
+
+def _checked(path: Path, shape: tuple[int, ...], crc: int, copy: Path | None) -> np.memmap:
+    """The shard file at `path` mapped, once it is a regular file of its box's size whose
+    bytes have the CRC-32 `crc`; with `copy`, it is copied there first (in the kernel:
+    `copy_file_range`, a reflink where the filesystem has them) and the copy is checked
+    and mapped: what the reader maps is what was checked, and its own."""
+    expected = int(np.prod(shape)) * 4
+    box = "x".join(map(str, shape))
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise ShardFileError(f"{path}: the model's shard file is missing") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ShardFileError(f"{path}: not a regular file; refused, nothing read")
+    if info.st_size != expected:
+        raise ShardFileError(
+            f"{path}: not the size of its box ({box} float32, {expected} "
+            "bytes): a damaged or partial copy of the model"
+        )
+    if copy is not None:
+        shutil.copyfile(path, copy)
+    got, seen, buf = 0, 0, bytearray(min(CHECK_BLOCK, max(expected, 1)))
+    view = memoryview(buf)
+    with open(copy or path, "rb") as src:
+        while n := src.readinto(buf):
+            got, seen = zlib.crc32(view[:n], got), seen + n
+    if seen != expected or got != crc:
+        raise ShardFileError(
+            f"{path}: its bytes do not match the CRC-32 model.json records "
+            "(changed or damaged since it was saved)"
         )
     if not expected:
         return np.zeros(shape, np.float32)  # type: ignore[return-value]
-    return np.memmap(path, dtype="<f4", mode="r", shape=shape)
+    return np.memmap(copy or path, dtype="<f4", mode="r", shape=shape)
 
 
 class LazyTable:
@@ -200,21 +281,72 @@ class LazyAccumulator:
         self.table.release()
 
 
-def open_tables(directory: Path, meta: dict) -> dict[str, LazyTable]:
+def open_tables(directory: Path, meta: dict, private: Path | None = None) -> dict[str, LazyTable]:
     """The tables of the sharded model in `directory` (model.json parsed as `meta`), by
-    their key in the single-process state dict; every shard file checked for its size."""
+    their key in the single-process state dict, verified (the module's docstring); with
+    `private` (a directory the caller owns), mapped from copies made there."""
+    where = directory / "model.json"
     spec = meta["tables"]
-    dim = int(spec["dim"])
+    dim = spec["dim"]
+    if not _count(dim) or not dim or not isinstance(spec["tables"], dict):
+        raise ShardFileError(f"{where}: its tables' layout is not a recd layout")
     out = {}
     for key, t in spec["tables"].items():
+        rows, name, entries = t["rows"], t["name"], t["shards"]
+        if not (_count(rows) and isinstance(name, str) and isinstance(entries, list)):
+            raise ShardFileError(f"{where}: table {key!r}: not a recd table's layout")
+        boxes = [_box(where, key, e) for e in entries]
+        if problem := tiling_problem(boxes, rows, dim):
+            raise ShardFileError(f"{where}: table {key!r}: {problem}")
+        with_acc = {"accumulators" in e for e in entries}
+        declared = t.get("accumulators", with_acc == {True})
+        if with_acc not in ({declared}, set()):
+            raise ShardFileError(
+                f"{where}: table {key!r}: accumulators {'missing' if declared else 'unexpected'} "
+                "on some of its shards (the optimizer's state would not match its table)"
+            )
         shards = []
-        for e in t["shards"]:
-            r0, c0, nr, nc = (int(v) for v in e["box"])
-            acc = e.get("accumulators")
-            shards.append(_Shard(r0, c0, nr, nc, _mapped(directory / e["weights"], (nr, nc)),
-                                 _mapped(directory / acc, (nr,)) if acc else None))  # fmt: skip
-        out[key] = LazyTable(key, int(t["rows"]), dim, shards)
+        for e, (r0, c0, nr, nc) in zip(entries, boxes, strict=True):
+            stem = shard_name(name, (r0, c0, nr, nc), "").lstrip("/")
+            files = [("weights", "crc32", f"{stem}.f32", (nr, nc))]
+            if "accumulators" in e:
+                files.append(("accumulators", "accumulators_crc32", f"{stem}.acc.f32", (nr,)))
+            maps = []
+            for field, crc_field, expected, shape in files:
+                path = inside(directory, e[field], f"table {key!r}'s shard file")
+                if path.name != expected:
+                    raise ShardFileError(
+                        f"{path}: named for another box than {[r0, c0, nr, nc]} "
+                        f"(expected {expected}): refused"
+                    )
+                crc = e.get(crc_field)
+                if not _count(crc):
+                    raise ShardFileError(f"{path}: model.json records no CRC-32 for it")
+                copy = None
+                if private is not None:
+                    copy = private / Path(e[field]).parent.name / expected
+                    copy.parent.mkdir(parents=True, exist_ok=True)
+                maps.append(_checked(path, shape, crc, copy))
+            shards.append(_Shard(r0, c0, nr, nc, maps[0], maps[1] if len(maps) > 1 else None))
+        out[key] = LazyTable(key, rows, dim, shards)
     return out
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _box(where: Path, key: str, entry) -> tuple[int, int, int, int]:
+    """A shard entry's box, once the entry is one recd writes (float32, four counts)."""
+    box = entry.get("box") if isinstance(entry, dict) else None
+    if not (isinstance(box, list) and len(box) == 4 and all(_count(v) for v in box)):
+        raise ShardFileError(f"{where}: table {key!r}: a shard without a box of four counts")
+    if entry.get("dtype", DTYPE) != DTYPE:
+        raise ShardFileError(
+            f"{where}: table {key!r}: shard {box} is {str(entry['dtype'])[:20]!r}; "
+            f"recd reads {DTYPE} shard files only"
+        )
+    return tuple(box)
 
 
 def materialized(obj):
@@ -233,5 +365,12 @@ def files_of(meta: dict) -> list[str]:
     """The shard files a sharded model's model.json names (relative to the model)."""
     if not is_sharded(meta):
         return []
-    return [e[k] for t in meta["tables"]["tables"].values() for e in t["shards"]
-            for k in ("weights", "accumulators") if k in e]  # fmt: skip
+    names = [
+        e[k]
+        for t in meta["tables"]["tables"].values()
+        for e in t["shards"]
+        for k in ("weights", "accumulators")
+        if k in e
+    ]
+    # copied from a store by these names: none may lead out of the model
+    return [plain(name, Path("model.json"), "a shard file") for name in names]

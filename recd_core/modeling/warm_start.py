@@ -17,13 +17,14 @@ from recd_core.errors import first_line
 from recd_core.modeling.model import Model
 from recd_core.modeling.saved import (
     CheckpointError,
-    local_model_dir,
+    ModelError,
     read_optimizer,
     read_saved,
+    saved_tables,
     saved_train_config,
     torch_load,
 )
-from recd_core.modeling.shard_files import LazyAccumulator, is_sharded, open_tables
+from recd_core.modeling.shard_files import LazyAccumulator, is_sharded
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def initial_state(
         return Init(None, None, label or "from scratch: no model to start from")
     try:
         meta, weights, where = read_saved(init_from)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, ModelError) as e:
         raise CheckpointError(f"--init-from {init_from}: not a recd model ({e})") from None
     theirs = FeatureSet.model_validate(meta["features"])
     their_model = saved_train_config(meta).model
@@ -67,18 +68,25 @@ def initial_state(
         changed = [k for k in a if a[k] != b[k]]
         return Init(None, None, f"from scratch: the model config changed ({', '.join(changed)})")
     name = label or init_from
-    state, optimizer = torch_load(weights, where, "model"), read_optimizer(init_from)
+    state, optimizer = torch_load(weights, where, "model"), read_optimizer(init_from, meta)
     if is_sharded(meta):  # the tables stay in their files until a placement reads its rows
-        state, optimizer = with_tables(open_tables(local_model_dir(init_from, meta), meta),
-                                       state, optimizer)  # fmt: skip
+        state, optimizer = with_tables(saved_tables(init_from, meta), state, optimizer)
     return Init(state, name, f"warm start from {name}", optimizer, tuple(trained_days(meta)))
 
 
 def with_tables(tables: dict, state: dict, optimizer: dict | None) -> tuple[dict, dict | None]:
     """A sharded layout's model.pt and optimizer.pt completed with its shard files' tables
-    and accumulators (lazy: read when placed), in the single-process layout's keys."""
+    and accumulators (lazy: read when placed), in the single-process layout's keys. Saved
+    with an optimizer, every table must have its accumulators: continuing Adagrad from
+    zeros would take full-size steps on every row (refused, one line)."""
     state = {**state, **tables}
     if optimizer is not None:
+        bare = [k for k, t in tables.items() if any(s.accumulators is None for s in t.shards)]
+        if bare:
+            raise ModelError(
+                f"the model's optimizer.pt continues its tables, but model.json "
+                f"names no accumulators for {', '.join(bare[:3])}: a damaged copy"
+            )
         accs = {i: {"sum": LazyAccumulator(t)} for i, t in enumerate(tables.values())}
         optimizer = {**optimizer, "sparse": {**optimizer["sparse"], "state": accs}}
     return state, optimizer

@@ -27,12 +27,17 @@ What it adds to MLflow's server is what an orchestrated service needs (`ServeCon
     a request past serve.timeout_s       504; its scoring stops at the next batch
     anything unexpected                  500 "the server log has the details" (traceback
                                          logged, never sent)
+    a score that is not a number         500 naming the model, never a 200 with NaN
 
 Served by alias (`models:/recd-dlrm@champion`) with `serve.follow_alias_s`, the server checks
 the alias that often; when it names another version (a promotion), that version is loaded,
 its readiness request scored, and it replaces the served model between requests (a request
 in flight finishes on the model it started with; memory holds both models meanwhile). A
 failed load keeps the old model serving and says why in the log.
+
+A trained model's shard files are verified and copied for the server as it loads them
+(modeling/shard_files.py): a file changed, truncated or deleted afterwards changes nothing
+it serves.
 
 Every non-200 body is one JSON line, `{"error_code": ..., "message": ...}` (MLflow's keys),
 with no stack trace and no echo of the request. Scoring runs serve.batch_rows rows at a time,
@@ -107,6 +112,10 @@ ALIASED = re.compile(r"^models:/(?P<name>[^/@]+)@(?P<alias>[\w-]+)$")
 PINNED = re.compile(r"^models:/(?P<name>[^/@]+)/(?P<version>\d+)$")
 
 
+class NonFinite(ValueError):
+    """The model scored NaN or infinity: a broken model, answered as a 500 naming it."""
+
+
 def alias_version(uri: str) -> str | None:
     """The version a `models:/NAME@ALIAS` URI names now (through the tracking URI already
     set); None for any other URI."""
@@ -141,7 +150,7 @@ def load_scorer(uri: str) -> Scorer:
         return Scorer(scorer.model, scorer.meta, uri, version)
     from recd_core.modeling.saved import load_model
 
-    model, meta = load_model(uri)
+    model, meta = load_model(uri, private=True)  # its tables its own: files may change
     return Scorer(model, meta, uri)
 
 
@@ -174,9 +183,20 @@ def _too_large(size: int, cap: int, at_least: str = "") -> str:
             f"{cap:,} (serve.max_bytes): split the request")  # fmt: skip
 
 
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # an escaped surrogate, \\ud800 to \\udfff
+
+
 def parse_json(body: bytes) -> object:
     try:
-        return json.loads(body)
+        parsed = json.loads(body)
+        # JSON may escape a lone UTF-16 surrogate, which is no Unicode text: refused here
+        # (looked for only where the body has such an escape at all; a pair is fine)
+        if SURROGATE_ESCAPE.search(body) and _lone_surrogate(parsed):
+            raise RequestError(
+                "invalid JSON: a string holds a lone UTF-16 surrogate "
+                "(\\ud800-\\udfff), not Unicode text"
+            )
+        return parsed
     except json.JSONDecodeError as e:
         raise RequestError(f"invalid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
     except UnicodeDecodeError:
@@ -185,6 +205,23 @@ def parse_json(body: bytes) -> object:
         raise RequestError("invalid JSON: nested too deeply") from None
     except ValueError:  # an integer of more digits than Python converts
         raise RequestError("invalid JSON: an integer of thousands of digits") from None
+
+
+def _lone_surrogate(obj) -> bool:
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def build_app(first: Scorer, cfg: ServeConfig):
@@ -214,6 +251,11 @@ def build_app(first: Scorer, cfg: ServeConfig):
             table = request_table(columns, n, scorer.schema, scorer.features)
             del columns
             probs = scorer.score(table, cfg.batch_rows, deadline)
+        if not np.isfinite(probs).all():  # never a 200 with NaN: the model is broken
+            raise NonFinite(
+                f"the model {scorer.served} scored {int((~np.isfinite(probs)).sum())} "
+                "value(s) that are not numbers: the server log has the details"
+            )
         return json.dumps({"predictions": probs.tolist()}).encode()
 
     async def invocations(request) -> Response:
@@ -237,6 +279,9 @@ def build_app(first: Scorer, cfg: ServeConfig):
         except TimeoutError:
             return answer(504, f"the request took longer than {cfg.timeout_s:g} s "
                           "(serve.timeout_s)")  # fmt: skip
+        except NonFinite as e:
+            log.error("%s", e)
+            return answer(500, str(e))
         except Exception as e:  # noqa: BLE001 - the traceback to the log, never to the client
             log.exception("scoring failed")
             return answer(500, f"scoring failed ({type(e).__name__}); the server log has "
