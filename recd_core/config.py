@@ -401,9 +401,16 @@ class TrainConfig(_Strict):
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     amp: bool = False  # bf16 autocast on CUDA
-    # training processes on this machine (gloo on CPU, nccl on CUDA: one GPU each): data
-    # parallel, or with `sharding` model parallel tables (`--nproc` on the command)
+    # training processes (gloo on CPU, nccl on CUDA: one GPU each): data parallel, or with
+    # `sharding` model parallel tables (`--nproc` on the command)
     nproc: int = Field(default=1, ge=1)
+    # where the processes run: "local" on this machine (spawned; or each machine's torchrun
+    # of one run across several); "ray" as Ray Train workers spread over the Ray cluster's
+    # nodes (the cluster at `RAY_ADDRESS`, else a local instance), each resuming from the
+    # run's checkpoint when Ray restarts them after one dies (modeling/ray_engine.py)
+    engine: Literal["local", "ray"] = "local"
+    # engine ray: how often Ray restarts the workers after one of them dies
+    max_failures: int = Field(default=2, ge=0)
     # with several processes: "none" replicates every table in every process (data
     # parallel); otherwise the tables are sharded across the processes through TorchRec
     # (modeling/sharded/), placed by its planner (`auto`) or table-, row- or column-wise,

@@ -1,30 +1,34 @@
-"""One way to get a Ray instance for the stages that scale out on Ray Data (ingest's parsing,
-generate, DPP), and one way to run their work there (`ordered_map`). The instance: the
-cluster the process is already connected to (`ray.init(address=...)`, or `RAY_ADDRESS` read
-by Ray itself at the edge: a KubeRay cluster), else a local instance bound to loopback with
-`workers` CPUs, shut down when the work is done.
+"""One way to get a Ray instance for the stages that scale out on Ray (ingest's parsing,
+generate and DPP on Ray Data, training on Ray Train), and one way to run Ray Data work there
+(`ordered_map`). The instance: the cluster the process is already connected to
+(`ray.init(address=...)`), the cluster at `RAY_ADDRESS` (Ray's own convention, which
+KubeRay's RayJob sets), else a local instance bound to loopback with `workers` CPUs; one the
+session started is shut down when the work is done.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 from collections.abc import Callable, Iterator
 
 
 @contextlib.contextmanager
-def ray_session(workers: int) -> Iterator[None]:
+def ray_session(workers: int, logs: bool = False) -> Iterator[None]:
+    """The Ray instance (module docstring) for the work inside; `logs`: the workers' output
+    shown on this process's (a training run's progress), else kept in Ray's log files."""
     import ray
 
     started = False
     if not ray.is_initialized():
-        ray.init(
-            num_cpus=workers,
-            include_dashboard=False,
-            log_to_driver=False,
-            _node_ip_address="127.0.0.1",
-            configure_logging=False,
-        )
+        quiet = {"log_to_driver": logs, "configure_logging": False}
+        if os.environ.get("RAY_ADDRESS"):  # a cluster: its resources are its own
+            ray.init(**quiet)
+        else:
+            ray.init(
+                num_cpus=workers, include_dashboard=False, _node_ip_address="127.0.0.1", **quiet
+            )
         started = True
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False

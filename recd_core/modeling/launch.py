@@ -43,6 +43,8 @@ def join_process_group(rank: int, world: int, device: torch.device) -> torch.dev
         local = int(os.environ.get("LOCAL_RANK", rank))
         device = torch.device("cuda", local % torch.cuda.device_count())
         torch.cuda.set_device(device)
+    if dist.is_initialized():  # joined already by the engine that started it (Ray Train)
+        return device
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world
     )

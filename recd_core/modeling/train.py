@@ -99,6 +99,10 @@ def train(
     if launched_rank() is not None:  # torchrun's processes, on this machine or on several
         nproc = int(os.environ["WORLD_SIZE"])
     check(cfg, nproc)  # before any process starts
+    if cfg.engine == "ray" and launched_rank() is None:  # each worker runs this function
+        from recd_core.modeling.ray_engine import ray_train
+
+        return ray_train(warehouse.uri, ds, cfg, nproc, init_from, init_label, features)
     # one live writer per day and arm (a rank that torchrun started: its rank 0 holds it)
     lock = one_writer(warehouse, ds, cfg.mode) if launched_rank() in (None, 0) else None
     with lock or contextlib.nullcontext():
@@ -336,6 +340,7 @@ def finish(run: Run) -> dict:
         "train.rss_before_model_bytes_per_rank": every_rank(run.rss_before_model, world),
         "train.device": str(run.device),
         "train.world_size": world,
+        "train.engine": cfg.engine,
         "train.dedup_groups": {g: len(fs) for g, fs in run.store.groups.items()},
         "train.batch_size": run.store.manifest["batch_size"],
         "train.members": cfg.model.members,
