@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-EXTRAS ?= dev,tracking,torchrec,ray,airflow,kfp,bench
+EXTRAS ?= dev,tracking,torchrec,ray,airflow,kfp,trainer,bench
 # torch first and pinned: the CPU wheel is on disk; an unpinned torch pulls a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 DATA := data

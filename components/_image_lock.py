@@ -1,5 +1,5 @@
 """Write components/image-requirements.txt: every dependency of the components image pinned,
-as pip resolves them for `.[tracking,server,torchrec]` with torch 2.13.0 (`make image-lock`).
+as pip resolves them for `.[tracking,server,torchrec,trainer]` with torch 2.13.0 (`make image-lock`).
 
 The image installs this file in a layer of its own before recd's source (components/
 Dockerfile), so a build is reproducible and a change to recd_core rebuilds only its layer.
@@ -21,7 +21,7 @@ def main() -> None:
         report = Path(tmp) / "report.json"
         subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet",
                         "--ignore-installed", "--report", str(report), "torch==2.13.0",
-                        ".[tracking,server,torchrec]"], check=True)  # fmt: skip
+                        ".[tracking,server,torchrec,trainer]"], check=True)  # fmt: skip
         items = json.loads(report.read_text())["install"]
     pins = sorted(
         (i["metadata"]["name"].lower(), i["metadata"]["version"])

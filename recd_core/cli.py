@@ -222,8 +222,6 @@ def _graph_command(
     def command(ctx: typer.Context, summary: Path | None = None, **given) -> None:
         args = {k: v for k, v in given.items() if k in names and v is not None}
         own = {k: v for k, v in given.items() if k not in names}
-        if own.get("node_rank"):  # another machine's share of a run across machines
-            return _follow(name, summary, args, own)
         result = _run(ctx, name, summary, lambda h: body(h, args, **own), tracked=True)
         if decision:
             _print_decision(result)
@@ -288,52 +286,26 @@ def _print_decision(result: dict) -> None:
     )
 
 
-def _node_params() -> list[inspect.Parameter]:
-    """`recd run`'s place in a run across machines (`orchestration.nodes.NODE_OPTIONS`)."""
-    from recd_core.orchestration.nodes import NODE_OPTIONS
+def _trainjob_params() -> list[inspect.Parameter]:
+    """`recd run`'s train stage across machines, as a Kubeflow Trainer TrainJob
+    (`orchestration.trainjob.TrainJobConfig`, a flag a field)."""
+    from recd_core.orchestration.trainjob import flag_options
 
     return [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                              annotation=Annotated[kind, typer.Option(help=text)])
-            for name, kind, default, text in NODE_OPTIONS]  # fmt: skip
-
-
-def _group(own: dict):
-    from recd_core.orchestration.nodes import NODE_OPTIONS, NodeGroup
-
-    nodes, rank, per_node, channel = (own.pop(name) for name, *_ in NODE_OPTIONS)
-    return NodeGroup(nodes, rank, per_node, channel)
-
-
-def _follow(command: str, summary_path: Path | None, args: dict, own: dict) -> None:
-    """A node other than 0 of `recd run --nodes N`: no stage of its own; it joins each
-    training run node 0 announces (`nodes.follow`) until node 0's pipeline is done. Node 0
-    records the run; this one prints what it joined."""
-    from recd_core.orchestration.nodes import follow
-    from recd_core.warehouse import Warehouse
-
-    try:
-        result = follow(Warehouse(args["warehouse"]), _group(own))
-    except RecdError as e:
-        _fail(command, str(e), e.exit_code)
-    write_summary(summary_path, {"status": "ok", **result})
-    print_summary(f"recd {command}", result)
+                              annotation=Annotated[list[kind] | None if many else kind,
+                                                   typer.Option(help=text)])
+            for name, kind, default, text, many in flag_options()]  # fmt: skip
 
 
 def _run_body(handle, args: dict, mode: str, out: Path | None, **node) -> dict:
     from recd_core.orchestration.graph import ARMS, pipeline_graph
+    from recd_core.orchestration.trainjob import TrainJobConfig, stage_trainjob
 
     arms = ARMS if mode == "both" else (mode,)
     graph = pipeline_graph(arms, register=True, compare=mode == "both", name="recd run")
-    group = _group(node)
-    if group.nodes == 1:
-        return _run_graph(graph, args, handle, out)
-    from recd_core.orchestration.nodes import Host
-    from recd_core.warehouse import Warehouse
-
-    host = Host(Warehouse(args["warehouse"]), group)
-    result = _run_graph(graph, args, handle, out, host.run_stage)
-    host.done()
-    return result
+    trainjob = TrainJobConfig.from_flags(node)
+    across = stage_trainjob(trainjob) if trainjob.nodes > 1 else None
+    return _run_graph(graph, args, handle, out, across)
 
 
 _graph_command(
@@ -342,8 +314,8 @@ _graph_command(
     with a tracking URI also register the model and decide the champion by NE. `--mode both`
     runs both arms on the same samples and compares them (exit 3 when they differ). Every
     config override (--epochs, --nproc, ...) goes to the stages that take it. `--nodes N
-    --node-rank K --rendezvous ID` (every machine the same but K): node 0 runs the pipeline and
-    trains as torchrun's node 0; the other nodes join each of its training runs.""",
+    --image IMG ...`: train runs across N machines as a Kubeflow Trainer TrainJob
+    (orchestration/trainjob.py), the rest here.""",
     _graph_params("data/default/warehouse", "data/default/logs", exclude=("mode",)),
     [
         inspect.Parameter("mode", inspect.Parameter.KEYWORD_ONLY, default="dedup",
@@ -351,7 +323,7 @@ _graph_command(
                                                typer.Option(help="training arm(s)")]),
         inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
             Path | None, typer.Option(help="also copy the comparison chart here (--mode both)")]),
-        *_node_params(),
+        *_trainjob_params(),
     ],
     _run_body,
 )  # fmt: skip

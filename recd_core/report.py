@@ -103,8 +103,36 @@ def print_summary(title: str, summary: dict, skip_prefixes: tuple[str, ...] = ()
 
 
 def write_summary(path: str | Path | None, summary: dict) -> None:
+    """The summary as JSON at `path`: a local path, or a URI of a filesystem Arrow opens
+    (`s3://…`: a TrainJob's rank 0 writes its summary into the warehouse)."""
     if path is None:
+        return
+    text = json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
+    if "://" in str(path):
+        import pyarrow.fs as pafs
+
+        from recd_core.leftovers import write_atomically
+
+        fs, where = pafs.FileSystem.from_uri(str(path))
+        fs.create_dir(where.rsplit("/", 1)[0], recursive=True)
+        write_atomically(fs, where, text.encode())
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    path.write_text(text)
+
+
+def read_summary(path: str) -> dict | None:
+    """A summary `write_summary` wrote at `path` (a local path or a URI), or None."""
+    import pyarrow.fs as pafs
+
+    fs, where = (
+        pafs.FileSystem.from_uri(str(path))
+        if "://" in str(path)
+        else (pafs.LocalFileSystem(), str(Path(path).absolute()))
+    )
+    try:
+        with fs.open_input_stream(where) as f:
+            return json.loads(f.read())
+    except (FileNotFoundError, ValueError):
+        return None

@@ -2,11 +2,13 @@
 restricted Pod Security profile, plus pinned images and resources)."""
 
 
-def assert_restricted(name: str, spec: dict) -> None:
+def assert_restricted(name: str, spec: dict, api_client: bool = False) -> None:
+    """`api_client`: the pod talks to the Kubernetes API (a TrainJob's submitter), so its
+    service account token is mounted; every other pod goes without."""
     psc = spec["securityContext"]
     assert psc["runAsNonRoot"] is True and psc["runAsUser"] > 0, name
     assert psc["seccompProfile"]["type"] == "RuntimeDefault", name
-    assert spec.get("automountServiceAccountToken") is False, name
+    assert spec.get("automountServiceAccountToken") is api_client, name
     assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC")
     writable = {m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", [])}
     assert "/tmp" in writable, name

@@ -256,38 +256,34 @@ def test_the_kubernetes_switch_runs_each_stage_as_a_pod_of_the_components_image(
         assert b in _after(every, a)
 
 
-def test_training_across_pods_runs_one_pod_a_node_joined_at_node_0(airflow_home, tmp_path):
-    """`RECD_TRAIN_NODES=2`: train is two pods started together, each a torchrun node, node
-    0 named under the chart's headless Service, the rendezvous there; node 0 reports."""
-    from recd_core.orchestration.nodes import torchrun_command
-
+def test_training_across_machines_is_one_task_that_submits_a_trainjob(airflow_home, tmp_path):
+    """`RECD_TRAIN_NODES=2`: train is one pod, the train component submitting a Kubeflow
+    Trainer TrainJob of 2 nodes of 4 processes on the chart's runtime with the DAG's image,
+    logs volume and secret, and waiting for it; its pod has the API token (only it), no GPU
+    (the TrainJob's nodes have them), and its summary is the task's XCom."""
     env = airflow_env(airflow_home, tmp_path, executor="kubernetes", train_nodes=2,
-                      train_nproc_per_node=4, train_service="rel-recd-train",
+                      train_nproc_per_node=4, train_runtime="rel-recd-torch", train_gpus=1,
                       synthesize="false", warehouse="s3://bucket/wh")  # fmt: skip
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(KUBECONFIG)
     bag = _probe({**env, "KUBECONFIG": str(kubeconfig)})
     assert bag["errors"] == {}
     every = bag["dags"]["recd_daily_retrain"]["tasks"]
-    nodes = [every["train"], every["train_node_1"]]
-    host = "recd-train-{{ ts_nodash | lower }}"  # one a run: the logical date's
-    for k, t in enumerate(nodes):
-        launch = torchrun_command(2, 4, k, f"{host}-0.rel-recd-train")
-        assert t["cmds"] == [*launch, "-m", "components.train"]
-        assert t["hostname"] == f"{host}-{k}"
-        pod = json.loads(json.dumps(t["pod"]).replace("{{ ts_nodash | lower }}", "20261127t0000"))
-        kubernetes_validate.validate(pod, "1.33.0", strict=True)
-        assert_restricted(f"train node {k}", pod["spec"])
-        assert pod["spec"]["subdomain"] == "rel-recd-train"
-        assert pod["metadata"]["labels"]["recd.ai/train-node"] == "true"
-        assert "evaluate" in t["downstream"] and f"train{'_node_1' * k}" in _after(
-            every, "preprocess"
-        )
-    # node 0 reports (its rank 0 writes the summary): the stage's XCom; node 1 does its share
-    assert "--output-metadata" in nodes[0]["arguments"]
-    assert "--output-metadata" not in nodes[1]["arguments"]
-    assert [c["name"] for c in nodes[1]["pod"]["spec"]["containers"]] == ["base"]
-    assert nodes[0]["arguments"][:-2] == nodes[1]["arguments"]  # the same stage arguments
+    assert not any("node" in t for t in every)
+    train = every["train"]
+    assert train["cmds"] == ["python", "-m", "components.train"]
+    args = train["arguments"]
+    flags = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--")}
+    assert (flags["--nodes"], flags["--nproc-per-node"], flags["--trainer-runtime"]) == (
+        "2", "4", "rel-recd-torch")  # fmt: skip
+    assert flags["--image"] == train["image"]
+    assert flags["--output-metadata"] == "/airflow/xcom/return.json"
+    pod = json.loads(json.dumps(train["pod"]).replace("{{ ts_nodash | lower }}", "20261127t0000"))
+    kubernetes_validate.validate(pod, "1.33.0", strict=True)
+    assert_restricted("train", pod["spec"], api_client=True)
+    assert "nvidia.com/gpu" not in json.dumps(pod["spec"]["containers"][0]["resources"])
+    assert pod["metadata"]["labels"]["recd.ai/trainjob-client"] == "true"
+    assert every["ingest"]["pod"]["spec"]["automountServiceAccountToken"] is False
 
 
 @pytest.fixture(scope="module")

@@ -56,8 +56,9 @@ def test_lint_render_and_validate_every_object(helm, values):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     objects = render(helm, *values)
-    for o in objects:
-        kubernetes_validate.validate(o, K8S, strict=True)  # raises on any invalid object
+    for o in objects:  # Kubeflow Trainer's kinds: its API models (the test of the runtime)
+        if not o["apiVersion"].startswith("trainer.kubeflow.org/"):
+            kubernetes_validate.validate(o, K8S, strict=True)  # raises on any invalid object
     kinds = sorted(o["kind"] for o in objects)
     expected = {
         "ConfigMap",
@@ -76,8 +77,8 @@ def test_lint_render_and_validate_every_object(helm, values):
 def test_every_pod_runs_under_the_restricted_profile(helm, values):
     specs = list(pod_specs(render(helm, *values)))
     assert specs
-    for name, spec in specs:
-        assert_restricted(name, spec)
+    for name, spec in specs:  # the CronJob submitting a TrainJob talks to the API
+        assert_restricted(name, spec, api_client=bool(values) and name.endswith("-daily"))
 
 
 def test_secrets_are_referenced_never_inline(helm):
@@ -120,13 +121,21 @@ def test_the_orchestrator_may_launch_pods_in_its_namespace_and_nothing_more(helm
 
 
 def test_training_pods_get_a_gpu_where_asked(helm):
+    """The pods that train get the GPU: the CronJob's own pod, or across machines the
+    TrainJob's nodes (its runtime's pod template), the submitting pod then none."""
     objects = render(helm, "-f", str(ALT))
-    cron = next(o for o in objects if o["kind"] == "CronJob")
-    spec = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    runtime = next(o for o in objects if o["kind"] == "TrainingRuntime")
+    job = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+    spec = job["template"]["spec"]
     assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
-    assert "--no-synthesize" in spec["containers"][0]["args"]
+    one = render(helm, "-f", str(ALT), "--set", "distributedTraining.enabled=false")
+    cron = next(o for o in one if o["kind"] == "CronJob")["spec"]["jobTemplate"]["spec"]
+    assert cron["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert cron["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    cron = next(o for o in objects if o["kind"] == "CronJob")["spec"]["jobTemplate"]["spec"]
+    assert "--no-synthesize" in cron["template"]["spec"]["containers"][0]["args"]
     cm = next(o for o in objects if o["kind"] == "ConfigMap")
     assert cm["data"]["RECD_TRAIN_GPUS"] == "1"
     policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
@@ -137,72 +146,80 @@ def test_training_pods_get_a_gpu_where_asked(helm):
     } in sources
 
 
-def test_training_across_pods_gets_its_rendezvous_service_and_the_dags_settings(helm):
-    """The headless Service node 0 is named under, the DAG's settings naming it (the
-    ConfigMap Airflow reads), and the training pods open to each other only."""
+def test_training_across_machines_gets_a_trainer_runtime_its_submitters_and_the_dags_settings(
+    helm,
+):
+    """distributedTraining: the TrainingRuntime every recd TrainJob runs on, exactly as
+    Kubeflow Trainer's API models read it (round trip), its nodes under the restricted
+    profile, never restarted after a bad input or a failed gate; the submitter's Role (create
+    TrainJobs, read their pods' logs, nothing else) bound to the pipeline's account; the DAG's
+    settings naming the runtime; the nodes open to each other only. Off by default."""
+    from kubeflow_trainer_api.models import TrainerV1alpha1TrainingRuntime
+
     objects = render(helm, "-f", str(ALT))
-    service = next(
-        o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "rel-recd-train"
-    )
-    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
-    assert service["spec"]["selector"] == {"recd.ai/train-node": "true"}
-    assert service["spec"]["ports"][0]["port"] == 29400
+    runtime = next(o for o in objects if o["kind"] == "TrainingRuntime")
+    assert runtime["metadata"]["name"] == "rel-recd-torch"
+    assert TrainerV1alpha1TrainingRuntime.from_dict(runtime).to_dict() == runtime
+    assert runtime["spec"]["mlPolicy"]["numNodes"] == 2
+    job = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] == [2, 3]
+    pod = job["template"]["spec"]
+    assert_restricted("trainer node", pod)
+    assert pod["containers"][0]["name"] == "node"
+    assert pod["containers"][0]["command"] == ["torchrun", "-m", "components.train"]
+    assert job["template"]["metadata"]["labels"]["recd.ai/train-node"] == "true"
+    role = next(o for o in objects if o["kind"] == "Role"
+                and o["metadata"]["name"] == "rel-recd-trainjob-submitter")  # fmt: skip
+    granted = {(g, r) for rule in role["rules"] for g in rule["apiGroups"]
+               for r in rule["resources"]}  # fmt: skip
+    assert granted == {("trainer.kubeflow.org", "trainjobs"),
+                       ("trainer.kubeflow.org", "trainingruntimes"), ("", "pods"),
+                       ("", "events"), ("", "pods/log")}  # fmt: skip
+    binding = next(o for o in objects if o["kind"] == "RoleBinding"
+                   and o["roleRef"]["name"] == "rel-recd-trainjob-submitter")  # fmt: skip
+    assert binding["subjects"][0]["name"] == "rel-recd-pipeline"
     cm = next(o for o in objects if o["kind"] == "ConfigMap")
     assert {k: cm["data"][k] for k in ("RECD_TRAIN_NODES", "RECD_TRAIN_NPROC_PER_NODE",
-            "RECD_TRAIN_SERVICE", "RECD_TRAIN_PORT")} == {"RECD_TRAIN_NODES": "2",
-            "RECD_TRAIN_NPROC_PER_NODE": "4", "RECD_TRAIN_SERVICE": "rel-recd-train",
-            "RECD_TRAIN_PORT": "29400"}  # fmt: skip
-    policy = next(
-        o
-        for o in objects
-        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "rel-recd-train"
-    )
+            "RECD_TRAIN_RUNTIME")} == {"RECD_TRAIN_NODES": "2", "RECD_TRAIN_NPROC_PER_NODE": "4",
+                                       "RECD_TRAIN_RUNTIME": "rel-recd-torch"}  # fmt: skip
+    policy = next(o for o in objects
+                  if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "rel-recd-train")  # fmt: skip
     assert policy["spec"]["podSelector"]["matchLabels"] == {"recd.ai/train-node": "true"}
-    assert policy["spec"]["ingress"] == [
-        {"from": [{"podSelector": {"matchLabels": {"recd.ai/train-node": "true"}}}]}
-    ]
     default = render(helm)  # off unless asked
-    assert not any(o["metadata"]["name"] == "rel-recd-train" for o in default)
+    assert not any(o["kind"] == "TrainingRuntime" or "trainjob" in o["metadata"]["name"]
+                   for o in default)  # fmt: skip
     assert "RECD_TRAIN_NODES" not in next(o for o in default if o["kind"] == "ConfigMap")["data"]
 
 
-def test_the_cronjob_trains_across_pods_as_an_indexed_job_of_recd_run_nodes(helm):
-    """With distributedTraining, the CronJob's Job is Indexed: `nodes` pods started
-    together, each `recd run` with its completion index as the node rank and the Job's name
-    as the rendezvous (options `recd run` takes), named under the headless Service and open
-    to each other; node 0's success ends the Job. Without it: one pod, as before."""
+def test_the_cronjob_trains_across_machines_by_submitting_a_trainjob(helm):
+    """With distributedTraining, the CronJob's one pod runs `recd run` with the TrainJob's
+    options (parsed here as `recd run` parses them): the nodes, processes a node, the image,
+    the chart's runtime, the logs volume, the S3 secret; its token mounted (it calls the
+    API), no GPU of its own. Without it: no TrainJob options, no token."""
     import typer
 
     from recd_core.cli import app
 
     cron = next(o for o in render(helm, "-f", str(ALT)) if o["kind"] == "CronJob")
     job = cron["spec"]["jobTemplate"]["spec"]
-    assert (job["completionMode"], job["completions"], job["parallelism"]) == ("Indexed", 2, 2)
-    assert job["successPolicy"] == {"rules": [{"succeededIndexes": "0"}]}
-    pod = job["template"]
-    assert pod["metadata"]["labels"]["recd.ai/train-node"] == "true"
-    assert pod["spec"]["subdomain"] == "rel-recd-train"
-    container = pod["spec"]["containers"][0]
-    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
-           for e in container["env"]}  # fmt: skip
-    assert env["RECD_NODE_RANK"] == (
-        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-    )
-    assert env["RECD_JOB"] == "metadata.labels['batch.kubernetes.io/job-name']"
-    args = [a.replace("$(RECD_NODE_RANK)", "1").replace("$(RECD_JOB)", "rel-recd-daily-29001")
-            for a in container["args"]]  # fmt: skip
+    assert "completionMode" not in job and "parallelism" not in job
+    pod = job["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is True
+    container = pod["containers"][0]
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    args = container["args"]
     assert args[1] == "run", args
     command = typer.main.get_command(app)
     ctx = command.make_context("recd", list(args), resilient_parsing=False)
     run = command.get_command(ctx, "run").make_context("run", args[2:], parent=ctx)
-    assert (run.params["nodes"], run.params["node_rank"], run.params["nproc_per_node"],
-            run.params["rendezvous"]) == (2, 1, 4, "rel-recd-daily-29001")  # fmt: skip
+    p = run.params
+    assert (p["nodes"], p["nproc_per_node"], p["trainer_runtime"]) == (2, 4, "rel-recd-torch")
+    assert p["image"] == "registry.example.com/ml/recd-components:0.1.0-cuda"
+    assert p["volume"] == ["recd-raw-logs:/data/logs"] and p["s3_secret"] == "recd-s3"
     one = next(o for o in render(helm, "--set", "cronJob.enabled=true") if o["kind"] == "CronJob")
-    one_job = one["spec"]["jobTemplate"]["spec"]
-    assert "completionMode" not in one_job and "subdomain" not in one_job["template"]["spec"]
-    assert not any(
-        a.startswith("--node") for a in one_job["template"]["spec"]["containers"][0]["args"]
-    )
+    one_pod = one["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    assert one_pod["automountServiceAccountToken"] is False
+    assert not any(a.startswith("--node") for a in one_pod["containers"][0]["args"])
 
 
 def test_the_champion_is_served_ready_only_once_it_scores_a_ranking_request(helm):

@@ -3,6 +3,7 @@ the components image, and the lightweight twin of the same graph runs end to end
 (`kfp.local.SubprocessRunner(use_venv=False)`) on small data."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -85,37 +86,44 @@ def test_the_compiled_pipeline_has_a_container_component_per_stage(tmp_path):
     assert "ingest_eval" in named["generate_eval"] and "generate_eval" in named["evaluate"]
 
 
-def test_training_across_pods_is_a_step_a_node_started_together(tmp_path):
-    """`--train-nodes 2`: train is two steps after the same ones, each the train component
-    as a torchrun node (`--nodes 2 --node-rank k`, the run's id as its rendezvous: node 0
-    publishes its address in the warehouse); node 0 is the stage's task, whose outputs the
-    next steps read, node 1 has only its summary."""
+def test_training_across_machines_is_one_step_that_submits_a_trainjob(tmp_path):
+    """`--train-nodes 2`: train is one step, the train component told to run as a Kubeflow
+    Trainer TrainJob of 2 nodes of 4 processes on the pipeline's image, with the run's logs
+    volume and S3 secret (its inputs); the TrainJob's pods get the accelerators, not it.
+    The flags parse as the component parses them, into the TrainJob it would submit."""
     import recd_pipeline
+
+    from components._entry import parser
+    from recd_core.orchestration.trainjob import TrainJobConfig, flag_options, trainjob
 
     paths = recd_pipeline.compile_pipelines(tmp_path, "reg.example/recd:9", train_nodes=2,
                                             nproc_per_node=4)  # fmt: skip
     spec, platform = yaml.safe_load_all(paths[0].read_text())
     tasks = spec["root"]["dag"]["tasks"]
     by_name = {t["taskInfo"]["name"]: t for t in tasks.values()}
-    node0, node1 = by_name["train"], by_name["train-node-1"]
-    assert set(node0["dependentTasks"]) == set(node1["dependentTasks"]) >= {"recd-preprocess"}
-    for t in (node0, node1):
-        assert t["inputs"]["parameters"]["rendezvous"]["runtimeValue"]["constant"] == (
-            "{{$.pipeline_job_uuid}}")  # fmt: skip
+    assert "train" in by_name and not any("node" in n for n in by_name)
+    train = by_name["train"]
     executors = spec["deploymentSpec"]["executors"]
-    for k, t in enumerate((node0, node1)):
-        c = executors[spec["components"][t["componentRef"]["name"]]["executorLabel"]]["container"]
-        assert c["command"] == ["python", "-m", "components.train"]
-        i = c["args"].index("--nodes")
-        assert c["args"][i:i + 7] == ["--nodes", "2", "--node-rank", str(k), "--nproc-per-node",
-                                      "4", "--rendezvous"]  # fmt: skip
-        assert ("{{$}}" in c["args"]) == (k == 0)  # node 0 writes the typed outputs
-        assert set(c["resources"]) >= {"accelerator", "memoryLimit"}
-    node1_outputs = spec["components"][node1["componentRef"]["name"]]["outputDefinitions"]
-    assert set(node1_outputs) == {"parameters"} and set(node1_outputs["parameters"]) == {"summary"}
+    c = executors[spec["components"][train["componentRef"]["name"]]["executorLabel"]]["container"]
+    assert c["command"] == ["python", "-m", "components.train"]
+    assert "accelerator" not in c["resources"]
+    args = [a.replace("{{$.inputs.parameters['logs_pvc']}}", "recd-logs")
+            .replace("{{$.inputs.parameters['s3_secret']}}", "recd-s3") for a in c["args"]]  # fmt: skip
+    ns = vars(parser("train").parse_args([re.sub(r"\{\{.*?\}\}", "x", a) for a in args]))
+    cfg = TrainJobConfig.from_flags({n: ns[n] for n, *_ in flag_options()})
+    assert (cfg.nodes, cfg.nproc_per_node, cfg.image) == (2, 4, "reg.example/recd:9")
+    assert cfg.volume == ["recd-logs:/mnt/recd-logs"] and cfg.s3_secret == "recd-s3"
+    body = trainjob("recd-train-x", ["--ds", "2026-11-01"], cfg).to_dict()
+    assert body["spec"]["trainer"]["numNodes"] == 2
+    params = train["inputs"]["parameters"]
+    assert params["logs_pvc"]["componentInputParameter"] == "logs_pvc"
+    assert params["s3_secret"]["componentInputParameter"] == "s3_secret"
     assert "recd-train" in by_name["evaluate"]["dependentTasks"]
-    k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
-    assert k8s["exec-recd-train-node-1"]["pvcMount"] == k8s["exec-recd-train"]["pvcMount"]
+    one = recd_pipeline.compile_pipelines(tmp_path / "one", "reg.example/recd:9")
+    spec1, _ = yaml.safe_load_all(one[0].read_text())
+    c1 = next(e["container"] for n, e in spec1["deploymentSpec"]["executors"].items()
+              if e["container"]["command"][-1] == "components.train")  # fmt: skip
+    assert "--nodes" not in c1["args"] and "accelerator" in c1["resources"]
 
 
 def test_the_pipelines_leave_typed_artifacts_a_kubeflow_run_shows(tmp_path):

@@ -27,7 +27,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from recd_core.data.logs_root import MARKER
 from recd_core.orchestration.alerts import DEFAULT as ALERTS_DEFAULT
 from recd_core.orchestration.graph import STAGES, Graph
-from recd_core.orchestration.nodes import RDZV_PORT, torchrun_command
 from recd_core.orchestration.stage_args import for_stage, override_fields, param_schema
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,13 +69,13 @@ class Settings(BaseModel):
     env_from_secret: str | None = None  # a Secret with e.g. AWS_* for an s3:// warehouse
     # raw logs are files: a PVC mounted at `logs` in every pod (synth writes, ingest reads)
     logs_claim: str | None = None
-    # training across pods: train as `train_nodes` pods of `train_nproc_per_node` processes
-    # each (torchrun), node 0 named under the chart's headless Service `train_service`
-    # (`<release>-train`, distributedTraining.enabled)
+    # training across machines: the train task submits a Kubeflow Trainer TrainJob of
+    # `train_nodes` nodes of `train_nproc_per_node` processes on the ClusterTrainingRuntime
+    # `train_runtime` (the chart's `<release>-recd-torch`, distributedTraining.enabled) and
+    # waits for it (orchestration/trainjob.py)
     train_nodes: int = Field(default=1, ge=1)
     train_nproc_per_node: int = Field(default=1, ge=1)
-    train_service: str = "recd-train"
-    train_port: int = RDZV_PORT
+    train_runtime: str = "recd-torch"
 
     @property
     def start(self) -> dt.datetime:
@@ -209,8 +208,6 @@ def stage(name: str, args: dict, task_id: str, upstream: list[str], tables: list
     outlets = [asset(t, args["warehouse"]) for t in tables]
     upstream_json = xcoms_json(upstream) if upstream else None
     if SETTINGS.executor == "kubernetes":
-        if STAGES[name].accelerated and SETTINGS.train_nodes > 1:
-            return _nodes(name, task_id, args, outlets, upstream_json)
         return _pod(name, task_id, args, outlets, upstream_json)
 
     @task(task_id=task_id, outlets=outlets, execution_timeout=timeout(name))
@@ -276,36 +273,30 @@ def _pod_operator():
                         allow_privilege_escalation=False, read_only_root_filesystem=True,
                         run_as_non_root=True, capabilities=k8s.V1Capabilities(drop=["ALL"]),
                     )  # fmt: skip
-            pod.spec.automount_service_account_token = False
+            # no token unless the pod talks to the API (a TrainJob's submitter)
+            pod.spec.automount_service_account_token = bool(self.automount_service_account_token)
             return pod
 
     return RestrictedPodOperator
 
 
-def _nodes(name: str, task_id: str, args: dict, outlets: list, upstream_json: str | None):
-    """Stage `name` as one pod a node (orchestration/nodes.py): node 0 is the task `task_id`
-    (torchrun's rank 0 is there: its summary is the stage's XCom) and hosts the rendezvous
-    at `<its hostname>.<train_service>`; node k is `<task_id>_node_<k>`. One group, so the
-    stage's edges reach every node; a node that fails fails node 0's collectives too."""
-    from airflow.sdk import TaskGroup
-
-    host = f"recd-{task_id.replace('_', '-')}-{{{{ ts_nodash | lower }}}}"  # one a run
-    master = f"{host}-0.{SETTINGS.train_service}"
-    with TaskGroup(group_id=f"{task_id}_nodes", prefix_group_id=False) as group:
-        for k in range(SETTINGS.train_nodes):
-            launch = torchrun_command(SETTINGS.train_nodes, SETTINGS.train_nproc_per_node, k,
-                                      master, SETTINGS.train_port)  # fmt: skip
-            _pod(name, task_id if k == 0 else f"{task_id}_node_{k}", args,
-                 outlets if k == 0 else [], upstream_json, launch, f"{host}-{k}", k == 0)  # fmt: skip
-    return group
+def trainjob_flags() -> list[str]:
+    """The train component's flags that make it submit a TrainJob across `train_nodes`
+    machines (orchestration/trainjob.py) with this pod's image, logs volume and secret."""
+    flags = ["--nodes", str(SETTINGS.train_nodes), "--nproc-per-node",
+             str(SETTINGS.train_nproc_per_node), "--trainer-runtime", SETTINGS.train_runtime,
+             "--image", SETTINGS.image, "--namespace", SETTINGS.namespace]  # fmt: skip
+    if SETTINGS.logs_claim:
+        flags += ["--volume", f"{SETTINGS.logs_claim}:{SETTINGS.logs}"]
+    if SETTINGS.env_from_secret:
+        flags += ["--s3-secret", SETTINGS.env_from_secret]
+    return flags
 
 
-def _pod(name: str, task_id: str, args: dict, outlets: list, upstream_json: str | None,
-         launch: list[str] | None = None, hostname: str | None = None,
-         reports: bool = True):  # fmt: skip
-    """The pod running stage `name`; `launch`: the torchrun command of one node of a stage
-    across pods (`_nodes`), whose pod is `hostname` under the chart's headless Service;
-    `reports`: its summary is the task's XCom (node 0's, or a stage in one pod)."""
+def _pod(name: str, task_id: str, args: dict, outlets: list, upstream_json: str | None):
+    """The pod running stage `name`, its summary the task's XCom; train across machines
+    (`train_nodes` > 1): the pod submits the TrainJob and waits for it, its token mounted
+    for that (the chart's Role lets it create TrainJobs and read their pods' logs)."""
     from kubernetes.client import models as k8s
 
     argv = []
@@ -314,24 +305,22 @@ def _pod(name: str, task_id: str, args: dict, outlets: list, upstream_json: str 
             argv += [f"--{key.replace('_', '-')}", str(value)]
     if upstream_json:
         argv += ["--upstream-json", upstream_json]
-    if reports:
-        argv += ["--output-metadata", "/airflow/xcom/return.json"]
-    gpus = SETTINGS.train_gpus if STAGES[name].accelerated else 0
+    argv += ["--output-metadata", "/airflow/xcom/return.json"]
+    across = STAGES[name].accelerated and SETTINGS.train_nodes > 1
+    if across:
+        argv += trainjob_flags()
+    gpus = SETTINGS.train_gpus if STAGES[name].accelerated and not across else 0
     limits = {"nvidia.com/gpu": str(gpus)} if gpus else {}
-    node = {}
-    if launch is not None:
-        node = {"hostname": hostname, "full_pod_spec": k8s.V1Pod(
-            spec=k8s.V1PodSpec(containers=[], subdomain=SETTINGS.train_service))}  # fmt: skip
     return _pod_operator()(
         task_id=task_id,
         name=f"recd-{name}",
         namespace=SETTINGS.namespace,
         image=SETTINGS.image,
-        cmds=[*(launch or ["python"]), "-m", f"components.{name}"],
+        cmds=["python", "-m", f"components.{name}"],
         arguments=argv,
         service_account_name=SETTINGS.service_account,
-        do_xcom_push=reports,
-        **node,
+        do_xcom_push=True,
+        automount_service_account_token=across,
         get_logs=True,
         on_finish_action="delete_succeeded_pod",
         outlets=outlets,
@@ -372,7 +361,7 @@ def _pod(name: str, task_id: str, args: dict, outlets: list, upstream_json: str 
         labels={
             "app.kubernetes.io/component": "pipeline",
             "recd.ai/mlflow-client": "true",
-            **({"recd.ai/train-node": "true"} if launch else {}),
+            **({"recd.ai/trainjob-client": "true"} if across else {}),
         },  # fmt: skip
         env_from=[
             k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=SETTINGS.env_from_secret))

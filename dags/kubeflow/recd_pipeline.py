@@ -131,29 +131,26 @@ def producers(g: Graph, task) -> dict[str, str]:
     return out
 
 
-def container_stage(name: str, image: str = IMAGE, node: tuple[int, int, int] | None = None):
-    """The container component of one stage; `node`: (nodes, this node's rank, processes a
-    node) of a stage run across pods (orchestration/nodes.py), its `rendezvous` input the
-    run's id. Node 0 is the stage's task; another node's only output is its `summary`."""
+def container_stage(name: str, image: str = IMAGE, across: tuple[int, int] | None = None):
+    """The container component of one stage; `across`: (nodes, processes a node) of a train
+    stage run across machines as a Kubeflow Trainer TrainJob (orchestration/trainjob.py):
+    the step submits it, on the image it runs itself, with the run's logs volume and S3
+    secret (its `logs_pvc` and `s3_secret` inputs), and waits for it."""
     task_args, upstream = _task_args(name), _upstream_inputs(name)
-    peer = node is not None and node[1] > 0
     # in signature order (KFP passes them so): the run's inputs, the outputs, then the
     # inputs with defaults (the task's own arguments, the upstream summaries)
     params = [_param(k, SHARED[k]) for k in SHARED]
     params += [_param("summary", dsl.OutputPath(str))]
-    if not peer:
-        params += [_param(n, dsl.Output[ARTIFACTS[kind]]) for n, kind in outputs(name).items()]
+    params += [_param(n, dsl.Output[ARTIFACTS[kind]]) for n, kind in outputs(name).items()]
     params += [_param(k, str, "") for k in task_args]
     overrides = [n for n in _overrides(name) if n not in task_args]
     params += [_param(n, str, "") for n in overrides]
     params += [_param(n, str, "{}") for n in upstream]
     # what it reads, as the producing step's artifact (optional: a day's first stage has no
     # producer in the run): the run's lineage graph links the steps
-    if not peer:
-        params += [_param(n, dsl.Input[ARTIFACTS[kind]], None)
-                   for n, kind in consumed(name).items()]  # fmt: skip
-    if node is not None:
-        params += [_param("rendezvous", str, "")]
+    params += [_param(n, dsl.Input[ARTIFACTS[kind]], None) for n, kind in consumed(name).items()]
+    if across is not None:
+        params += [_param("logs_pvc", str, ""), _param("s3_secret", str, "")]
     names = [p.name for p in params]
 
     def stage(*values):
@@ -162,15 +159,18 @@ def container_stage(name: str, image: str = IMAGE, node: tuple[int, int, int] | 
         sources = [given.get(s, "{}") for s in PULLED_FROM]
         gathered = [given[n] for n in upstream if n.startswith("u_")]
         cmd = stage_command(name, flags, sources, gathered, given["summary"],
-                            None if peer else dsl.PIPELINE_TASK_EXECUTOR_INPUT_PLACEHOLDER)  # fmt: skip
-        if node is not None:
-            cmd += ["--nodes", str(node[0]), "--node-rank", str(node[1]), "--nproc-per-node",
-                    str(node[2]), "--rendezvous", given["rendezvous"]]  # fmt: skip
+                            dsl.PIPELINE_TASK_EXECUTOR_INPUT_PLACEHOLDER)  # fmt: skip
+        if across is not None:
+            cmd += ["--nodes", str(across[0]), "--nproc-per-node", str(across[1]),
+                    "--image", image, "--volume", f"{given['logs_pvc']}:{LOGS_MOUNT}",
+                    "--s3-secret", given["s3_secret"]]  # fmt: skip
         return dsl.ContainerSpec(image=image, command=cmd[:3], args=cmd[3:])
 
-    stage.__name__ = f"recd_{name}" + (f"_node_{node[1]}" if peer else "")
+    stage.__name__ = f"recd_{name}"
     stage.__doc__ = f"recd stage `{name}`: {STAGES[name].doc}." + (
-        f" Node {node[1]} of {node[0]} (its processes' share of the run)." if peer else ""
+        f" Across {across[0]} machines: a Kubeflow Trainer TrainJob it submits and waits for."
+        if across
+        else ""
     )
     return dsl.container_component(_with_inputs(stage, inspect.Parameter.VAR_POSITIONAL, params))
 
@@ -223,10 +223,9 @@ def graph(op, g: Graph, artifacts: bool = False) -> None:
         if artifacts:
             inputs |= {n: tasks[src].outputs[n.removeprefix("in_")]
                        for n, src in producers(g, task).items()}  # fmt: skip
-        steps = op(task, **inputs)  # a step, or a stage across pods: its nodes' steps
-        for step in steps if isinstance(steps, tuple) else (steps,):
-            step.after(*(tasks[a] for a in task.after))
-        tasks[task.id] = steps[0] if isinstance(steps, tuple) else steps
+        step = op(task, **inputs)
+        step.after(*(tasks[a] for a in task.after))
+        tasks[task.id] = step
 
 
 LOGS_MOUNT = "/mnt/recd-logs"  # where every pod sees the logs volume (`logs_pvc`)
@@ -302,35 +301,30 @@ def build_pipeline(
 ):  # fmt: skip
     """The pipeline of graph `g`. `scheduled=False` leaves out the scheduled-time
     placeholder, which `kfp.local` (2.17) cannot resolve: the local container run's build.
-    `train_nodes > 1`: the accelerated stage (train) as that many steps started together, a
-    node each of `nproc_per_node` processes, joined at node 0 (`_nodes`)."""
-    components = {t.stage: container_stage(t.stage, image) for t in g.tasks}
-    nodes = {}
-    if train_nodes > 1:
-        for stage in {t.stage for t in g.tasks if STAGES[t.stage].accelerated}:
-            nodes[stage] = [container_stage(stage, image, (train_nodes, k, nproc_per_node))
-                            for k in range(train_nodes)]  # fmt: skip
+    `train_nodes > 1`: the accelerated stage (train) across that many machines of
+    `nproc_per_node` processes, a Kubeflow Trainer TrainJob its step submits."""
+    across = (train_nodes, nproc_per_node) if train_nodes > 1 else None
+    components = {t.stage: container_stage(t.stage, image, across if
+                                           STAGES[t.stage].accelerated else None)
+                  for t in g.tasks}  # fmt: skip
     name, description, _ = NAMES[g.name]
 
-    def op(task, shared: dict, accelerator: tuple, component=None, node: int = 0, **upstream):
+    def op(task, shared: dict, accelerator: tuple, **upstream):
         """One task. Never served from KFP's cache: every stage reads or writes state its
         inputs do not name (the warehouse, the MLflow store), so equal inputs do not mean
         an equal result (a rerun of a day must rerun it)."""
-        step = (component or components[task.stage])(**shared, **task.args(), **upstream)
-        if node:
-            step.set_display_name(f"{task.id}-node-{node}")
-        if not node:
-            step.set_display_name(task.id)
+        step = components[task.stage](**shared, **task.args(), **upstream)
+        step.set_display_name(task.id)
         step.set_caching_options(False)
         # KFP retries by count, not by exit code: a lost tracking server or a killed pod
         # (exits 4, 1) clears on a retry; bad input and gates (2, 3) fail again, fast
         step.set_retry(num_retries=retries, backoff_duration="60s", backoff_factor=2.0,
                        backoff_max_duration="600s")  # fmt: skip
-        accelerated = STAGES[task.stage].accelerated
-        cpu, cpu_limit, memory, limit = RESOURCES[accelerated]
+        here = STAGES[task.stage].accelerated and across is None  # trains in its own pod
+        cpu, cpu_limit, memory, limit = RESOURCES[here]
         step.set_cpu_request(cpu).set_cpu_limit(cpu_limit)
         step.set_memory_request(memory).set_memory_limit(limit)
-        if accelerated:
+        if here:
             step.set_accelerator_type(accelerator[0]).set_accelerator_limit(accelerator[1])
         return step
 
@@ -350,17 +344,10 @@ def build_pipeline(
         accelerator = (inputs["train_accelerator"], inputs["train_accelerators"])
 
         def wired(task, **upstream):
-            if task.stage in nodes:  # across pods: node 0 is the stage's task, then its peers
-                peers = {k: v for k, v in upstream.items() if not k.startswith("in_")}
-                run_id = {"rendezvous": dsl.PIPELINE_JOB_ID_PLACEHOLDER}
-                return tuple(one(task, k, **(upstream if k == 0 else peers), **run_id)
-                             for k in range(train_nodes))  # fmt: skip
-            return one(task, 0, **upstream)
-
-        def one(task, k: int, **upstream):
             mine = {n: overrides[n] for n in _overrides(task.stage) if n not in task.args()}
-            component = nodes[task.stage][k] if task.stage in nodes else None
-            step = op(task, {**shared, **mine}, accelerator, component, k, **upstream)
+            if across is not None and STAGES[task.stage].accelerated:
+                mine |= {"logs_pvc": inputs["logs_pvc"], "s3_secret": inputs["s3_secret"]}
+            step = op(task, {**shared, **mine}, accelerator, **upstream)
             kubernetes.mount_pvc(step, pvc_name=inputs["logs_pvc"], mount_path=LOGS_MOUNT)
             # optional: a warehouse that is not on S3 needs no keys
             kubernetes.use_secret_as_env(step, secret_name=inputs["s3_secret"], optional=True,
@@ -368,7 +355,7 @@ def build_pipeline(
             kubernetes.add_pod_label(step, *MLFLOW_CLIENT_LABEL)
             accelerated = STAGES[task.stage].accelerated
             kubernetes.set_timeout(step, TIMEOUT_S[accelerated])
-            if accelerated:
+            if accelerated and across is None:
                 kubernetes.add_node_selector_json(step, inputs["train_node_selector"])
                 kubernetes.add_toleration_json(step, inputs["train_tolerations"])
             return step
@@ -396,7 +383,7 @@ def lightweight_pipeline(
 
 def compile_pipelines(out_dir: Path, image: str = IMAGE, train_nodes: int = 1,
                       nproc_per_node: int = 1) -> list[Path]:  # fmt: skip
-    """Both pipelines, compiled into `out_dir` (train across `train_nodes` pods)."""
+    """Both pipelines, compiled into `out_dir` (train across `train_nodes` machines)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for g in GRAPHS:
@@ -414,7 +401,7 @@ if __name__ == "__main__":
         "--train-nodes",
         type=int,
         default=1,
-        help="train across this many pods (torchrun nodes, joined at node 0)",
+        help="train across this many machines (a Kubeflow Trainer TrainJob)",
     )
     p.add_argument("--nproc-per-node", type=int, default=1, help="training processes a pod")
     a = p.parse_args()

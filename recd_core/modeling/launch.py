@@ -1,10 +1,11 @@
 """Where training runs: the device, and the processes of a data-parallel run.
 
 `nproc > 1` spawns that many workers (gloo on CPU, nccl on CUDA), or a run launched by
-`torchrun` joins its process group, on one machine or across several (each machine's
-`torchrun --nnodes N --rdzv-backend c10d`, one rendezvous): every rank runs the same
-`recd train`; rank 0 writes checkpoints and the model, and its summary and MLflow record
-are the run's (`follower`: the other ranks record nothing)."""
+`torchrun` joins its process group, on one machine or across several (a Kubeflow Trainer
+TrainJob's nodes, or each bare host's `torchrun --nnodes N --rdzv-backend c10d`); Ray
+Train's workers likewise (`ray_engine.py`): every rank runs the same `recd train`; rank 0
+writes checkpoints and the model, and its summary and MLflow record are the run's
+(`follower`: the other ranks record nothing)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def run_graph(
     """Run every task of `graph` in order with the shared `args` (StageArgs fields); return
     each task's summary by task id. A failing stage raises (its `RecdError` when the
     taxonomy knows it), after its MLflow run is closed FAILED. `accelerated`: how the
-    accelerated stage (train) runs instead of here (across machines: `nodes.Host`)."""
+    accelerated stage (train) runs instead of here (across machines: a TrainJob, `trainjob.py`)."""
     done: dict[str, dict] = {}
     order = graph.order()
     for i, task in enumerate(order):

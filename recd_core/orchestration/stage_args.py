@@ -110,8 +110,9 @@ class StageArgs(BaseModel):
         config="ingest.max_quarantine_fraction", ge=0.0, le=1.0,
     )  # fmt: skip
     engine: Literal["local", "ray"] | None = arg(
-        "work here or as Ray Data tasks", stages="ingest, generate, preprocess",
-        config=("ingest.engine", "generate.engine", "preprocess.engine"),
+        "work here, or on Ray (RAY_ADDRESS's cluster): Ray Data tasks, train's --nproc "
+        "processes as Ray Train workers", stages="ingest, generate, preprocess, train",
+        config=("ingest.engine", "generate.engine", "preprocess.engine", "train.engine"),
     )  # fmt: skip
     workers: int | None = arg(
         "parallel workers", stages="ingest, generate, preprocess",

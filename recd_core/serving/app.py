@@ -59,6 +59,7 @@ import numpy as np
 import pyarrow as pa
 
 from recd_core.config import FeatureSet, ServeConfig
+from recd_core.errors import RecdError
 from recd_core.scoring.ranking import CANDIDATES, probe_request, ranking_requests
 from recd_core.scoring.request import RequestError, request_columns, request_table
 
@@ -112,7 +113,7 @@ ALIASED = re.compile(r"^models:/(?P<name>[^/@]+)@(?P<alias>[\w-]+)$")
 PINNED = re.compile(r"^models:/(?P<name>[^/@]+)/(?P<version>\d+)$")
 
 
-class NonFinite(ValueError):
+class NonFinite(RecdError):
     """The model scored NaN or infinity: a broken model, answered as a 500 naming it."""
 
 
