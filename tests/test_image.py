@@ -155,3 +155,56 @@ def test_the_comparison_runs_with_every_stage_its_own_container(engine, tmp_path
     assert last["status"] == "ok" and last["storage.ratio"] > 1
     report = (data / "_task_outputs" / "compare" / "report").read_text()
     assert "| next-day NE |" in report and "dedup gain" in report
+
+
+def test_a_trainjob_runs_as_two_containers_of_the_image_ending_where_two_processes_end(
+    engine, samples_warehouse, tmp_path, monkeypatch
+):
+    """The TrainJob recd submits, run by the Kubeflow SDK's own container backend: 2 nodes,
+    2 containers of the image on a network of their own, joined by torchrun's static
+    rendezvous at node 0 as Kubeflow Trainer joins them; the tables past one process's
+    budget, sharded across both; rank 0 writes the model, the summary the submitting step
+    reads and the MLflow record; the run ends where `--nproc 2` on one host ends."""
+    from mlflow.tracking import MlflowClient
+    from test_sharding import SHARDED
+    from trainjob_local import run_locally
+
+    from recd_core.config import PreprocessConfig, TrainConfig
+    from recd_core.dpp.preprocess import preprocess
+    from recd_core.modeling.train import train
+    from recd_core.orchestration.trainjob import (
+        TrainJobConfig,
+        job_name,
+        outcome,
+        summary_uri,
+        trainjob,
+    )
+    from recd_core.warehouse import Warehouse
+
+    for k, v in _engine_env().items():
+        monkeypatch.setenv(k, v)
+    work = tmp_path / "workspace"  # the nodes' /workspace
+    shutil.copytree(samples_warehouse, work / "wh")
+    preprocess(Warehouse(work / "wh"), "2026-11-01", PreprocessConfig(batch_size=256))
+    here = Warehouse(shutil.copytree(work / "wh", tmp_path / "here"))
+    cfg = TrainConfig(**SHARDED, max_steps=8, sharding="auto", memory_budget_mb=60)
+    (work / "train.yaml").write_text(cfg.model_dump_json())
+    subprocess.run(["chmod", "-R", "a+rwX", str(work)], check=True)  # the image's user 10001
+    spawned = train(here, "2026-11-01", cfg, nproc=2)
+    name = job_name("2026-11-01", "dedup")
+    args = ["--warehouse", "/workspace/wh", "--ds", "2026-11-01", "--train-config",
+            "/workspace/train.yaml", "--tracking-uri", "sqlite:////workspace/mlflow.db",
+            "--output-metadata", summary_uri("/workspace/wh", name)]  # fmt: skip
+    body = trainjob(name, args, TrainJobConfig(nodes=2, image=IMAGE)).to_dict()
+    status, logs = run_locally(body, work, timeout_s=900)
+    (tmp_path / "nodes.log").write_text("\n".join(logs))
+    assert status == "Complete", "\n".join(logs)[-4000:]
+    assert "recd train: rank 1 of 2 done" in logs[1]
+    two = outcome(f"local/{name}", summary_uri(str(work / "wh"), name), None)
+    assert two["train.world_size"] == 2 and two["train.steps"] == spawned["train.steps"] == 8
+    ranks = {r for where in two["train.sharding"].values() for r in where.split()[-1].split(",")}
+    assert ranks == {"0", "1"}  # the tables past one process's budget: both hold shards
+    assert two["train.loss"] == pytest.approx(spawned["train.loss"], rel=1e-6)
+    assert two["train.val_ne"] == pytest.approx(spawned["train.val_ne"], rel=1e-6)
+    run = MlflowClient(tracking_uri=f"sqlite:///{work}/mlflow.db").get_run(two["mlflow.run_id"])
+    assert run.info.status == "FINISHED"
