@@ -90,7 +90,7 @@ def _cut_in_two(model: Path) -> None:
     """Each table's one shard (rank 0 saved it whole) rewritten as two row ranges, as a
     run of two processes saves it: the layouts the overlap and gap cases damage."""
     from recd_core.modeling.shard_files import LazyTable, layout, open_tables, write_shard
-    from recd_core.modeling.sharded.tables import TableSpec
+    from recd_core.modeling.tables import TableSpec
 
     meta = _meta(model)
     tables: dict[str, LazyTable] = open_tables(model, meta)

@@ -151,7 +151,7 @@ def test_shard_files_give_back_any_box_and_any_rows_of_a_table_cut_both_ways(tmp
     import pyarrow.fs as pafs
 
     from recd_core.modeling.shard_files import LazyAccumulator, layout, write_shard
-    from recd_core.modeling.sharded.tables import TableSpec
+    from recd_core.modeling.tables import TableSpec
 
     table = torch.randn(1000, 8)
     acc = torch.rand(1000)

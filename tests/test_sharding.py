@@ -232,7 +232,8 @@ def _vbe_rank(rank: int, world: int, port: str, out: str) -> None:
     from recd_core.bench.sharded import counted_all_to_all
     from recd_core.dpp.batch_store import Batch
     from recd_core.modeling.sharded.plan import shard
-    from recd_core.modeling.sharded.tables import ShardedTables, TableSpec
+    from recd_core.modeling.sharded.tables import ShardedTables
+    from recd_core.modeling.tables import TableSpec
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -174,7 +174,7 @@ def verify_figures(rows: int = VERIFY_ROWS, dim: int = 32, world: int = 2) -> di
     import torch
 
     from recd_core.modeling.shard_files import layout, open_tables, write_shard
-    from recd_core.modeling.sharded.tables import TableSpec
+    from recd_core.modeling.tables import TableSpec
 
     def timed(fn) -> float:
         t0 = time.perf_counter()

@@ -12,7 +12,7 @@ from recd_core.config import FeatureSet, ModelConfig
 from recd_core.dpp.batch_store import Batch
 from recd_core.modeling.model import DLRM
 from recd_core.modeling.shard_files import LazyTable
-from recd_core.modeling.sharded.tables import table_specs
+from recd_core.modeling.tables import table_specs
 
 
 class MappedDLRM(DLRM):

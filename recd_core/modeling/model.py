@@ -225,8 +225,8 @@ class Calibrated(nn.Module):
 
 class DLRM(Calibrated):
     """`tables=False`: no tables of its own; a subclass looks the ids' vectors up
-    (`lookup`) and the model pools them itself (sharding.ShardedDLRM: TorchRec's sharded
-    tables)."""
+    (`lookup`) and the model pools them itself (sharded/model.py's `ShardedDLRM`: TorchRec's
+    sharded tables)."""
 
     def __init__(self, features: FeatureSet, cfg: ModelConfig, tables: bool = True):
         super().__init__()

@@ -1,5 +1,5 @@
 """How a run's processes share the model, as one strategy object the training loop asks
-(train.py branches on neither):
+(`Parallelism`, the protocol `train.Run` holds: train.py names no strategy):
 
     Replicated   a copy of the whole model in each process (DDP over N > 1): rank r takes
                  every N-th batch of a pass; rank 0 checkpoints and saves
@@ -15,6 +15,7 @@ cross-check of the chosen state and the state the saved model is written from
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -25,32 +26,50 @@ from recd_core.dpp.batch_store import Batch, BatchStore
 from recd_core.errors import BadInput
 from recd_core.modeling.checkpoints import Checkpoints
 from recd_core.modeling.model import Model, build_model
+from recd_core.modeling.saved import Saved, without_tables
 from recd_core.modeling.shard_files import layout, materialized, write_shard
 from recd_core.modeling.step import make_optimizers
+from recd_core.modeling.tables import table_specs
 from recd_core.modeling.warm_start import Init, starting_model
 from recd_core.warehouse import Warehouse
 
 
-@dataclass
-class Saved:
-    """What the run's model is saved from (rank 0's; None elsewhere): `figures` for the
-    summary, `state` (None: the model's own state dict), `optimizer`, and `tables`:
-    model.json's shard layout when the tables were written as shard files (then `state`
-    and `optimizer` hold the rest; shard_files.py)."""
+class CheckpointStore(Protocol):
+    """A run's checkpoints as the loop uses them (checkpoints.py, sharded/checkpoints.py)."""
 
-    figures: dict
-    state: dict | None
-    optimizer: dict | None
-    tables: dict | None = None
+    run: str  # the run's name: its checkpoints' folder and the saved model's
+
+    def save(self, state: dict) -> str: ...
+
+    def latest(self) -> dict | None: ...
 
 
-def without_tables(state: dict, optimizer: dict, specs) -> tuple[dict, dict]:
-    """The state and optimizer state a sharded layout's model.pt and optimizer.pt hold:
-    everything but the tables and their accumulators (those are in the shard files)."""
-    keys = {s.key for s in specs}
-    dense = {k: v.detach().cpu() for k, v in state.items() if k not in keys}
-    return dense, {"dense": optimizer["dense"],
-                   "sparse": {"param_groups": optimizer["sparse"]["param_groups"]}}  # fmt: skip
+class Parallelism(Protocol):
+    """How the run's processes share the model: what the training loop asks of a strategy
+    (`Replicated`, `sharded.strategy.Sharded`), and all it knows of one."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+    def build(self, features: FeatureSet, cfg: TrainConfig, init: Init,
+              click_rate: float) -> tuple[Model, nn.Module, Init]: ...  # fmt: skip
+
+    def optimizers(self, model: Model, cfg: TrainConfig, warm: bool) -> tuple: ...
+
+    def steps_per_epoch(self, batches: int) -> int: ...
+
+    def step_batch(self, store: BatchStore, order, k: int) -> tuple[Batch, float]: ...
+
+    @property
+    def writes_checkpoints(self) -> bool: ...
+
+    def checkpoints(self, wh: Warehouse, run: str, keep: int, model: Model) -> CheckpointStore: ...
+
+    def cross_check(self, model: Model, valid: BatchStore) -> dict[str, float]: ...
+
+    def saved_state(self, model: Model, net: nn.Module, optimizer: dict, opt_sparse,
+                    cfg: TrainConfig, fs, base: str) -> Saved: ...  # fmt: skip
 
 
 @dataclass
@@ -102,8 +121,6 @@ class Replicated:
         `members_up_to_samples`) is saved as one file."""
         if cfg.saved_layout != "shards" or self.rank != 0 or cfg.model.members > 1:
             return Saved({}, None, optimizer)
-        from recd_core.modeling.sharded.tables import table_specs
-
         specs, state = table_specs(model), model.state_dict()
         accs = optimizer["sparse"]["state"]
         entries = [(s.key, write_shard(fs, base, s.name, (0, 0, s.rows, cfg.model.embedding_dim),
@@ -124,7 +141,7 @@ def check(cfg: TrainConfig, world: int) -> None:
 
 
 def parallelism(cfg: TrainConfig, rank: int, world: int, device: torch.device,
-                validating: bool = False):  # fmt: skip
+                validating: bool = False) -> Parallelism:  # fmt: skip
     """The strategy `cfg` asks for (`train.sharding`); `validating`: the run keeps its best
     validated state (another copy of the tables, which a sharded run's budget holds)."""
     if cfg.sharding == "none":

@@ -21,6 +21,7 @@ line (exit 2) without restarts; restarts used up are a retryable failure (exit 1
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 
 from recd_core.config import FeatureSet, TrainConfig
 from recd_core.errors import BadInput, RecdError, first_line
@@ -32,6 +33,7 @@ class RayTrainFailed(RecdError):
 
 
 def ray_train(
+    train: Callable[..., dict],
     wh_uri: str,
     ds: str,
     cfg: TrainConfig,
@@ -40,7 +42,8 @@ def ray_train(
     init_label: str | None,
     features: FeatureSet | None,
 ) -> dict:
-    """`train` of day `ds` as `nproc` Ray Train workers on the Ray cluster; rank 0's summary."""
+    """`train` (modeling/train.py's, passed in: this module does not import it back) of day
+    `ds` as `nproc` Ray Train workers on the Ray cluster; rank 0's summary."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -48,6 +51,7 @@ def ray_train(
     from recd_core.ray_cluster import ray_session
 
     config = {
+        "train": train,  # pickled by reference: its module is imported where the worker runs
         "warehouse": wh_uri,
         "ds": ds,
         "cfg": cfg.model_dump_json(),
@@ -89,12 +93,11 @@ def ray_train(
 def worker(config: dict) -> dict:
     """One Ray Train worker: recd's `train` as the rank Ray gave it (a bad input comes back
     as its one line: Ray would restart the workers on an exception, to the same end)."""
-    from recd_core.modeling.train import train
     from recd_core.warehouse import Warehouse
 
     features = config["features"]
     try:
-        return train(
+        return config["train"](
             Warehouse(config["warehouse"]),
             config["ds"],
             TrainConfig.model_validate_json(config["cfg"]),

@@ -60,6 +60,28 @@ class CheckpointError(BadInput):
     """A checkpoint that cannot be read: named, with what to do about it."""
 
 
+@dataclasses.dataclass
+class Saved:
+    """What the run's model is saved from (rank 0's; None elsewhere): `figures` for the
+    summary, `state` (None: the model's own state dict), `optimizer`, and `tables`:
+    model.json's shard layout when the tables were written as shard files (then `state`
+    and `optimizer` hold the rest; shard_files.py)."""
+
+    figures: dict
+    state: dict | None
+    optimizer: dict | None
+    tables: dict | None = None
+
+
+def without_tables(state: dict, optimizer: dict, specs) -> tuple[dict, dict]:
+    """The state and optimizer state a sharded layout's model.pt and optimizer.pt hold:
+    everything but the tables and their accumulators (those are in the shard files)."""
+    keys = {s.key for s in specs}
+    dense = {k: v.detach().cpu() for k, v in state.items() if k not in keys}
+    return dense, {"dense": optimizer["dense"],
+                   "sparse": {"param_groups": optimizer["sparse"]["param_groups"]}}  # fmt: skip
+
+
 def write_bytes(wh: Warehouse, path: str, data: bytes) -> None:
     """Write atomically, leaving nothing behind on failure (recd_core/leftovers.py)."""
     write_atomically(wh.fs, path, data)

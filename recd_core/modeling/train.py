@@ -40,7 +40,6 @@ import datetime as dt
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -50,7 +49,7 @@ from recd_core.dpp.batch_store import BatchStore
 from recd_core.errors import BadInput
 from recd_core.lineage import check_reads, record, staleness, write_ids
 from recd_core.modeling.calibration import calibrate
-from recd_core.modeling.checkpoints import Checkpoints, checkpoint_state, one_writer, run_name
+from recd_core.modeling.checkpoints import checkpoint_state, one_writer, run_name
 from recd_core.modeling.early_stopping import EarlyStopping, TableStart, on_cpu
 from recd_core.modeling.launch import (
     every_rank,
@@ -62,16 +61,12 @@ from recd_core.modeling.launch import (
 )
 from recd_core.modeling.model import Model
 from recd_core.modeling.optim import quiet_sparse_warnings
-from recd_core.modeling.parallel import Replicated, check, parallelism
+from recd_core.modeling.parallel import CheckpointStore, Parallelism, check, parallelism
 from recd_core.modeling.saved import model_base, save_model
 from recd_core.modeling.step import cooccurrence_term, fold_in, train_step
 from recd_core.modeling.warm_start import Init, continue_optimizers, initial_state
 from recd_core.runtime import cpu_budget, launched_rank, rss
 from recd_core.warehouse import Warehouse
-
-if TYPE_CHECKING:
-    from recd_core.modeling.sharded.checkpoints import ShardedCheckpoints
-    from recd_core.modeling.sharded.strategy import Sharded
 
 
 class BatchMismatch(BadInput, ValueError):
@@ -102,7 +97,7 @@ def train(
     if cfg.engine == "ray" and launched_rank() is None:  # each worker runs this function
         from recd_core.modeling.ray_engine import ray_train
 
-        return ray_train(warehouse.uri, ds, cfg, nproc, init_from, init_label, features)
+        return ray_train(train, warehouse.uri, ds, cfg, nproc, init_from, init_label, features)
     # one live writer per day and arm (a rank that torchrun started: its rank 0 holds it)
     lock = one_writer(warehouse, ds, cfg.mode) if launched_rank() in (None, 0) else None
     with lock or contextlib.nullcontext():
@@ -135,14 +130,14 @@ class Run:
     valid: BatchStore  # the day's latest rows, held out by DPP
     days: list[str]
     model: Model
-    parallel: Replicated | Sharded  # how the processes share the model (parallel.py)
+    parallel: Parallelism  # how the processes share the model (parallel.py)
     net: torch.nn.Module  # what a step runs: the model, or its DDP / DMP wrapper
     opt_dense: torch.optim.Optimizer
     opt_sparse: torch.optim.Optimizer
     init: Init
     restart: TableStart | None  # where each pass's tables start, when they restart
     early: EarlyStopping
-    checkpoints: Checkpoints | ShardedCheckpoints
+    checkpoints: CheckpointStore
     per_epoch: int  # steps a pass (every rank takes as many)
     total: int  # steps at most
     lineage: dict = field(default_factory=dict)  # what the model is built from (lineage.py)
@@ -249,8 +244,6 @@ def setup(
     cfg = cfg.model_copy(update={"model": cfg.model.for_samples(store.samples())})
     validation = validation_use(valid)
     parallel = parallelism(cfg, rank, world, device, validating=validation == "ok")
-    if cfg.sharding != "none":  # TorchRec's import is part of the runtime's fixed cost
-        import torchrec.distributed.model_parallel  # noqa: F401
     rss_before_model = rss()  # the runtime and the batches: what the model adds is on top
     init = initial_state(init_from, store.model_features, cfg, init_label)
     model, net, init = parallel.build(store.model_features, cfg, init, store.click_rate())

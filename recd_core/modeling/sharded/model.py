@@ -9,7 +9,8 @@ from recd_core.config import FeatureSet, ModelConfig
 from recd_core.dpp.batch_store import Batch
 from recd_core.modeling.model import DLRM
 from recd_core.modeling.sharded.state import load_full_state
-from recd_core.modeling.sharded.tables import ShardedTables, table_specs
+from recd_core.modeling.sharded.tables import ShardedTables
+from recd_core.modeling.tables import table_specs
 
 
 class ShardedDLRM(DLRM):

@@ -6,11 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+# TorchRec's import is part of a sharded run's fixed cost: here, before the model is measured
+import torchrec.distributed.model_parallel  # noqa: F401
 from torch import nn
 
 from recd_core.config import FeatureSet, TrainConfig
 from recd_core.dpp.batch_store import Batch, BatchStore
-from recd_core.modeling.parallel import Saved, without_tables
+from recd_core.modeling.saved import Saved, without_tables
 from recd_core.modeling.shard_files import layout
 from recd_core.modeling.sharded.checkpoints import ShardedCheckpoints
 from recd_core.modeling.sharded.metrics import torchrec_validation

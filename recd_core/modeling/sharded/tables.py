@@ -1,42 +1,13 @@
-"""The DLRM's tables as one TorchRec EmbeddingCollection: which tables (`TableSpec`), the
+"""The DLRM's tables as one TorchRec EmbeddingCollection (which tables: `modeling/tables.py`), the
 batch as TorchRec's input, and where this rank's shards sit in each table."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from recd_core.dpp.batch_store import Batch
-
-
-@dataclass(frozen=True)
-class TableSpec:
-    """One table: its name in the EmbeddingCollection, rows, the features that look it up,
-    and its key in a single-process model's state dict."""
-
-    name: str
-    rows: int
-    features: tuple[str, ...]
-    key: str
-    init_bound: float  # uniform(-bound, bound) for a fresh table
-
-
-def table_specs(model) -> list[TableSpec]:
-    """A DLRM's tables in the order of its `sparse_parameters()` (bags, then the histories'
-    own tables), so optimizer states line up with the single-process layout."""
-    specs = []
-    for table in model.bag_tables:
-        feats = [n for n in model.sparse_names if model.table_of[n] == table]
-        feats += [n for n in model.sequence_names if model.history_table[n] == table]
-        rows = model.table_sizes[feats[0]]
-        specs.append(TableSpec(table, rows, tuple(feats), f"bags.{table}.weight", 0.05))
-    for n in model.sequence_names:
-        if model.history_table[n] is None:  # N(0, 1) in one process: the same variance
-            specs.append(TableSpec(f"h_{n}", model.table_sizes[n], (n,),
-                                   f"history.{n}.embedding.weight", 3**0.5))  # fmt: skip
-    return specs
+from recd_core.modeling.tables import TableSpec
 
 
 class ShardedTables(nn.Module):
