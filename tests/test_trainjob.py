@@ -67,6 +67,9 @@ def test_the_trainjob_is_the_trainers_own_api_model_exactly():
     # a name of its own each attempt: a reused name is refused by the API, never joined
     assert job_name(DAY, "dedup") != job_name(DAY, "dedup")
     assert len(job_name(DAY, "baseline")) <= 63
+    assert summary_uri("s3://b/wh?endpoint_override=minio:9000", "n") == (
+        "s3://b/wh/_trainjobs/n.json?endpoint_override=minio:9000"
+    )
     with pytest.raises(BadInput, match="CLAIM:/mount/path"):
         trainjob("x", [], TrainJobConfig(nodes=2, image="i", volume=["no-path"]))
     with pytest.raises(BadInput, match="--nodes 0"):

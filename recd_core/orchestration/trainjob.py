@@ -101,7 +101,10 @@ def job_name(ds: str, mode: str) -> str:
 
 
 def summary_uri(warehouse: str, name: str) -> str:
-    return f"{warehouse.rstrip('/')}/_trainjobs/{name}.json"
+    """Where rank 0 of TrainJob `name` writes its summary: in the warehouse every node
+    reaches (a URI's query, `?endpoint_override=...`, kept after the path)."""
+    root, query = (warehouse.split("?", 1) + [""])[:2]
+    return f"{root.rstrip('/')}/_trainjobs/{name}.json" + (f"?{query}" if query else "")
 
 
 def trainjob(name: str, argv: list[str], cfg: TrainJobConfig):
