@@ -214,8 +214,8 @@ class IngestConfig(_Strict):
     ts_after_day_s: int = Field(default=3_600, ge=0)
     # Events once: an event_id already published in the events of the `dedup_window_days`
     # days before (or after: a day ingested late) is a redelivery (the same events
-    # delivered again across midnight), and quarantined naming the day it was published on; so an evaluation day never
-    # holds a training day's events. 0: off. Event logs only (a MovieLens export is one
+    # delivered again across midnight), and quarantined naming the day it was published
+    # on; so an evaluation day never holds a training day's events. 0: off. Event logs only (a MovieLens export is one
     # table, its ids line numbers)
     dedup_window_days: int = Field(default=1, ge=0, le=31)
 

@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 import zlib
@@ -21,6 +20,7 @@ import numpy as np
 import pyarrow.fs as pafs
 import pytest
 import torch
+from test_serving import Server
 from test_train import DAY, NEXT, SMALL_MODEL
 
 from recd_core.config import FeatureSet, PreprocessConfig, TrainConfig
@@ -243,62 +243,30 @@ def test_evaluate_and_serve_refuse_a_damaged_model_with_exit_2_in_one_line(saved
         assert words in r.stderr and "Traceback" not in r.stderr
 
 
-class _Served:
-    """`recd serve --model DIR` on a free loopback port; its probe request (the readiness
-    request: ids 0, one candidate) at hand."""
+def _served(model: Path) -> tuple[Server, bytes]:
+    """`recd serve --model DIR` (test_serving's `Server`) and its probe request (the
+    readiness request: ids 0, one candidate)."""
+    from recd_core.serving.app import load_scorer
 
-    def __init__(self, model: Path):
-        from recd_core.serving.app import load_scorer
+    port = free_port()
+    cmd = [str(BIN / "recd"), "serve", "--model", str(model), "--port", str(port)]
+    return Server(cmd, "", port), load_scorer(str(model)).probe
 
-        self.body = load_scorer(str(model)).probe
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [str(BIN / "recd"), "serve", "--model", str(model), "--port", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        deadline = time.monotonic() + 120
-        while self.get("/ping")[0] != 200:
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.log()
-            time.sleep(0.3)
 
-    def get(self, path: str) -> tuple[int, str]:
-        return self._call(urllib.request.Request(f"http://127.0.0.1:{self.port}{path}"))
-
-    def score(self) -> tuple[int, str]:
-        return self._call(
-            urllib.request.Request(
-                f"http://127.0.0.1:{self.port}/invocations",
-                data=self.body,
-                headers={"Content-Type": "application/json"},
-            )
-        )
-
-    def _call(self, request) -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(request, timeout=60) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
-        except OSError:
-            return 0, ""
-
-    def log(self) -> str:
-        self.stop()
-        return self.proc.stderr.read().decode()[-3000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
+def _ready(server: Server) -> int:
+    try:
+        with urllib.request.urlopen(server.url("/ready"), timeout=60) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def test_a_served_model_survives_its_files_being_truncated_replaced_or_deleted(saved, tmp_path):
     _, sharded, _ = saved
     m = _copy(sharded, tmp_path / "served")
-    server = _Served(m)
+    server, probe = _served(m)
     try:
-        status, before = server.score()
+        status, before = server.post(probe)
         assert status == 200, before
         files = sorted((m / "tables").iterdir())
         for f in files[: len(files) // 2]:
@@ -307,8 +275,8 @@ def test_a_served_model_survives_its_files_being_truncated_replaced_or_deleted(s
             f.write_bytes(b"\xff" * f.stat().st_size)  # replaced in place
         shutil.rmtree(m / "tables")
         for _ in range(3):
-            assert server.score() == (200, before)
-            assert server.get("/ready")[0] == 200
+            assert server.post(probe) == (200, before)
+            assert _ready(server) == 200
         assert server.proc.poll() is None
     finally:
         server.stop()
@@ -326,12 +294,12 @@ def test_a_model_scoring_nan_is_a_500_naming_it_and_never_ready(saved, tmp_path)
             path.write_bytes(np.full(path.stat().st_size // 4, np.nan, "<f4").tobytes())
             e["crc32"] = zlib.crc32(path.read_bytes())
     _write_meta(m, meta)
-    server = _Served(m)
+    server, probe = _served(m)
     try:
-        status, body = server.score()
+        status, body = server.post(probe)
         assert status == 500 and str(m) in json.loads(body)["message"], body
         assert "not numbers" in body and "\n" not in body.strip()
-        assert server.get("/ready")[0] == 503
+        assert _ready(server) == 503
         assert server.proc.poll() is None
     finally:
         server.stop()

@@ -34,6 +34,7 @@ from recd_core.orchestration.graph import (
     outputs,
 )
 from recd_core.orchestration.stage_args import for_stage, override_fields, param_schema
+from recd_core.orchestration.trainjob import S3_KEYS
 
 IMAGE = "ghcr.io/recd-project/recd-components:0.1.0"
 # the run's arguments every stage takes, as pipeline inputs, typed as `StageArgs` declares
@@ -229,7 +230,6 @@ def graph(op, g: Graph, artifacts: bool = False) -> None:
 
 
 LOGS_MOUNT = "/mnt/recd-logs"  # where every pod sees the logs volume (`logs_pvc`)
-S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 RETRIES = 2
 # what a step asks of the cluster: the accelerated stage (train) the most
 # cpu request, cpu limit, memory request, memory limit; the CPU limit is what training sizes

@@ -183,7 +183,8 @@ def verify_figures(rows: int = VERIFY_ROWS, dim: int = 32, world: int = 2) -> di
 
     with tempfile.TemporaryDirectory() as root:
         table, acc = torch.randn(rows, dim), torch.rand(rows)
-        cut = [(r0, min(rows, r0 + -(-rows // world))) for r0 in range(0, rows, -(-rows // world))]
+        step = -(-rows // world)  # rows a rank's shard, the last one's the rest
+        cut = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
         entries = [
             (
                 "t.weight",

@@ -48,15 +48,16 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import numpy as np
+import pyarrow.fs as pafs
 import torch
 
 from recd_core.errors import BadInput
 from recd_core.leftovers import write_atomically
+from recd_core.stored_files import file_crc32
 
 LAYOUT = "shards"
 DTYPE = "float32"  # the only one written or read: little-endian, 4 bytes a value
 ROW_BLOCK = 1 << 16  # rows a write converts at once: the writer's memory beyond the shard
-CHECK_BLOCK = 1 << 23  # bytes a check reads at once
 
 
 class ShardFileError(BadInput):
@@ -195,12 +196,7 @@ def _checked(path: Path, shape: tuple[int, ...], crc: int, copy: Path | None) ->
         )
     if copy is not None:
         shutil.copyfile(path, copy)
-    got, seen, buf = 0, 0, bytearray(min(CHECK_BLOCK, max(expected, 1)))
-    view = memoryview(buf)
-    with open(copy or path, "rb") as src:
-        while n := src.readinto(buf):
-            got, seen = zlib.crc32(view[:n], got), seen + n
-    if seen != expected or got != crc:
+    if file_crc32(pafs.LocalFileSystem(), str(copy or path)) != crc:
         raise ShardFileError(
             f"{path}: its bytes do not match the CRC-32 model.json records "
             "(changed or damaged since it was saved)"
