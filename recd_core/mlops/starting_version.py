@@ -42,6 +42,11 @@ def init_model(
     if not init_from:
         yield None, "from scratch: no model to start from"
         return
+    if tracker is not None:
+        # every rank of a run reads the registry here (each starts from the same model), not
+        # only the rank that records: the store checked first, which initializes a fresh
+        # SQLite store under its lock instead of racing the recording rank's initialization
+        tracker.check()
     if init_from == "champion":
         if tracker is None:
             yield None, "from scratch: no tracking URI, so no champion to start from"
