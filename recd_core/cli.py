@@ -489,7 +489,7 @@ def _serve_command() -> None:
         import uvicorn
 
         from recd_core.config import parse_config
-        from recd_core.serving.app import build_app, load_scorer
+        from recd_core.serving.app import build_app, load_served
 
         tracker = ctx.find_root().obj
         try:
@@ -504,16 +504,16 @@ def _serve_command() -> None:
 
                 tracker.check()
                 mlflow.set_tracking_uri(tracker.uri)
-            scorer = load_scorer(model)
+            served = load_served(model)
         except Exception as e:  # noqa: BLE001 - the taxonomy decides; the rest re-raised
             err = classify(e)
             if err is None:
                 raise
             _fail("serve", str(err), err.exit_code)
-        print_summary("recd serve", {"serve.model": scorer.served, "serve.url": f"http://{host}:{port}",
+        print_summary("recd serve", {"serve.model": served.uri, "serve.url": f"http://{host}:{port}",
                       **{f"serve.{k}": v for k, v in cfg.model_dump().items()}})  # fmt: skip
         _serving_log()
-        uvicorn.run(build_app(scorer, cfg), host=host, port=port, log_level="info",
+        uvicorn.run(build_app(served, cfg), host=host, port=port, log_level="info",
                     timeout_graceful_shutdown=int(cfg.timeout_s))  # fmt: skip
 
     command.__signature__ = inspect.Signature(params)

@@ -246,11 +246,11 @@ def test_evaluate_and_serve_refuse_a_damaged_model_with_exit_2_in_one_line(saved
 def _served(model: Path) -> tuple[Server, bytes]:
     """`recd serve --model DIR` (test_serving's `Server`) and its probe request (the
     readiness request: ids 0, one candidate)."""
-    from recd_core.serving.app import load_scorer
+    from recd_core.serving.app import load_served
 
     port = free_port()
     cmd = [str(BIN / "recd"), "serve", "--model", str(model), "--port", str(port)]
-    return Server(cmd, "", port), load_scorer(str(model)).probe
+    return Server(cmd, "", port), load_served(str(model)).scorer.probe
 
 
 def _ready(server: Server) -> int:

@@ -54,8 +54,8 @@ def test_two_days_with_a_table_past_the_budget_train_score_register_and_warm_sta
     )
     version = MlflowClient(tracking_uri=uri).get_model_version_by_alias("recd-dlrm", "champion")
     champion = mlflow.pyfunc.load_model(version.source).unwrap_python_model()  # no global URI
-    assert isinstance(champion.model, MappedDLRM)
-    assert not any(k.startswith("bags.") for k in champion.model.state_dict())
+    assert isinstance(champion.scorer.model, MappedDLRM)
+    assert not any(k.startswith("bags.") for k in champion.scorer.model.state_dict())
     assert day1["registry.promoted"] is True
     assert day2["train.init_from"] == "models:/recd-dlrm/1"
     assert "warm start" in day2["train.init_reason"]

@@ -180,12 +180,12 @@ def ranking_bodies(rows, features, sizes=CANDIDATES) -> dict:
 
 def ranking_figures(model_uri: str, warehouse: str, ds: str) -> dict:
     """`serving.ranking.*` (module docstring) for the model at `model_uri`."""
-    from recd_core.mlops.pyfunc import samples_features
     from recd_core.modeling.saved import saved_meta
+    from recd_core.scoring.scorer import features_of
     from recd_core.warehouse import Warehouse
 
     rows = Warehouse(warehouse).read_range("samples", ds, 0, max(CANDIDATES), layout="clustered")
-    bodies = ranking_bodies(rows, samples_features(saved_meta(model_uri)))
+    bodies = ranking_bodies(rows, features_of(saved_meta(model_uri)))
     requests = {k: RANKING_REQUESTS[k[1]] for k in bodies}
     out = {}
     for server, flag, kinds in (("dedup", "--dedup", ("request", "rows")),

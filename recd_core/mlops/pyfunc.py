@@ -27,77 +27,47 @@ import pyarrow as pa
 
 import recd_core
 from recd_core.config import ENVELOPE_COLUMNS
-from recd_core.schema import events_schema
+from recd_core.scoring.ranking import CANDIDATES, candidate_side, user_side
+from recd_core.scoring.request import RequestError
+from recd_core.scoring.scorer import NonFinite, Scorer
 
 EXAMPLE_ROWS = 5
-CANDIDATES = "candidates"  # a ranking request's column (scoring/ranking.py)
-MAX_CANDIDATES = 100_000  # candidates in one pyfunc call (`recd serve` has serve.max_rows)
+MAX_ROWS = 100_000  # rows or candidates in one pyfunc call (`recd serve` has serve.max_rows)
 NON_FEATURE_COLUMNS = tuple(ENVELOPE_COLUMNS)  # never trusted from a request: filled in
 
 
 class SampleScorer(mlflow.pyfunc.PythonModel):
-    """Click probabilities for sample rows (one DataFrame row per impression).
+    """The registered model: `scoring.scorer.Scorer` behind MLflow's pyfunc interface.
 
-    Served input is checked as ingest checks events (finite dense values of the right
-    width, ids in range, list lengths): a bad request is refused whole, a 400 naming the row
-    and the field, and no response ever carries a stack trace (an unexpected failure is a
-    500 that says to look in the server's log, where the traceback goes)."""
+    A DataFrame of sample rows (one per impression) or of ranking requests (a `candidates`
+    column) is scored as `recd serve` scores a request body: typed and checked as ingest
+    checks events, refused whole with a message naming the row and the field
+    (INVALID_PARAMETER_VALUE, a 400 under `mlflow models serve`); an unexpected failure is
+    an INTERNAL_ERROR that says to look in the server's log, where the traceback goes."""
 
     def load_context(self, context) -> None:
         from recd_core.modeling.saved import load_model
-        from recd_core.scoring.ranking import prepared_of
 
         # a server's: its own copies of any shard files, whatever becomes of the artifacts
-        self.model, self.meta = load_model(context.artifacts["dlrm"], private=True)
-        self.features = samples_features(self.meta)
-        self.schema = events_schema(self.features)
-        self.prep = prepared_of(self.meta)  # a ranking request's transforms and groups
+        self.scorer = Scorer(*load_model(context.artifacts["dlrm"], private=True))
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> np.ndarray:
         from mlflow.exceptions import MlflowException
         from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, INVALID_PARAMETER_VALUE
 
-        from recd_core.data.checks import first_failure, semantic_checks
-        from recd_core.modeling.saved import predict
-
-        if CANDIDATES in model_input.columns:
-            return self._rank(model_input)
+        columns = {str(c): [_plain(v) for v in model_input[c]] for c in model_input.columns}
         try:
-            table = rows_table(model_input, self.schema)
-        except ValueError as e:
-            raise MlflowException(str(e), INVALID_PARAMETER_VALUE) from None
-        bad, fields, reasons = first_failure(table.num_rows, semantic_checks(table, self.features))
-        if bad.any():
-            row = int(np.flatnonzero(bad)[0])
-            raise MlflowException(f"scoring input row {row}: {reasons[row].as_py()} "
-                                  f"({int(bad.sum())} row(s) refused)", INVALID_PARAMETER_VALUE)  # fmt: skip
-        try:
-            return predict(self.model, self.meta, table, trust_sessions=False).astype(np.float64)
-        except Exception as e:  # noqa: BLE001 - the traceback to the log, not to the client
-            logging.getLogger("recd.serving").exception("scoring failed")
-            raise MlflowException(f"scoring failed ({type(e).__name__}); the server log has "
-                                  "the details", INTERNAL_ERROR) from None  # fmt: skip
-
-    def _rank(self, frame: pd.DataFrame) -> np.ndarray:
-        """Ranking requests (scoring/ranking.py): each row's candidates scored, in order."""
-        from mlflow.exceptions import MlflowException
-        from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, INVALID_PARAMETER_VALUE
-
-        from recd_core.scoring.ranking import ranking_requests, score_rankings
-        from recd_core.scoring.request import RequestError
-
-        columns = {c: [_plain(v) for v in frame[c]] for c in frame.columns}
-        try:
-            requests = ranking_requests(columns, len(frame), self.schema, self.features,
-                                        max_rows=MAX_CANDIDATES)  # fmt: skip
+            return self.scorer.score(columns, len(model_input), MAX_ROWS)
         except RequestError as e:
             raise MlflowException(f"scoring input {e}", INVALID_PARAMETER_VALUE) from None
-        try:
-            return score_rankings(self.model, self.prep, requests)
+        except NonFinite as e:
+            raise MlflowException(f"the model {e}", INTERNAL_ERROR) from None
         except Exception as e:  # noqa: BLE001 - the traceback to the log, not to the client
             logging.getLogger("recd.serving").exception("scoring failed")
-            raise MlflowException(f"scoring failed ({type(e).__name__}); the server log has "
-                                  "the details", INTERNAL_ERROR) from None  # fmt: skip
+            raise MlflowException(
+                f"scoring failed ({type(e).__name__}); the server log has the details",
+                INTERNAL_ERROR,
+            ) from None
 
 
 def _plain(value):
@@ -113,45 +83,11 @@ def _plain(value):
     return value
 
 
-def rows_table(frame: pd.DataFrame, schema: pa.Schema) -> pa.Table:
-    """A scoring DataFrame as a samples table: the model's feature columns, typed as in the
-    warehouse; columns it does not use are ignored; a missing one is an error naming it."""
-    missing = [
-        f.name for f in schema if f.name not in frame.columns and f.name not in NON_FEATURE_COLUMNS
-    ]
-    if missing:
-        raise ValueError(f"scoring input lacks feature column(s): {', '.join(missing)}")
-    n = len(frame)
-    cols = {}
-    for f in schema:
-        if f.name in frame.columns:
-            cols[f.name] = _column(frame[f.name], f)
-        elif f.name == "label":
-            cols[f.name] = pa.array(np.zeros(n, np.int8), type=f.type)
-        else:  # event_id, ts, and a session id that scoring never trusts
-            cols[f.name] = pa.array(np.arange(n), type=f.type)
-    return pa.table(cols, schema=schema)
-
-
-def _column(values: pd.Series, field: pa.Field) -> pa.Array:
-    """One scoring column typed as in the warehouse; float64 input (JSON numbers) is narrowed
-    to the warehouse's float32, any other mismatch is an error naming the column."""
-    try:
-        if field.type == pa.float32() or (
-            pa.types.is_list(field.type) and field.type.value_type == pa.float32()
-        ):
-            wide = pa.float64() if field.type == pa.float32() else pa.list_(pa.float64())
-            return pa.array(list(values), type=wide).cast(field.type)
-        return pa.array(list(values), type=field.type)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as e:
-        raise ValueError(f"scoring input column {field.name!r}: {e}") from None
-
-
 def scoring_example(samples: pa.Table) -> pd.DataFrame:
     """The input example: the first rows of a samples table, features only. Float columns
     are widened to float64 so the signature says `double`: a served request's JSON numbers
-    arrive as float64, which MLflow will not narrow to a `float` column (rows_table casts
-    them back to the warehouse's float32)."""
+    arrive as float64, which MLflow will not narrow to a `float` column (scoring
+    casts them back to the warehouse's float32)."""
     keep = [c for c in samples.column_names if c not in NON_FEATURE_COLUMNS]
     rows = samples.slice(0, EXAMPLE_ROWS).select(keep)
     for i, f in enumerate(rows.schema):
@@ -165,8 +101,6 @@ def scoring_example(samples: pa.Table) -> pd.DataFrame:
 def ranking_example(samples: pa.Table, features) -> pd.DataFrame:
     """A ranking request as the input example: the first row's user side once, the first
     rows' item and context features as its candidates (float64, as `scoring_example`)."""
-    from recd_core.scoring.ranking import candidate_side, user_side
-
     rows = scoring_example(samples)
     request = {c: [_plain(rows[c].iloc[0])] for c in user_side(features)}
     cands = rows[candidate_side(features)]
@@ -189,13 +123,6 @@ def both_formats(rows: pd.DataFrame, request: pd.DataFrame, predicted: np.ndarra
     return by_rows
 
 
-def samples_features(meta: dict):
-    """The raw feature set a saved model's rows carry (what a scoring request must hold)."""
-    from recd_core.config import FeatureSet
-
-    return FeatureSet.model_validate(meta["prepared"]["raw"])
-
-
 def save_pyfunc(model_dir: Path, samples: pa.Table, target: Path) -> None:
     """The trained model at `model_dir` as an MLflow pyfunc directory at `target` (model from
     code, signature and input example from `samples`): what `log_model` logs, and what
@@ -205,7 +132,7 @@ def save_pyfunc(model_dir: Path, samples: pa.Table, target: Path) -> None:
     example = scoring_example(samples)
     scorer = SampleScorer()  # loaded as MLflow will load it, to sign what it returns
     scorer.load_context(SimpleNamespace(artifacts={"dlrm": str(model_dir)}))
-    request = ranking_example(samples, scorer.features)
+    request = ranking_example(samples, scorer.scorer.features)
     signature = both_formats(example, request, scorer.predict(None, example))
     mlflow.pyfunc.save_model(
         path=str(target),

@@ -34,7 +34,6 @@ user side per candidate), which is what the benchmark compares against.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import time
 
@@ -208,11 +207,6 @@ def probe_request(schema: pa.Schema, features: FeatureSet) -> dict:
     candidate = {c: value(c) for c in candidate_side(features)}
     request = {c: value(c) for c in user_side(features)}
     return {"dataframe_records": [{**request, CANDIDATES: [candidate]}]}
-
-
-def prepared_of(meta: dict) -> Prepared:
-    """A saved model's transforms, statistics and dedup groups (read once per server)."""
-    return Prepared.from_json(json.dumps(meta["prepared"]))
 
 
 def score_ranking(model, prep: Prepared, ranking: Ranking, batch_rows: int = 1024,

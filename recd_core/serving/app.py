@@ -51,70 +51,39 @@ import contextlib
 import json
 import logging
 import re
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
-import pyarrow as pa
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route
 
-from recd_core.config import FeatureSet, ServeConfig
-from recd_core.errors import RecdError
-from recd_core.scoring.ranking import CANDIDATES, probe_request, ranking_requests
-from recd_core.scoring.request import RequestError, request_columns, request_table
+from recd_core.config import ServeConfig
+from recd_core.scoring.request import RequestError, request_columns
+from recd_core.scoring.scorer import NonFinite, Scorer
 
 log = logging.getLogger("recd.serving")
 
-ERROR_CODES = {400: "BAD_REQUEST", 413: "REQUEST_TOO_LARGE", 415: "UNSUPPORTED_MEDIA_TYPE",
-               500: "INTERNAL_ERROR", 503: "TEMPORARILY_UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}  # fmt: skip
-
-
-@dataclass
-class Scorer:
-    """A loaded model and what scoring it needs; `served` names it (a URI, a version)."""
-
-    model: object
-    meta: dict
-    served: str
-    version: str | None = None  # the registry version, for a registered model
-    features: FeatureSet = field(init=False)
-    schema: pa.Schema = field(init=False)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __post_init__(self) -> None:
-        from recd_core.mlops.pyfunc import samples_features
-        from recd_core.schema import events_schema
-        from recd_core.scoring.ranking import prepared_of
-
-        self.features = samples_features(self.meta)
-        self.schema = events_schema(self.features)
-        self.prep = prepared_of(self.meta)
-        self.probe = json.dumps(probe_request(self.schema, self.features)).encode()
-
-    def rank(self, requests: list, batch_rows: int, dedup: bool, deadline: float) -> np.ndarray:
-        """Each ranking request's candidates scored (the user side once a request, or once a
-        candidate with `dedup` off), one request after the other."""
-        from recd_core.scoring.ranking import score_rankings
-
-        with self.lock:
-            return score_rankings(self.model, self.prep, requests, batch_rows, dedup, deadline)
-
-    def score(self, table: pa.Table, batch_rows: int, deadline: float) -> np.ndarray:
-        """Click probabilities, `batch_rows` rows at a time; past `deadline` (monotonic) it
-        stops between batches (TimeoutError)."""
-        from recd_core.modeling.saved import predict
-
-        with self.lock:
-            return predict(self.model, self.meta, table, batch_rows, trust_sessions=False,
-                           deadline=deadline).astype(np.float64)  # fmt: skip
-
-
+ERROR_CODES = {
+    400: "BAD_REQUEST",
+    413: "REQUEST_TOO_LARGE",
+    415: "UNSUPPORTED_MEDIA_TYPE",
+    500: "INTERNAL_ERROR",
+    503: "TEMPORARILY_UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
 ALIASED = re.compile(r"^models:/(?P<name>[^/@]+)@(?P<alias>[\w-]+)$")
 PINNED = re.compile(r"^models:/(?P<name>[^/@]+)/(?P<version>\d+)$")
 
 
-class NonFinite(RecdError):
-    """The model scored NaN or infinity: a broken model, answered as a 500 naming it."""
+@dataclass(frozen=True)
+class Served:
+    """The scorer being served and what names it: the URI it was loaded from, and the
+    registry version for a registered model."""
+
+    scorer: Scorer
+    uri: str
+    version: str | None = None
 
 
 def alias_version(uri: str) -> str | None:
@@ -128,11 +97,11 @@ def alias_version(uri: str) -> str | None:
     return str(MlflowClient().get_model_version_by_alias(found["name"], found["alias"]).version)
 
 
-def load_scorer(uri: str) -> Scorer:
+def load_served(uri: str) -> Served:
     """A registered model (`models:/name@alias`, `models:/name/3`, `runs:/…`: MLflow's pyfunc,
     through the tracking URI already set) or a trained model (a directory, or
     `<warehouse>/models/<run>`). An alias is resolved first and its version loaded, so the
-    scorer knows which version it holds."""
+    server knows which version it holds."""
     if uri.startswith(("models:/", "runs:/", "mlflow-artifacts:")):
         import mlflow.pyfunc
         from mlflow.exceptions import MlflowException
@@ -143,16 +112,16 @@ def load_scorer(uri: str) -> Scorer:
             aliased, pinned = ALIASED.match(uri), PINNED.match(uri)
             version = alias_version(uri) if aliased else pinned["version"] if pinned else None
             source = f"models:/{aliased['name']}/{version}" if aliased else uri
-            scorer = mlflow.pyfunc.load_model(source).unwrap_python_model()
+            pyfunc = mlflow.pyfunc.load_model(source).unwrap_python_model()
         except MlflowException as e:
             if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
                 raise BadInput(f"no model to serve at {uri}: {first_line(e, 200)}") from None
             raise TrackingError(f"cannot load {uri}: {first_line(e, 200)}") from None
-        return Scorer(scorer.model, scorer.meta, uri, version)
+        return Served(pyfunc.scorer, uri, version)
     from recd_core.modeling.saved import load_model
 
-    model, meta = load_model(uri, private=True)  # its tables its own: files may change
-    return Scorer(model, meta, uri)
+    # its tables its own: the files may change under a running server
+    return Served(Scorer(*load_model(uri, private=True)), uri)
 
 
 def error_body(status: int, message: str) -> bytes:
@@ -180,8 +149,10 @@ async def read_body(request, cap: int) -> bytes:
 
 
 def _too_large(size: int, cap: int, at_least: str = "") -> str:
-    return (f"request body of {at_least}{size:,} bytes, more than the server's limit of "
-            f"{cap:,} (serve.max_bytes): split the request")  # fmt: skip
+    return (
+        f"request body of {at_least}{size:,} bytes, more than the server's limit of "
+        f"{cap:,} (serve.max_bytes): split the request"
+    )
 
 
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # an escaped surrogate, \\ud800 to \\udfff
@@ -225,134 +196,155 @@ def _lone_surrogate(obj) -> bool:
     return False
 
 
-def build_app(first: Scorer, cfg: ServeConfig):
-    """The ASGI app (Starlette) serving `first` under the limits of `cfg`; with
-    `cfg.follow_alias_s`, the model its alias names from then on (`follow_alias`)."""
-    from starlette.applications import Starlette
-    from starlette.responses import Response
-    from starlette.routing import Route
+class Server:
+    """The service's handlers over the model being served (`served`, swapped whole when the
+    alias moves: a request keeps the one it started with) under the limits of `cfg`."""
 
-    from recd_core.lineage import code_version
+    def __init__(self, first: Served, cfg: ServeConfig):
+        self.served = first
+        self.cfg = cfg
+        self.in_flight = 0
 
-    in_flight = 0
-    serving = {"scorer": first}  # swapped whole when the alias moves; a request keeps its own
-
-    def answer(status: int, message: str, headers: dict | None = None) -> Response:
-        return Response(error_body(status, message), status, headers,
-                        media_type="application/json")  # fmt: skip
-
-    def work(body: bytes, deadline: float, scorer: Scorer | None = None) -> bytes:
-        scorer = scorer or serving["scorer"]
-        columns, n = request_columns(parse_json(body), cfg.max_rows)
-        if CANDIDATES in columns:
-            requests = ranking_requests(columns, n, scorer.schema, scorer.features, cfg.max_rows)
-            del columns
-            probs = scorer.rank(requests, cfg.batch_rows, cfg.dedup, deadline)
-        else:
-            table = request_table(columns, n, scorer.schema, scorer.features)
-            del columns
-            probs = scorer.score(table, cfg.batch_rows, deadline)
-        if not np.isfinite(probs).all():  # never a 200 with NaN: the model is broken
-            raise NonFinite(
-                f"the model {scorer.served} scored {int((~np.isfinite(probs)).sum())} "
-                "value(s) that are not numbers: the server log has the details"
+    def work(self, body: bytes, deadline: float, served: Served | None = None) -> bytes:
+        """A body parsed, scored and answered as JSON (runs in a worker thread)."""
+        served = served or self.served
+        columns, n = request_columns(parse_json(body), self.cfg.max_rows)
+        try:
+            probs = served.scorer.score(
+                columns, n, self.cfg.max_rows, self.cfg.batch_rows, self.cfg.dedup, deadline
             )
+        except NonFinite as e:  # never a 200 with NaN: the model is broken
+            raise NonFinite(f"the model {served.uri} {e}: the server log has the details") from e
         return json.dumps({"predictions": probs.tolist()}).encode()
 
-    async def invocations(request) -> Response:
-        nonlocal in_flight
+    async def invocations(self, request) -> Response:
+        cfg = self.cfg
         mime = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if mime != "application/json":
-            return answer(415, f"content type {mime or 'none'!r}: recd serve takes "
-                          "application/json (dataframe_split or dataframe_records)")  # fmt: skip
-        if in_flight >= cfg.max_in_flight:
-            return answer(503, f"{in_flight} requests in flight, the server's limit "
-                          "(serve.max_in_flight): retry shortly", {"Retry-After": "1"})  # fmt: skip
-        in_flight += 1
+            return answer(
+                415,
+                f"content type {mime or 'none'!r}: recd serve takes application/json "
+                "(dataframe_split or dataframe_records)",
+            )
+        if self.in_flight >= cfg.max_in_flight:
+            return answer(
+                503,
+                f"{self.in_flight} requests in flight, the server's limit "
+                "(serve.max_in_flight): retry shortly",
+                {"Retry-After": "1"},
+            )
+        self.in_flight += 1
         deadline = time.monotonic() + cfg.timeout_s
         try:
             body = await asyncio.wait_for(read_body(request, cfg.max_bytes), cfg.timeout_s)
             left = max(deadline - time.monotonic(), 0.001)
-            out = await asyncio.wait_for(asyncio.to_thread(work, body, deadline), left)
+            out = await asyncio.wait_for(asyncio.to_thread(self.work, body, deadline), left)
             return Response(out, 200, media_type="application/json")
         except RequestError as e:
             return answer(e.status, str(e))
         except TimeoutError:
-            return answer(504, f"the request took longer than {cfg.timeout_s:g} s "
-                          "(serve.timeout_s)")  # fmt: skip
+            return answer(
+                504, f"the request took longer than {cfg.timeout_s:g} s (serve.timeout_s)"
+            )
         except NonFinite as e:
             log.error("%s", e)
             return answer(500, str(e))
         except Exception as e:  # noqa: BLE001 - the traceback to the log, never to the client
             log.exception("scoring failed")
-            return answer(500, f"scoring failed ({type(e).__name__}); the server log has "
-                          "the details")  # fmt: skip
+            return answer(
+                500, f"scoring failed ({type(e).__name__}); the server log has the details"
+            )
         finally:
-            in_flight -= 1
+            self.in_flight -= 1
 
-    async def ping(request) -> Response:
+    async def ping(self, request) -> Response:
         return Response("\n", 200, media_type="application/json")
 
-    def probed(scorer: Scorer) -> bytes:
-        """The scorer's readiness request scored through `work` (ValueError if the score is
+    def probed(self, served: Served) -> bytes:
+        """The model's readiness request scored through `work` (ValueError if the score is
         not a probability)."""
-        out = work(scorer.probe, time.monotonic() + cfg.timeout_s, scorer)
+        out = self.work(served.scorer.probe, time.monotonic() + self.cfg.timeout_s, served)
         scores = json.loads(out)["predictions"]
         if len(scores) != 1 or not 0.0 <= scores[0] <= 1.0:
             raise ValueError(f"the readiness request scored {scores[:2]}, not a probability")
         return out
 
-    async def ready(request) -> Response:
+    async def ready(self, request) -> Response:
         try:
-            out = await asyncio.wait_for(asyncio.to_thread(probed, serving["scorer"]),
-                                         cfg.timeout_s)  # fmt: skip
+            probe = asyncio.to_thread(self.probed, self.served)
+            out = await asyncio.wait_for(probe, self.cfg.timeout_s)
             return Response(out, 200, media_type="application/json")
         except Exception as e:  # noqa: BLE001 - not ready, said in one line; the log has more
             log.exception("the readiness request failed")
             return answer(503, f"not ready: the readiness request failed ({type(e).__name__})")
 
-    async def version(request) -> Response:
-        scorer = serving["scorer"]
-        about = {"recd": code_version(), "model": scorer.served, "version": scorer.version}
+    async def version(self, request) -> Response:
+        from recd_core.lineage import code_version
+
+        served = self.served
+        about = {"recd": code_version(), "model": served.uri, "version": served.version}
         return Response(json.dumps(about), 200, media_type="application/json")
 
-    async def follow_alias() -> None:
+    async def follow_alias(self) -> None:
         """Every `follow_alias_s`: where the alias now names another version, load it, score
         its readiness request, and swap it in; the old model serves until then, and keeps
         serving if any step fails (logged)."""
         while True:
-            await asyncio.sleep(cfg.follow_alias_s)
-            held = serving["scorer"]
+            await asyncio.sleep(self.cfg.follow_alias_s)
+            held = self.served
             try:
-                moved = await asyncio.to_thread(alias_version, held.served)
+                moved = await asyncio.to_thread(alias_version, held.uri)
                 if moved == held.version:
                     continue
-                log.info("%s moved to version %s: loading it", held.served, moved)
-                new = await asyncio.to_thread(load_scorer, held.served)
-                await asyncio.to_thread(probed, new)
-                serving["scorer"] = new
-                log.info("now serving %s version %s", new.served, new.version)
+                log.info("%s moved to version %s: loading it", held.uri, moved)
+                new = await asyncio.to_thread(load_served, held.uri)
+                await asyncio.to_thread(self.probed, new)
+                self.served = new
+                log.info("now serving %s version %s", new.uri, new.version)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the served model stays; said in the log
-                log.warning("following %s failed, version %s serves on: %s: %s", held.served,
-                            held.version, type(e).__name__, str(e).splitlines()[0][:300])  # fmt: skip
+                why = str(e).splitlines()[0][:300] if str(e) else ""
+                log.warning(
+                    "following %s failed, version %s serves on: %s: %s",
+                    held.uri,
+                    held.version,
+                    type(e).__name__,
+                    why,
+                )
 
     @contextlib.asynccontextmanager
-    async def lifespan(app):
+    async def lifespan(self, app):
         follow = None
-        if cfg.follow_alias_s > 0 and ALIASED.match(first.served):
-            follow = asyncio.create_task(follow_alias())
-        elif cfg.follow_alias_s > 0:
-            log.warning("serve.follow_alias_s: %s names no alias (models:/NAME@ALIAS); it is "
-                        "served as loaded", first.served)  # fmt: skip
+        if self.cfg.follow_alias_s > 0 and ALIASED.match(self.served.uri):
+            follow = asyncio.create_task(self.follow_alias())
+        elif self.cfg.follow_alias_s > 0:
+            log.warning(
+                "serve.follow_alias_s: %s names no alias (models:/NAME@ALIAS); it is served "
+                "as loaded",
+                self.served.uri,
+            )
         try:
             yield
         finally:
             if follow is not None:
                 follow.cancel()
 
-    routes = [Route("/invocations", invocations, methods=["POST"]),
-              Route("/ping", ping), Route("/health", ping), Route("/ready", ready),
-              Route("/version", version)]  # fmt: skip
-    return Starlette(routes=routes, lifespan=lifespan)
+
+def answer(status: int, message: str, headers: dict | None = None) -> Response:
+    """A non-200 answer: one JSON line (`error_body`)."""
+    return Response(error_body(status, message), status, headers, media_type="application/json")
+
+
+def build_app(first: Served, cfg: ServeConfig) -> Starlette:
+    """The ASGI app (Starlette) serving `first` under the limits of `cfg`; with
+    `cfg.follow_alias_s`, the model its alias names from then on (`Server.follow_alias`)."""
+    server = Server(first, cfg)
+    routes = [
+        Route("/invocations", server.invocations, methods=["POST"]),
+        Route("/ping", server.ping),
+        Route("/health", server.ping),
+        Route("/ready", server.ready),
+        Route("/version", server.version),
+    ]
+    return Starlette(routes=routes, lifespan=server.lifespan)
