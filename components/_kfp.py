@@ -23,7 +23,7 @@ from recd_core.mlops.compare import markdown as comparison_markdown
 from recd_core.mlops.tracking import HEADLINE, headline_rank
 from recd_core.orchestration.graph import ARMS, OUTPUT_NAMES, STAGES, outputs
 from recd_core.orchestration.stage_args import StageArgs
-from recd_core.orchestration.stages import merge, stage_days
+from recd_core.orchestration.stages import merge, open_warehouse, stage_days
 
 # where the KFP launcher mounts a remote pipeline root in the pod (kfp.dsl.types.artifact_types)
 _MOUNTS = {"gs://": "/gcs/", "s3://": "/s3/", "minio://": "/minio/"}
@@ -55,7 +55,7 @@ def _datasets(stage: str, args: StageArgs, table: str) -> tuple[dict, dict]:
 
         uris = [str(logs_for_day(args.logs, d)) for d in days]
         return {"partitions": uris}, {"uris": uris, "days": days}
-    wh = args.open_warehouse()
+    wh = open_warehouse(args)
     parts, rows, nbytes = [], 0, 0
     for day in days:
         for keys in wh.keys_on(table, day):

@@ -319,6 +319,7 @@ def synthetic_week(
     """`days` daily runs, each warm-started from the previous day's model, each evaluated on
     its next day next to the oracle; the first day also by the baseline arm. Every stage
     runs as the pipelines run it (`stages.run_stage`, the built-in config at `preset`)."""
+    from recd_core.orchestration.overlay import pipeline_config
     from recd_core.orchestration.stage_args import parse_args
     from recd_core.orchestration.stages import run_stage
 
@@ -329,7 +330,7 @@ def synthetic_week(
     run_stage("synth", every_day)
     run_stage("ingest", every_day)
     run_stage("generate", {**every_day, "layout": "clustered"})
-    pipeline = parse_args({**run, "ds": WEEK_START}).pipeline_config()  # the stages' config
+    pipeline = pipeline_config(parse_args({**run, "ds": WEEK_START}))  # the stages' config
     rows, previous = [], None
     for day, eval_day in zip(all_days[:-1], all_days[1:], strict=True):
         run_stage("preprocess", {**run, "ds": day})

@@ -9,6 +9,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from recd_core.config import PipelineConfig
 from recd_core.leftovers import owned_tempdir
 from recd_core.mlops.versions import (
     Unreadable,
@@ -18,6 +19,23 @@ from recd_core.mlops.versions import (
     mark_unreadable,
     registry_version,
 )
+
+
+def starting_model(
+    tracker, wh, cfg: PipelineConfig, ds: str, mode: str, init_from: str | None = None
+) -> contextlib.AbstractContextManager[tuple[str | None, str]]:
+    """The pipelines' warm-start decision for a run whose first training day is `ds`:
+    `init_from` where given, else the champion when the config's `train.warm_start` is on
+    (`init_model`: only a champion trained before `ds`; of another model config, this
+    config's own newest version), else scratch. The run's lineage key is computed from the
+    day's batches as training sizes the model."""
+    from recd_core.dpp.batch_store import model_shape
+    from recd_core.modeling.saved import lineage_key
+
+    start = init_from or ("champion" if cfg.train.warm_start else None)
+    features, samples = model_shape(wh, ds, mode)
+    key = lineage_key(features, cfg.train.model.for_samples(samples))
+    return init_model(tracker, start, cfg.registry.model_name, ds, key)
 
 
 @contextlib.contextmanager

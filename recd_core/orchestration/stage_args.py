@@ -3,9 +3,9 @@ options of `recd <stage>`, the components' `--flags`, and the parameters of the 
 Airflow pipelines, all generated from it (`stage_options`).
 
 Common arguments (where the warehouse is, which days, the config) every stage takes; a
-stage's own (`arg(stages=...)`) only that stage, and another's is refused, so a
-misdirected flag fails instead of doing nothing. Unset, an argument leaves the config's
-value."""
+stage's own (`arg(stages=(...))`, its `ArgSpec`) only that stage, and another's is refused,
+so a misdirected flag fails instead of doing nothing. Unset, an argument leaves the
+config's value; set, it is laid over the config (orchestration/overlay.py)."""
 
 from __future__ import annotations
 
@@ -15,33 +15,56 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from recd_core.config import PipelineConfig, Sharding, load_feature_set, load_pipeline_config
+from recd_core.config import Sharding
 from recd_core.errors import BadInput
-from recd_core.mlops.tracking import Tracker
-from recd_core.warehouse import Warehouse, validate_ds
+from recd_core.orchestration.graph import STAGES
+from recd_core.warehouse import validate_ds
 
 # what an orchestrator wires between stages (the MLflow run, the pipeline's name): not typed
 # by a person at `recd <stage>`, whose tracking URI and experiment are `recd`'s own options
 WIRING = ("tracking_uri", "experiment", "parent_run_id", "pipeline", "register_run_id")
 
 
+@dataclass(frozen=True)
+class ArgSpec:
+    """What a `StageArgs` field is beyond its type and help: the stages that take it as
+    their own (empty: every stage takes it; another stage refuses it), the config paths it
+    overrides when set ("train.sharding"), and what a flag set writes there (`when_set`).
+    Pydantic calls it to add the stages to the field's JSON schema (`x-stages`)."""
+
+    stages: tuple[str, ...] = ()
+    config: tuple[str, ...] = ()
+    when_set: Any = True
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.stages if s not in STAGES]
+        if unknown:
+            raise ValueError(f"arg(stages=...): no stage {', '.join(unknown)}")
+        paths = [c for c in self.config if c.count(".") != 1]
+        if paths:
+            raise ValueError(f"arg(config=...): {', '.join(paths)} is not <section>.<key>")
+
+    def __call__(self, schema: dict[str, Any]) -> None:
+        if self.stages:
+            schema["x-stages"] = list(self.stages)
+
+
 def arg(
-    description: str, *, stages: str = "", config: str | tuple[str, ...] = (),
-    when_set: Any = True, **field: Any,
-) -> Any:  # fmt: skip
-    """A `StageArgs` field, declared once. `stages` ("ingest, generate"): the stages that take
-    it as their own (another stage refuses it; empty: every stage takes it). `config`: the
-    config paths it overrides when set ("train.sharding"; None, and a flag left off, leave
-    the config's value; a flag set writes `when_set`). From this come the stage's options on
-    every runner (`stage_options`), the config overlay (`overrides`), `recd run`'s options
+    description: str,
+    *,
+    stages: tuple[str, ...] = (),
+    config: tuple[str, ...] = (),
+    when_set: Any = True,
+    **field: Any,
+) -> Any:
+    """A `StageArgs` field, declared once: its help (`description`), its `ArgSpec` and its
+    pydantic constraints (`default`, `ge`, ...; unset by default: None, and a flag left off,
+    leave the config's value). From this come the stage's options on every runner
+    (`stage_options`), the config overlay (orchestration/overlay.py), `recd run`'s options
     and the Airflow and Kubeflow pipelines' override inputs (`override_fields`)."""
-    paths = (config,) if isinstance(config, str) else tuple(config)
-    extra = {"stages": [s for s in stages.split(", ") if s], "config": list(paths)}
-    if when_set is not True:
-        extra["when_set"] = when_set
     field.setdefault("default", None)
-    text = f"{stages}: {description}" if stages else description
-    return Field(description=text, json_schema_extra=extra, **field)
+    spec = ArgSpec(tuple(stages), tuple(config), when_set)
+    return Field(description=description, json_schema_extra=spec, **field)
 
 
 class StageArgs(BaseModel):
@@ -81,93 +104,99 @@ class StageArgs(BaseModel):
         "the run's training days (--ds and --days), its evaluation days that are not "
         "training days (the day after each, or --eval-ds), or both; generate writes "
         "evaluation days clustered, the layout every arm is scored on",
-        stages="synth, ingest, generate", default="training",
+        stages=("synth", "ingest", "generate"), default="training",
     )  # fmt: skip
     samples_per_day: int | None = arg(
-        "impressions a day", stages="synth", config="synth.samples_per_day", ge=1
+        "impressions a day", stages=("synth",), config=("synth.samples_per_day",), ge=1
     )
-    users: int | None = arg("users", stages="synth", config="synth.users", ge=1)
-    items: int | None = arg("items", stages="synth", config="synth.items", ge=2)
+    users: int | None = arg("users", stages=("synth",), config=("synth.users",), ge=1)
+    items: int | None = arg("items", stages=("synth",), config=("synth.items",), ge=2)
     mean_session_length: float | None = arg(
-        "mean impressions a session", stages="synth", config="synth.mean_session_length",
+        "mean impressions a session", stages=("synth",), config=("synth.mean_session_length",),
         ge=1.0,
     )  # fmt: skip
-    seed: int | None = arg("the workload's seed", stages="synth", config="synth.seed")
+    seed: int | None = arg("the workload's seed", stages=("synth",), config=("synth.seed",))
     features: str | None = arg(
-        "a feature set (name or YAML) in place of the config's", stages="synth"
+        "a feature set (name or YAML) in place of the config's", stages=("synth",)
     )
     source: str | None = arg(
         "a log file or a directory of them, ingested as the one day --ds (instead of "
-        "<logs>/ds=<day>/)", stages="ingest",
+        "<logs>/ds=<day>/)", stages=("ingest",),
     )  # fmt: skip
     # not a config override of a whole run: it also picks the built-in config (MovieLens'
     # features), which a run's other stages take from --config (pipeline_config)
     format: Literal["events", "movielens"] | None = arg(
-        "the raw logs' format (movielens: ml-100k's files)", stages="ingest"
+        "the raw logs' format (movielens: ml-100k's files)", stages=("ingest",)
     )
     max_quarantine_fraction: float | None = arg(
-        "the share of bad rows that fails the day", stages="ingest",
-        config="ingest.max_quarantine_fraction", ge=0.0, le=1.0,
+        "the share of bad rows that fails the day", stages=("ingest",),
+        config=("ingest.max_quarantine_fraction",), ge=0.0, le=1.0,
     )  # fmt: skip
     engine: Literal["local", "ray"] | None = arg(
         "work here, or on Ray (RAY_ADDRESS's cluster): Ray Data tasks, train's --nproc "
-        "processes as Ray Train workers", stages="ingest, generate, preprocess, train",
+        "processes as Ray Train workers", stages=("ingest", "generate", "preprocess", "train"),
         config=("ingest.engine", "generate.engine", "preprocess.engine", "train.engine"),
     )  # fmt: skip
     workers: int | None = arg(
-        "parallel workers", stages="ingest, generate, preprocess",
+        "parallel workers", stages=("ingest", "generate", "preprocess"),
         config=("ingest.workers", "generate.workers", "preprocess.workers"), ge=1,
     )  # fmt: skip
     layout: Literal["clustered", "shuffled", "both"] | None = arg(
         "the samples layout(s) written (default: both for training days, clustered for "
-        "evaluation days)", stages="generate",
+        "evaluation days)", stages=("generate",),
     )  # fmt: skip
     row_group_size: int | None = arg(
-        "Parquet rows", stages="generate", config="generate.row_group_size", ge=1
+        "Parquet rows", stages=("generate",), config=("generate.row_group_size",), ge=1
     )
     threads: bool = arg(
-        "local workers as threads instead of processes", stages="preprocess",
-        config="preprocess.executor", when_set="thread", default=False,
+        "local workers as threads instead of processes", stages=("preprocess",),
+        config=("preprocess.executor",), when_set="thread", default=False,
     )  # fmt: skip
     stats_from: str | None = arg(
-        "the standardization statistics of this preprocessed day", stages="preprocess"
+        "the standardization statistics of this preprocessed day", stages=("preprocess",)
     )
     init_from: str | None = arg(
         "the model to start from (a model directory, <warehouse>/models/<run> or "
         "models:/<name>@<alias>); default: the champion when the config's train.warm_start",
-        stages="train",
+        stages=("train",),
     )  # fmt: skip
     device: Literal["auto", "cpu", "cuda"] | None = arg(
-        "where to train (auto: CUDA where there is one)", stages="train", config="train.device"
+        "where to train (auto: CUDA where there is one)",
+        stages=("train",),
+        config=("train.device",),
     )
     nproc: int | None = arg(
-        "processes (gloo on CPU, nccl on GPU)", stages="train", config="train.nproc", ge=1
+        "processes (gloo on CPU, nccl on GPU)", stages=("train",), config=("train.nproc",), ge=1
     )
     sharding: Sharding | None = arg(
         "shard the tables across the --nproc processes (TorchRec) instead of a copy in each",
-        stages="train", config="train.sharding",
+        stages=("train",), config=("train.sharding",),
     )  # fmt: skip
     memory_budget_mb: int | None = arg(
-        "MB a process may hold of the sharded tables", stages="train",
-        config="train.memory_budget_mb", ge=1,
+        "MB a process may hold of the sharded tables", stages=("train",),
+        config=("train.memory_budget_mb",), ge=1,
     )  # fmt: skip
-    epochs: int | None = arg("passes at most", stages="train", config="train.epochs", ge=1)
-    max_steps: int | None = arg("steps at most", stages="train", config="train.max_steps", ge=1)
-    checkpoint_every: int | None = arg(
-        "steps between checkpoints", stages="train", config="train.checkpoint_every", ge=1
+    epochs: int | None = arg("passes at most", stages=("train",), config=("train.epochs",), ge=1)
+    max_steps: int | None = arg(
+        "steps at most", stages=("train",), config=("train.max_steps",), ge=1
     )
-    amp: bool = arg("bf16 autocast on CUDA", stages="train", config="train.amp", default=False)
+    checkpoint_every: int | None = arg(
+        "steps between checkpoints", stages=("train",), config=("train.checkpoint_every",), ge=1
+    )
+    amp: bool = arg(
+        "bf16 autocast on CUDA", stages=("train",), config=("train.amp",), default=False
+    )
     train_config: str | None = arg(
-        "a TrainConfig YAML in place of the config's train part", stages="train"
+        "a TrainConfig YAML in place of the config's train part", stages=("train",)
     )
     model_uri: str | None = arg(
-        "the trained model(s), ';'-joined over days", stages="evaluate, register"
+        "the trained model(s), ';'-joined over days", stages=("evaluate", "register")
     )
     eval_batch_size: int | None = arg(
-        "rows a batch", stages="evaluate", config="registry.eval_batch_size", ge=1
+        "rows a batch", stages=("evaluate",), config=("registry.eval_batch_size",), ge=1
     )
     register_run_id: str | None = arg(
-        "the train stage's MLflow run, which logs the model", stages="register"
+        "the train stage's MLflow run, which logs the model", stages=("register",)
     )
 
     @field_validator("ds", "eval_ds")
@@ -203,87 +232,28 @@ class StageArgs(BaseModel):
             raise BadInput(f"--days-of {self.days_of}: the run has no such day")
         return days
 
-    def pipeline_config(self) -> PipelineConfig:
-        """The config file (or the built-in one: MovieLens' for `format: movielens`) with
-        the arguments that override it applied; unset arguments leave the config's values."""
-        from recd_core.config import (
-            SYNTH_PRESETS,
-            SynthConfig,
-            TrainConfig,
-            load_yaml,
-            merged,
-            parse_config,
-        )
 
-        dataset = "movielens" if self.format == "movielens" else "synthetic"
-        cfg = load_pipeline_config(self.config, dataset=dataset)
-        train = cfg.train
-        if self.train_config:  # laid over the config's training: it names what it changes
-            over = merged(train.model_dump(mode="json"), load_yaml(self.train_config))
-            train = parse_config(TrainConfig, over, self.train_config)
-        over = overrides(self)
-        if self.format:
-            over.setdefault("ingest", {})["format"] = self.format
-        sections = {"ingest": cfg.ingest, "generate": cfg.generate, "preprocess": cfg.preprocess,
-                    "train": train, "registry": cfg.registry}  # fmt: skip
-        update = {
-            name: type(section).model_validate({**section.model_dump(), **over.get(name, {})})
-            for name, section in sections.items()
-        }
-        update["synth"] = SynthConfig.model_validate(
-            {
-                **cfg.synth.model_dump(),
-                **(SYNTH_PRESETS[self.preset] if self.preset else {}),
-                **over.get("synth", {}),
-            }  # fmt: skip
-        )
-        if self.features:
-            update["features"] = load_feature_set(self.features)
-        return cfg.model_copy(update=update)
-
-    def open_warehouse(self) -> Warehouse:
-        if not self.warehouse:
-            raise BadInput("no --warehouse given")
-        return Warehouse(self.warehouse)
-
-    def tracker(self) -> Tracker | None:
-        return Tracker(self.tracking_uri, self.experiment) if self.tracking_uri else None
-
-
-def _extra(name: str) -> dict:
-    return StageArgs.model_fields[name].json_schema_extra or {}
+def arg_spec(name: str) -> ArgSpec:
+    """The `ArgSpec` of `StageArgs` field `name`."""
+    spec = StageArgs.model_fields[name].json_schema_extra
+    assert isinstance(spec, ArgSpec), f"StageArgs.{name} is not declared with arg()"
+    return spec
 
 
 def own_options(stage: str) -> tuple[str, ...]:
     """The arguments `stage` takes as its own (`arg(stages=...)`), in declaration order."""
-    return tuple(n for n in StageArgs.model_fields if stage in _extra(n).get("stages", ()))
+    return tuple(n for n in StageArgs.model_fields if stage in arg_spec(n).stages)
 
 
 def stages_options() -> set[str]:
     """Every stage's own arguments (a field outside them is common: every stage takes it)."""
-    return {n for n in StageArgs.model_fields if _extra(n).get("stages")}
+    return {n for n in StageArgs.model_fields if arg_spec(n).stages}
 
 
 def override_fields() -> tuple[str, ...]:
     """The arguments that override the config (`arg(config=...)`), in declaration order:
     what `recd run` and the pipelines' override inputs offer."""
-    return tuple(n for n in StageArgs.model_fields if _extra(n).get("config"))
-
-
-def overrides(args: StageArgs) -> dict[str, dict[str, Any]]:
-    """The config values `args` sets, by section: {"train": {"sharding": "auto"}, ...}
-    (an unset argument and a flag left off set nothing)."""
-    out: dict[str, dict[str, Any]] = {}
-    for name in override_fields():
-        value = getattr(args, name)
-        if value is None or value is False:
-            continue
-        extra = _extra(name)
-        value = extra.get("when_set", value) if value is True else value
-        for path in extra["config"]:
-            section, key = path.split(".")
-            out.setdefault(section, {})[key] = value
-    return out
+    return tuple(n for n in StageArgs.model_fields if arg_spec(n).config)
 
 
 def parse_args(args: dict) -> StageArgs:
@@ -340,14 +310,14 @@ def stage_options(stage: str, wiring: bool = True) -> list[Option]:
 
 
 def field_option(name: str, stage: str | None = None) -> Option:
-    """A `StageArgs` field as a command line shows it. A stage's own argument is described
-    with its stages in front ("train: passes at most"); for `stage` that prefix is left
-    out."""
+    """A `StageArgs` field as a command line shows it. Where no one stage is meant (`recd
+    run`'s options), a stage's own argument is described with its stages in front ("train:
+    passes at most")."""
     field = StageArgs.model_fields[name]
     text = field.description or ""
-    head, sep, rest = text.partition(": ")
-    if sep and stage in head.split(", "):
-        text = rest
+    own = arg_spec(name).stages
+    if own and stage is None:
+        text = f"{', '.join(own)}: {text}"
     required = field.is_required()
     if required:
         text += " (required)"
@@ -375,6 +345,9 @@ def param_schema(name: str, nullable: bool = False) -> dict:
         prop.update(branches[0])
     keys = ("type", "enum", "minimum", "maximum", "exclusiveMinimum", "description")
     out = {k: prop[k] for k in keys if k in prop}
+    own = arg_spec(name).stages  # a pipeline's input is the whole run's: its stages said
+    if own and "description" in out:
+        out["description"] = f"{', '.join(own)}: {out['description']}"
     if nullable:
         out["type"] = ["null", out["type"]]
         if "enum" in out:

@@ -21,13 +21,25 @@ from collections.abc import Callable
 from pathlib import Path
 
 from recd_core.errors import BadInput, GateFailed, classify
-from recd_core.mlops.tracking import RunRecord
+from recd_core.mlops.tracking import RunRecord, Tracker
 from recd_core.orchestration.graph import ARM_LAYOUT, ARMS, STAGES
+from recd_core.orchestration.overlay import pipeline_config
 from recd_core.orchestration.stage_args import StageArgs, own_options, stage_args
 from recd_core.runtime import follower, peak_rss, reset_peak_rss, rss
-from recd_core.warehouse import PartitionNotFound
+from recd_core.warehouse import PartitionNotFound, Warehouse
 
 Advance = Callable[[str, int], None]  # a progress bar's `advance(label, n)`
+
+
+def open_warehouse(args: StageArgs) -> Warehouse:
+    if not args.warehouse:
+        raise BadInput("no --warehouse given")
+    return Warehouse(args.warehouse)
+
+
+def tracker_of(args: StageArgs) -> Tracker | None:
+    """The MLflow tracker of `args.tracking_uri`; None (tracking off) when unset."""
+    return Tracker(args.tracking_uri, args.experiment) if args.tracking_uri else None
 
 
 def _per_day(args: StageArgs, fn: Callable[[str], dict], days: list[str] | None = None) -> dict:
@@ -49,13 +61,13 @@ def _per_day(args: StageArgs, fn: Callable[[str], dict], days: list[str] | None 
 
 
 def _start(args: StageArgs, advance: Advance) -> dict:
-    tracker = args.tracker()
+    tracker = tracker_of(args)
     if tracker is None:
         return {"mlflow.run_id": None}
     tracker.check()
     run_id = tracker.start("pipeline", {**args.model_dump(exclude_none=True), "mode": ""},
                            pipeline=args.pipeline)  # fmt: skip
-    tracker.log_config(run_id, args.pipeline_config())
+    tracker.log_config(run_id, pipeline_config(args))
     return {"mlflow.run_id": run_id}
 
 
@@ -77,7 +89,7 @@ def _synth(args: StageArgs, advance: Advance) -> dict:
     logs = _logs(args)
     if not args.synthesize:
         return {"synth.days": 0, "synth.rows": 0}
-    cfg = args.pipeline_config()
+    cfg = pipeline_config(args)
     summary = synthesize_missing(logs, args.data_days(), cfg.features, cfg.synth, advance)
     return {**summary, "synth.out": logs}
 
@@ -97,7 +109,7 @@ def _ingest(args: StageArgs, advance: Advance) -> dict:
     else:
         logs = _logs(args)
         sources = {day: logs_for_day(logs, day) for day in days}
-    cfg, wh = args.pipeline_config(), args.open_warehouse()
+    cfg, wh = pipeline_config(args), open_warehouse(args)
     out = {
         day: ingest(src, wh, day, cfg.features, cfg.ingest, cfg.generate, advance)
         for day, src in sources.items()
@@ -117,7 +129,7 @@ def _generate(args: StageArgs, advance: Advance) -> dict:
     chooses otherwise."""
     from recd_core.data.generate import generate
 
-    cfg, wh = args.pipeline_config(), args.open_warehouse()
+    cfg, wh = pipeline_config(args), open_warehouse(args)
     training = args.training_days()
 
     def one(day: str) -> dict:
@@ -135,7 +147,7 @@ def _generate(args: StageArgs, advance: Advance) -> dict:
 def _preprocess(args: StageArgs, advance: Advance) -> dict:
     from recd_core.dpp.preprocess import preprocess
 
-    cfg, wh = args.pipeline_config(), args.open_warehouse()
+    cfg, wh = pipeline_config(args), open_warehouse(args)
     return _per_day(
         args,
         lambda day: preprocess(
@@ -152,21 +164,13 @@ def _preprocess(args: StageArgs, advance: Advance) -> dict:
 def _train(args: StageArgs, advance: Advance) -> dict:
     """Train each day, warm-started from `init_from` (default: the champion, when the
     config's `train.warm_start` is on and there is one)."""
-    from recd_core.dpp.batch_store import model_shape
-    from recd_core.mlops.starting_version import init_model
-    from recd_core.modeling.saved import lineage_key
+    from recd_core.mlops.starting_version import starting_model
     from recd_core.modeling.train import train
 
-    cfg, wh = args.pipeline_config(), args.open_warehouse()
-    tc = cfg.train
-    start = args.init_from or ("champion" if tc.warm_start else None)
-    # the champion only when it was trained before the first day trained here (args.ds);
-    # when it is of another model config, this config's own newest version
-    features, samples = model_shape(wh, args.ds, args.mode)  # as training sizes the model
-    key = lineage_key(features, tc.model.for_samples(samples))
-    resolved = init_model(args.tracker(), start, cfg.registry.model_name, args.ds, key)
+    cfg, wh = pipeline_config(args), open_warehouse(args)
+    resolved = starting_model(tracker_of(args), wh, cfg, args.ds, args.mode, args.init_from)
     with resolved as (init_dir, label):
-        out = _per_day(args, lambda day: train(wh, day, tc, init_from=init_dir, init_label=label,
+        out = _per_day(args, lambda day: train(wh, day, cfg.train, init_from=init_dir, init_label=label,
                                                features=cfg.features))  # fmt: skip
     days = out["days"].values() if "days" in out else [out]
     uris = [s["train.model_uri"] for s in days if "train.model_uri" in s]  # rank 0 saves
@@ -180,7 +184,7 @@ def _evaluate(args: StageArgs, advance: Advance) -> dict:
 
     if not args.model_uri:
         raise BadInput("no --model-uri given")
-    cfg, wh = args.pipeline_config(), args.open_warehouse()
+    cfg, wh = pipeline_config(args), open_warehouse(args)
     uris = args.model_uri.split(";")
     if len(uris) != args.days:
         raise BadInput(f"--model-uri names {len(uris)} models for {args.days} training day(s)")
@@ -205,12 +209,12 @@ def _register(args: StageArgs, advance: Advance) -> dict:
     from recd_core.mlops.registry import register_and_promote
     from recd_core.modeling.evaluate import evaluate
 
-    tracker = args.tracker()
+    tracker = tracker_of(args)
     if tracker is None:
         return {"registry.decision": "off (no tracking URI)"}
     if not args.model_uri or not args.register_run_id:
         raise BadInput("--model-uri and --register-run-id are required")
-    cfg, wh = args.pipeline_config(), args.open_warehouse()
+    cfg, wh = pipeline_config(args), open_warehouse(args)
     eval_ds, uri = args.eval_day(args.training_days()[-1]), args.model_uri.split(";")[-1]
     # scored here again (seconds), so the stage needs only the train stage's outputs
     scored = evaluate(
@@ -228,7 +232,7 @@ def _compare(args: StageArgs, upstream: list[dict]) -> dict:
     from recd_core.mlops.compare import chart, print_table, quality_gap, ratios
     from recd_core.report import console
 
-    cfg = args.pipeline_config()
+    cfg = pipeline_config(args)
     summary = merge(
         upstream, {"run.ds": args.ds, "run.eval_ds": args.eval_day(args.training_days()[-1])}
     )
@@ -236,14 +240,14 @@ def _compare(args: StageArgs, upstream: list[dict]) -> dict:
     if missing:
         raise BadInput(f"upstream summaries lack {', '.join(missing)}")
     print_table(summary, console)  # in the task log; `recd compare` shows it the same way
-    wh = args.open_warehouse()
+    wh = open_warehouse(args)
     with tempfile.TemporaryDirectory() as tmp:
         png = chart(summary, Path(tmp) / f"compare-{args.ds}.png")
         target = f"{wh.root}/reports/compare/ds={args.ds}"
         wh.fs.create_dir(target, recursive=True)
         with wh.fs.open_output_stream(f"{target}/{png.name}") as f:
             f.write(png.read_bytes())
-        tracker = args.tracker()
+        tracker = tracker_of(args)
         if tracker is not None and args.parent_run_id:
             tracker.client().log_artifact(args.parent_run_id, str(png))
     gap = quality_gap(
@@ -320,7 +324,7 @@ def run_stage(
     if name not in STAGES:
         raise BadInput(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
     args = stage_args(name, args)
-    tracker = None if follower() else args.tracker()  # a torchrun rank > 0: rank 0 records
+    tracker = None if follower() else tracker_of(args)  # a torchrun rank > 0: rank 0 records
     stage = STAGES[name]
     record = None
     if tracker is not None and not stage.run_edge:
@@ -370,7 +374,7 @@ def _record_model(record, args: StageArgs, stage, summary: dict) -> dict:
     tracker = record.tracker
     if "models" in stage.writes:
         uri = summary["train.model_uris"].split(";")[-1]
-        example = example_rows(args.open_warehouse(), args.training_days()[-1])
+        example = example_rows(open_warehouse(args), args.training_days()[-1])
         with model_dir(uri) as local:
             model_id = versions.log_model(tracker, record.run_id, local, example, uri)
         return {"train.logged_model_id": model_id}
@@ -387,7 +391,7 @@ def stage_inputs(args: StageArgs, stage) -> list[dict]:
     arm's data of the training days (train: its batches; DPP: its samples layout). Each
     dataset's digest is the partition's write id (lineage.py): the run names the exact
     version it read."""
-    wh = args.open_warehouse()
+    wh = open_warehouse(args)
     scoring = "models" in stage.reads
     days = [args.eval_day(d) for d in args.training_days()] if scoring else args.training_days()
     table = "samples" if scoring or "samples" in stage.reads else "batches"
