@@ -19,9 +19,22 @@ LEFT_OUT = {"recd", "torch"}
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet",
-                        "--ignore-installed", "--report", str(report), "torch==2.13.0",
-                        ".[tracking,server,torchrec,trainer]"], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--quiet",
+                "--ignore-installed",
+                "--report",
+                str(report),
+                "torch==2.13.0",
+                ".[tracking,server,torchrec,trainer]",
+            ],
+            check=True,
+        )
         items = json.loads(report.read_text())["install"]
     pins = sorted(
         (i["metadata"]["name"].lower(), i["metadata"]["version"])

@@ -60,8 +60,15 @@ def _datasets(stage: str, args: StageArgs, table: str) -> tuple[dict, dict]:
     for day in days:
         for keys in wh.keys_on(table, day):
             m = wh.manifest(table, day, **keys)
-            parts.append({"uri": wh.partition_uri(table, day, **keys), "ds": day, **keys,
-                          "rows": m["rows"], "bytes": m["bytes"]})  # fmt: skip
+            parts.append(
+                {
+                    "uri": wh.partition_uri(table, day, **keys),
+                    "ds": day,
+                    **keys,
+                    "rows": m["rows"],
+                    "bytes": m["bytes"],
+                }
+            )
             rows, nbytes = rows + m["rows"], nbytes + m["bytes"]
     meta = {"uris": [p["uri"] for p in parts], "days": days, "rows": rows, "bytes": nbytes}
     return {"partitions": parts}, meta
@@ -74,8 +81,12 @@ def _report(args: StageArgs, summary: dict, upstream: list[dict]) -> str:
     if all(f"eval.ne.{arm}" in merged for arm in ARMS):
         return comparison_markdown(merged)
     rows = [(k, merged[k]) for k in (*HEADLINE, "registry.decision") if merged.get(k) is not None]
-    lines = [f"### recd: trained {days['run.ds']}, scored {days['run.eval_ds']}",
-             "", "| | |", "|---|---:|"]  # fmt: skip
+    lines = [
+        f"### recd: trained {days['run.ds']}, scored {days['run.eval_ds']}",
+        "",
+        "| | |",
+        "|---|---:|",
+    ]
     lines += [f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in rows]
     return "\n".join(lines) + "\n"
 
@@ -98,8 +109,12 @@ def write_outputs(
             text = json.dumps(content, indent=1)
         elif kind == "model":
             uri = (summary.get("train.model_uris") or "").split(";")[-1]
-            meta = {"model_uri": uri, "framework": "pytorch", "mode": args.mode,
-                    **{k: v for k, v in _figures(summary).items() if k.startswith("train.")}}  # fmt: skip
+            meta = {
+                "model_uri": uri,
+                "framework": "pytorch",
+                "mode": args.mode,
+                **{k: v for k, v in _figures(summary).items() if k.startswith("train.")},
+            }
             text = json.dumps({"model_uri": uri}, indent=1)
         elif kind == "metrics":
             meta, text = _figures(summary), ""

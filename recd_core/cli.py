@@ -151,8 +151,12 @@ def _option_param(o, default=None, help: str | None = None) -> inspect.Parameter
     """A `stage_args.Option` as a typer option (a flag pair for a bool)."""
     flag = f"{o.flag}/--no-{o.flag[2:]}" if o.annotation is bool else o.flag
     option = typer.Option(flag, help=help or o.help, show_default=False)
-    return inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                             annotation=Annotated[o.annotation, option])  # fmt: skip
+    return inspect.Parameter(
+        o.name,
+        inspect.Parameter.KEYWORD_ONLY,
+        default=default,
+        annotation=Annotated[o.annotation, option],
+    )
 
 
 def _stage_command(name: str, text: str) -> None:
@@ -198,9 +202,11 @@ def _graph_params(warehouse: str, logs: str, exclude: tuple[str, ...] = ()) -> l
     from recd_core.orchestration.stage_args import field_option, override_fields
 
     defaults = {"warehouse": warehouse, "logs": logs, "ds": None}
-    helps = {"ds": "the training day (default: the day before yesterday, UTC, so that its "
-             "evaluation day, yesterday, is over)",
-             "logs": "raw logs root; days without logs are synthesized"}  # fmt: skip
+    helps = {
+        "ds": "the training day (default: the day before yesterday, UTC, so that its "
+        "evaluation day, yesterday, is over)",
+        "logs": "raw logs root; days without logs are synthesized",
+    }
     params = []
     for name in (*RUN_ARGS, *(n for n in override_fields() if n not in exclude)):
         o = field_option(name)
@@ -226,9 +232,14 @@ def _graph_command(
         if decision:
             _print_decision(result)
 
-    command.__signature__ = inspect.Signature([
-        inspect.Parameter("ctx", keyword, annotation=typer.Context), *params, *own_params,
-        inspect.Parameter("summary", keyword, default=None, annotation=SummaryOpt)])  # fmt: skip
+    command.__signature__ = inspect.Signature(
+        [
+            inspect.Parameter("ctx", keyword, annotation=typer.Context),
+            *params,
+            *own_params,
+            inspect.Parameter("summary", keyword, default=None, annotation=SummaryOpt),
+        ]
+    )
     command.__doc__ = doc
     app.command(name)(command)
 
@@ -244,10 +255,12 @@ def _run_graph(graph, args: dict, handle, out: Path | None, accelerated=None) ->
     if handle is not None:
         handle.tracker.log_config(handle.run_id, _pipeline(config))
     args = {
-        **args, "ds": training_day_or_default(args.get("ds")), "pipeline": graph.name,
+        **args,
+        "ds": training_day_or_default(args.get("ds")),
+        "pipeline": graph.name,
         "tracking_uri": handle.tracker.uri if handle else None,
         **({"experiment": handle.tracker.experiment} if handle else {}),
-    }  # fmt: skip
+    }
     try:
         with progress("run", len(graph.tasks)) as advance:
             done = run_graph(graph, args, handle.run_id if handle else None, advance, accelerated)
@@ -291,10 +304,15 @@ def _trainjob_params() -> list[inspect.Parameter]:
     (`orchestration.trainjob.TrainJobConfig`, a flag a field)."""
     from recd_core.orchestration.trainjob import flag_options
 
-    return [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                              annotation=Annotated[list[kind] | None if many else kind,
-                                                   typer.Option(help=text)])
-            for name, kind, default, text, many in flag_options()]  # fmt: skip
+    return [
+        inspect.Parameter(
+            name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=default,
+            annotation=Annotated[list[kind] | None if many else kind, typer.Option(help=text)],
+        )
+        for name, kind, default, text, many in flag_options()
+    ]
 
 
 def _run_body(handle, args: dict, mode: str, out: Path | None, **node) -> dict:
@@ -318,15 +336,26 @@ _graph_command(
     (orchestration/trainjob.py), the rest here.""",
     _graph_params("data/default/warehouse", "data/default/logs", exclude=("mode",)),
     [
-        inspect.Parameter("mode", inspect.Parameter.KEYWORD_ONLY, default="dedup",
-                          annotation=Annotated[Literal["dedup", "baseline", "both"],
-                                               typer.Option(help="training arm(s)")]),
-        inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
-            Path | None, typer.Option(help="also copy the comparison chart here (--mode both)")]),
+        inspect.Parameter(
+            "mode",
+            inspect.Parameter.KEYWORD_ONLY,
+            default="dedup",
+            annotation=Annotated[
+                Literal["dedup", "baseline", "both"], typer.Option(help="training arm(s)")
+            ],
+        ),
+        inspect.Parameter(
+            "out",
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=Annotated[
+                Path | None, typer.Option(help="also copy the comparison chart here (--mode both)")
+            ],
+        ),
         *_trainjob_params(),
     ],
     _run_body,
-)  # fmt: skip
+)
 
 
 def _compare_body(handle, args: dict, out: Path) -> dict:
@@ -342,12 +371,16 @@ _graph_command(
     exit 3 when the arms' next-day NE or AUC differ beyond the configured tolerance.""",
     _graph_params("data/compare/warehouse", "data/compare/logs", exclude=("mode",)),
     [
-        inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, default=Path("build/compare"),
-                          annotation=Annotated[Path, typer.Option(help="also copy the chart here")]),
+        inspect.Parameter(
+            "out",
+            inspect.Parameter.KEYWORD_ONLY,
+            default=Path("build/compare"),
+            annotation=Annotated[Path, typer.Option(help="also copy the chart here")],
+        ),
     ],
     _compare_body,
     decision=False,  # the compare stage printed its table
-)  # fmt: skip
+)
 
 
 @app.command("bench")
@@ -390,9 +423,15 @@ def bench_cmd(
 
     def body():
         return run_bench(
-            preset, out, movielens, train=train, quality=quality, quality_days=quality_days,
-            seeds=seeds, kept=kept,
-        )  # fmt: skip
+            preset,
+            out,
+            movielens,
+            train=train,
+            quality=quality,
+            quality_days=quality_days,
+            seeds=seeds,
+            kept=kept,
+        )
 
     _run(ctx, "bench", summary or out / "bench.json", body)
 
@@ -422,18 +461,30 @@ def status_cmd(
             table.add_column(col, overflow="fold")
         colour = {"fresh": "green", "stale": "red", "damaged": "red", "unknown": "yellow"}
         for r in rows:
-            built = ", ".join([*(f"{k} @{v}" for k, v in (r.get("inputs") or {}).items()),
-                               *([f"logs {r['logs']}"] if r.get("logs") else [])])  # fmt: skip
+            built = ", ".join(
+                [
+                    *(f"{k} @{v}" for k, v in (r.get("inputs") or {}).items()),
+                    *([f"logs {r['logs']}"] if r.get("logs") else []),
+                ]
+            )
             state = f"[{colour[r['state']]}]{r['state']}[/]" + (f": {r['why']}" if r["why"] else "")
-            table.add_row(r["partition"], str(r.get("write_id") or "-"),
-                          str(r.get("written_at") or "-"), f"{r.get('rows') or 0:,}",
-                          built or "-", state)  # fmt: skip
+            table.add_row(
+                r["partition"],
+                str(r.get("write_id") or "-"),
+                str(r.get("written_at") or "-"),
+                f"{r.get('rows') or 0:,}",
+                built or "-",
+                state,
+            )
         Console(stderr=True, width=max(console.width, 160)).print(table)
-        counts = {s: sum(r["state"] == s for r in rows)
-                  for s in ("fresh", "stale", "unknown", "damaged")}  # fmt: skip
+        counts = {
+            s: sum(r["state"] == s for r in rows) for s in ("fresh", "stale", "unknown", "damaged")
+        }
         # the rows by partition: in the --summary JSON, not printed twice
-        return {**{f"status.{k}": v for k, v in counts.items()},
-                "partitions": {r["partition"]: r for r in rows}}  # fmt: skip
+        return {
+            **{f"status.{k}": v for k, v in counts.items()},
+            "partitions": {r["partition"]: r for r in rows},
+        }
 
     _run(ctx, "status", summary, body)
 
@@ -460,27 +511,51 @@ def _serve_command() -> None:
     keyword = inspect.Parameter.KEYWORD_ONLY
     params = [
         inspect.Parameter("ctx", keyword, annotation=typer.Context),
-        inspect.Parameter("model", keyword, default="models:/recd-dlrm@champion", annotation=Annotated[
-            str, typer.Option(help="a registered model (models:/NAME@ALIAS, needs --tracking-uri) "
-                              "or a trained model (<warehouse>/models/<run>, a directory)")]),
-        inspect.Parameter("host", keyword, default="127.0.0.1", annotation=Annotated[
-            str, typer.Option(help="address to listen on (0.0.0.0 in a container)")]),
-        inspect.Parameter("port", keyword, default=5001, annotation=Annotated[
-            int, typer.Option(help="port to listen on")]),
+        inspect.Parameter(
+            "model",
+            keyword,
+            default="models:/recd-dlrm@champion",
+            annotation=Annotated[
+                str,
+                typer.Option(
+                    help="a registered model (models:/NAME@ALIAS, needs --tracking-uri) "
+                    "or a trained model (<warehouse>/models/<run>, a directory)"
+                ),
+            ],
+        ),
+        inspect.Parameter(
+            "host",
+            keyword,
+            default="127.0.0.1",
+            annotation=Annotated[
+                str, typer.Option(help="address to listen on (0.0.0.0 in a container)")
+            ],
+        ),
+        inspect.Parameter(
+            "port",
+            keyword,
+            default=5001,
+            annotation=Annotated[int, typer.Option(help="port to listen on")],
+        ),
         inspect.Parameter("config", keyword, default=None, annotation=ConfigOpt),
-    ]  # fmt: skip
+    ]
     for name, f in ServeConfig.model_fields.items():
         flag = f"--{name.replace('_', '-')}"
         is_bool = f.annotation is bool
         built_in = str(f.default).lower() if is_bool else f"{f.default:,}"
-        option = typer.Option(f"{flag}/--no-{flag[2:]}" if is_bool else flag,
-                              help=f"{f.description} (default: the config's serve.{name}, "
-                              f"built in {built_in})")  # fmt: skip
-        params.append(inspect.Parameter(name, keyword, default=None,
-                                        annotation=Annotated[f.annotation | None, option]))  # fmt: skip
+        option = typer.Option(
+            f"{flag}/--no-{flag[2:]}" if is_bool else flag,
+            help=f"{f.description} (default: the config's serve.{name}, built in {built_in})",
+        )
+        params.append(
+            inspect.Parameter(
+                name, keyword, default=None, annotation=Annotated[f.annotation | None, option]
+            )
+        )
 
-    def command(ctx: typer.Context, model: str, host: str, port: int, config: Path | None,
-                **limits) -> None:  # fmt: skip
+    def command(
+        ctx: typer.Context, model: str, host: str, port: int, config: Path | None, **limits
+    ) -> None:
         """Serve a model over HTTP with MLflow's scoring protocol (`/invocations`,
         dataframe_split or dataframe_records; sample rows, or ranking requests: the user side
         once, its `candidates` listed), bounded: requests past the limits are refused
@@ -494,12 +569,17 @@ def _serve_command() -> None:
         tracker = ctx.find_root().obj
         try:
             base = _pipeline(config).serve
-            cfg = parse_config(ServeConfig, {**base.model_dump(),
-                               **{k: v for k, v in limits.items() if v is not None}}, "recd serve")  # fmt: skip
+            cfg = parse_config(
+                ServeConfig,
+                {**base.model_dump(), **{k: v for k, v in limits.items() if v is not None}},
+                "recd serve",
+            )
             if model.startswith(("models:/", "runs:/")):
                 if tracker is None:
-                    raise BadInput(f"--model {model}: a registered model needs --tracking-uri "
-                                   "(or MLFLOW_TRACKING_URI)")  # fmt: skip
+                    raise BadInput(
+                        f"--model {model}: a registered model needs --tracking-uri "
+                        "(or MLFLOW_TRACKING_URI)"
+                    )
                 import mlflow
 
                 tracker.check()
@@ -510,11 +590,22 @@ def _serve_command() -> None:
             if err is None:
                 raise
             _fail("serve", str(err), err.exit_code)
-        print_summary("recd serve", {"serve.model": served.uri, "serve.url": f"http://{host}:{port}",
-                      **{f"serve.{k}": v for k, v in cfg.model_dump().items()}})  # fmt: skip
+        print_summary(
+            "recd serve",
+            {
+                "serve.model": served.uri,
+                "serve.url": f"http://{host}:{port}",
+                **{f"serve.{k}": v for k, v in cfg.model_dump().items()},
+            },
+        )
         _serving_log()
-        uvicorn.run(build_app(served, cfg), host=host, port=port, log_level="info",
-                    timeout_graceful_shutdown=int(cfg.timeout_s))  # fmt: skip
+        uvicorn.run(
+            build_app(served, cfg),
+            host=host,
+            port=port,
+            log_level="info",
+            timeout_graceful_shutdown=int(cfg.timeout_s),
+        )
 
     command.__signature__ = inspect.Signature(params)
     command.__doc__ = inspect.getdoc(command)

@@ -92,10 +92,24 @@ class StorageUnreachable(RecdError):
 
 
 # how Arrow's filesystems (its S3 client's curl errors) and the OS say "no answer"
-_NETWORK_WORDS = ("NETWORK_CONNECTION", "curlCode", "Could not connect", "Could not resolve",
-                  "Connection refused", "Connection reset", "timed out", "Timeout was reached")  # fmt: skip
-_NETWORK_ERRNOS = (errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EHOSTUNREACH,
-                   errno.ENETUNREACH, errno.ENETDOWN)  # fmt: skip
+_NETWORK_WORDS = (
+    "NETWORK_CONNECTION",
+    "curlCode",
+    "Could not connect",
+    "Could not resolve",
+    "Connection refused",
+    "Connection reset",
+    "timed out",
+    "Timeout was reached",
+)
+_NETWORK_ERRNOS = (
+    errno.ECONNREFUSED,
+    errno.ECONNRESET,
+    errno.ETIMEDOUT,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.ENETDOWN,
+)
 
 
 def network_failure(e: BaseException) -> bool:
@@ -130,8 +144,10 @@ def classify(e: BaseException) -> RecdError | None:
         e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e)
     ):
         where = f" writing {e.filename}" if e.filename else ""
-        err = StorageFull(f"no space left on the device{where}: free space and rerun "
-                          "(what was being written was removed; committed data is intact)")  # fmt: skip
+        err = StorageFull(
+            f"no space left on the device{where}: free space and rerun "
+            "(what was being written was removed; committed data is intact)"
+        )
         err.__cause__ = e
         return err
     if network_failure(e):
@@ -146,6 +162,7 @@ def classify(e: BaseException) -> RecdError | None:
 def of_exit(code: int, reason: str) -> RecdError:
     """The failure a recd process reported by its exit code (a stage run as a subprocess:
     the same class, so the caller's exit code and retry policy are the child's)."""
-    kind = next((k for k in (BadInput, GateFailed, TrackingError) if k.exit_code == code),
-                RecdError)  # fmt: skip
+    kind = next(
+        (k for k in (BadInput, GateFailed, TrackingError) if k.exit_code == code), RecdError
+    )
     return kind(reason or f"exited {code}")

@@ -49,8 +49,13 @@ from recd_core.warehouse import Warehouse
 
 # the stage that writes each table (the pipeline's graph declares it; `status` and the
 # refusals name it)
-WRITTEN_BY = {"events": "ingest", "quarantine": "ingest", "samples": "generate",
-              "batches": "preprocess", "models": "train"}  # fmt: skip
+WRITTEN_BY = {
+    "events": "ingest",
+    "quarantine": "ingest",
+    "samples": "generate",
+    "batches": "preprocess",
+    "models": "train",
+}
 
 
 class StaleInput(BadInput):
@@ -92,9 +97,14 @@ def feature_digests(features: FeatureSet) -> dict[str, str]:
     return out
 
 
-def record(stage: str, inputs: dict[str, str], config=None,
-           features: FeatureSet | dict | None = None, logs: dict | None = None,
-           peers: dict[str, str] | None = None) -> dict:  # fmt: skip
+def record(
+    stage: str,
+    inputs: dict[str, str],
+    config=None,
+    features: FeatureSet | dict | None = None,
+    logs: dict | None = None,
+    peers: dict[str, str] | None = None,
+) -> dict:
     """The `lineage` entry of a partition `stage` writes: `inputs` {partition: write id},
     `config` the fields that shaped it (a pydantic model or a dict), `features` the feature
     set its rows follow (or the digests its input recorded: carried down from ingest),
@@ -114,9 +124,22 @@ def record(stage: str, inputs: dict[str, str], config=None,
 
 
 # fields that say how a stage runs, not what it writes
-EXECUTION_FIELDS = {"engine", "workers", "executor", "threads", "device", "nproc", "spill_dir",
-              "memory_budget_mb", "max_file_mb", "max_expansion_ratio", "checkpoint_every",
-              "keep_checkpoints", "timeout_minutes", "max_quarantine_fraction"}  # fmt: skip
+EXECUTION_FIELDS = {
+    "engine",
+    "workers",
+    "executor",
+    "threads",
+    "device",
+    "nproc",
+    "spill_dir",
+    "memory_budget_mb",
+    "max_file_mb",
+    "max_expansion_ratio",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "timeout_minutes",
+    "max_quarantine_fraction",
+}
 
 
 def write_ids(wh: Warehouse, table: str, days: list[str], **keys: str) -> dict[str, str]:
@@ -196,8 +219,9 @@ def lineage_of(wh: Warehouse, name: str) -> dict | None:
     return wh.manifest(table, ds, **keys).get("lineage")
 
 
-def staleness(wh: Warehouse, name: str, lineage: dict | None = None,
-              _memo: dict | None = None) -> Stale | None:  # fmt: skip
+def staleness(
+    wh: Warehouse, name: str, lineage: dict | None = None, _memo: dict | None = None
+) -> Stale | None:
     """Why partition `name` (or what `lineage` describes, e.g. a model) is stale; None when
     fresh or unknown. Walks the inputs upstream (a few manifests)."""
     memo = {} if _memo is None else _memo
@@ -217,8 +241,9 @@ def staleness(wh: Warehouse, name: str, lineage: dict | None = None,
                 continue  # gone: retention, not a change
             now = str(wh.manifest(table, ds, **keys).get("write_id"))
             if now != wid:
-                found = Stale(name, name, f"built from {inp} write {wid}, rewritten since "
-                                          f"(now {now})")  # fmt: skip
+                found = Stale(
+                    name, name, f"built from {inp} write {wid}, rewritten since (now {now})"
+                )
                 break
             up = None if inp in peers else staleness(wh, inp, None, memo)
             if up:
@@ -255,8 +280,9 @@ def require_fresh(wh: Warehouse, reader: str, names: list[str]) -> dict[str, str
     return out
 
 
-def check_reads(wh: Warehouse, reader: str, reads: list[str],
-                features: FeatureSet | None = None) -> tuple[dict[str, str], dict | None]:  # fmt: skip
+def check_reads(
+    wh: Warehouse, reader: str, reads: list[str], features: FeatureSet | None = None
+) -> tuple[dict[str, str], dict | None]:
     """What a stage does before it reads: `reads` fresh (`require_fresh`), and the first of
     them built with the config's `features` (`require_features`). Their write ids and the
     feature digests it was built with: the stage's own lineage carries both down."""
@@ -267,8 +293,9 @@ def check_reads(wh: Warehouse, reader: str, reads: list[str],
     return inputs, stored
 
 
-def require_features(name: str, stored: FeatureSet | dict | None, config: FeatureSet,
-                     reader: str) -> None:  # fmt: skip
+def require_features(
+    name: str, stored: FeatureSet | dict | None, config: FeatureSet, reader: str
+) -> None:
     """Refuse (FeaturesDiffer) a config whose feature set is not the one partition `name`
     was built with (`stored`: the feature set, or its recorded digests), naming the
     features that differ."""
@@ -281,9 +308,11 @@ def require_features(name: str, stored: FeatureSet | dict | None, config: Featur
     dropped = [n for n in theirs if n not in ours and n != "_keys"]
     added = [n for n in ours if n not in theirs and n != "_keys"]
     changed = [n for n in ours if n in theirs and ours[n] != theirs[n] and n != "_keys"]
-    words = [*(f"{n!r} not in the config" for n in dropped),
-             *(f"{n!r} not in the stored data" for n in added),
-             *(f"{n!r} defined differently" for n in changed)]  # fmt: skip
+    words = [
+        *(f"{n!r} not in the config" for n in dropped),
+        *(f"{n!r} not in the stored data" for n in added),
+        *(f"{n!r} defined differently" for n in changed),
+    ]
     if ours.get("_keys") != theirs.get("_keys"):
         words.append("the feature set's name or user/item keys differ")
     shown = "; ".join(words[:5]) + (f"; and {len(words) - 5} more" if len(words) > 5 else "")
@@ -336,14 +365,26 @@ def status(wh: Warehouse, ds: str, features: FeatureSet | None = None) -> list[d
     for run in _models_of(wh, ds):
         meta = _model_json(wh, run)
         if meta is None:
-            rows.append({"partition": f"models/{run}", "state": "damaged",
-                         "why": "model.json missing or unreadable"})  # fmt: skip
+            rows.append(
+                {
+                    "partition": f"models/{run}",
+                    "state": "damaged",
+                    "why": "model.json missing or unreadable",
+                }
+            )
             continue
         lineage = meta.get("lineage")
         when = wh.fs.get_file_info(f"{wh.root}/models/{run}/model.json").mtime
-        row = _row(wh, f"models/{run}", None, when and when.astimezone(dt.UTC).isoformat(
-            timespec="seconds"), meta.get("summary", {}).get("train.samples"), lineage,
-            features, memo)  # fmt: skip
+        row = _row(
+            wh,
+            f"models/{run}",
+            None,
+            when and when.astimezone(dt.UTC).isoformat(timespec="seconds"),
+            meta.get("summary", {}).get("train.samples"),
+            lineage,
+            features,
+            memo,
+        )
         if lineage:
             row["trained_days"] = lineage.get("trained_days", [])
         rows.append(row)
@@ -371,14 +412,23 @@ def _wrong_fields(m: dict) -> str | None:
 
 def _row(wh, name, write_id, written_at, nrows, lineage, features, memo) -> dict:
     inputs = {**(lineage or {}).get("inputs", {}), **(lineage or {}).get("peers", {})}
-    row = {"partition": name, "write_id": write_id, "written_at": written_at, "rows": nrows,
-           "inputs": inputs, "code": (lineage or {}).get("code")}  # fmt: skip
+    row = {
+        "partition": name,
+        "write_id": write_id,
+        "written_at": written_at,
+        "rows": nrows,
+        "inputs": inputs,
+        "code": (lineage or {}).get("code"),
+    }
     if (lineage or {}).get("logs"):
         logs = lineage["logs"]
         row["logs"] = f"{logs['path']} ({logs['files']} files, {logs['digest']})"
     if not lineage:
-        return {**row, "state": "unknown", "why": "no lineage recorded (written by hand or "
-                                                  "by an older recd)"}  # fmt: skip
+        return {
+            **row,
+            "state": "unknown",
+            "why": "no lineage recorded (written by hand or by an older recd)",
+        }
     try:
         found = staleness(wh, name, lineage if name.startswith("models/") else None, memo)
     except (PartitionDamaged, AttributeError, TypeError, KeyError) as e:
@@ -402,8 +452,11 @@ def _models_of(wh: Warehouse, ds: str) -> list[str]:
     if wh.fs.get_file_info(base).type != pafs.FileType.Directory:
         return []
     infos = wh.fs.get_file_info(pafs.FileSelector(base))
-    return sorted(i.base_name for i in infos
-                  if i.type == pafs.FileType.Directory and i.base_name.startswith(f"{ds}-"))  # fmt: skip
+    return sorted(
+        i.base_name
+        for i in infos
+        if i.type == pafs.FileType.Directory and i.base_name.startswith(f"{ds}-")
+    )
 
 
 def _model_json(wh: Warehouse, run: str) -> dict | None:

@@ -130,8 +130,11 @@ class PartitionWriter:
         files, rows, nbytes = self._totals = self.totals()
         sizes = self._sizes()
         # Parquet carries page checksums; the other formats (Arrow IPC) a CRC-32 here
-        crcs = {n: file_crc32(self.fs, f"{self.staging}/{n}")
-                for n in sizes if not n.endswith(".parquet")}  # fmt: skip
+        crcs = {
+            n: file_crc32(self.fs, f"{self.staging}/{n}")
+            for n in sizes
+            if not n.endswith(".parquet")
+        }
         manifest = {
             "write_id": self.write_id,
             "files": files,

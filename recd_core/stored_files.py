@@ -187,6 +187,8 @@ class StoredFile:
         index = np.asarray(rows[key], np.int64)
         side = self.side().read_row_group(rg, columns=side_cols) if side_cols else pa.table({})
         if index.size and (index.min() < 0 or index.max() >= side.num_rows > 0):
-            raise PartitionDamaged(f"{self.path}: row group {rg} points past its side file's "
-                                   f"{side.num_rows} rows: rerun the stage that writes it")  # fmt: skip
+            raise PartitionDamaged(
+                f"{self.path}: row group {rg} points past its side file's "
+                f"{side.num_rows} rows: rerun the stage that writes it"
+            )
         return rows.drop_columns([key]), index, side

@@ -108,8 +108,11 @@ _PLAIN_NAME = re.compile(r"[^/\\\x00]+")
 
 def _plain(name) -> bool:
     """Whether a manifest entry is a plain file name inside its partition."""
-    return (isinstance(name, str) and bool(_PLAIN_NAME.fullmatch(name))
-            and name not in (".", "..", MANIFEST))  # fmt: skip
+    return (
+        isinstance(name, str)
+        and bool(_PLAIN_NAME.fullmatch(name))
+        and name not in (".", "..", MANIFEST)
+    )
 
 
 def validate_ds(ds: str) -> str:
@@ -416,8 +419,9 @@ class Warehouse:
             names = [None]
         foreign = next((n for n in names if not _plain(n)), "")
         if foreign != "":
-            raise PartitionDamaged(f"{path} names {foreign!r}, not a file of the partition: "
-                                   "nothing is read outside it")  # fmt: skip
+            raise PartitionDamaged(
+                f"{path} names {foreign!r}, not a file of the partition: nothing is read outside it"
+            )
         self._check_files(base, names, m.get("file_bytes") or {})
         return m
 
@@ -426,8 +430,10 @@ class Warehouse:
         present = {i.base_name: i.size for i in self._children(base)}
         for name in names:
             if name not in present:
-                raise PartitionDamaged(f"{base}/{name} is missing (listed in {MANIFEST}): "
-                                       "rerun the stage that writes it")  # fmt: skip
+                raise PartitionDamaged(
+                    f"{base}/{name} is missing (listed in {MANIFEST}): "
+                    "rerun the stage that writes it"
+                )
             if name in sizes and present[name] != sizes[name]:
                 raise PartitionDamaged(
                     f"{base}/{name} is damaged ({present[name]} bytes, written as "
@@ -443,8 +449,10 @@ class Warehouse:
         with damage_named(path):
             got = file_crc32(self.fs, path)
         if got != want:
-            raise PartitionDamaged(f"{path} is damaged (CRC-32 {got:08x}, written as "
-                                   f"{want:08x}): rerun the stage that writes it")  # fmt: skip
+            raise PartitionDamaged(
+                f"{path} is damaged (CRC-32 {got:08x}, written as "
+                f"{want:08x}): rerun the stage that writes it"
+            )
 
     def files(self, table: str, ds: str, **keys: str) -> list[str]:
         m = self.manifest(table, ds, **keys)
@@ -515,7 +523,7 @@ class Warehouse:
             [
                 f.read_row_group(rg, columns, a, b)
                 for f, rg, a, b in self._row_groups(table, ds, lo, hi, keys)
-            ]  # fmt: skip
+            ]
         )
 
     def read_range_normalized(

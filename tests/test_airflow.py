@@ -32,8 +32,9 @@ TRAIN_DAY = "2026-11-01"
 def airflow_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("airflow")
     env = airflow_env(home, home)
-    r = subprocess.run([str(Path(PY).parent / "airflow"), "db", "migrate"], env=env,
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [str(Path(PY).parent / "airflow"), "db", "migrate"], env=env, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return home
 
@@ -102,8 +103,13 @@ def _probe(env: dict) -> dict:
 
 
 def _run_dag(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, str(DAGS / "run_local.py"), *args], env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    return subprocess.run(
+        [PY, str(DAGS / "run_local.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def _after(tasks: dict, task_id: str) -> list[str]:
@@ -206,8 +212,10 @@ def test_every_day_a_scheduled_run_reads_is_over_when_it_starts(
 
     from recd_core.orchestration.schedule import day_end
 
-    env = {**airflow_env(airflow_home, tmp_path),
-           "AIRFLOW__SCHEDULER__CREATE_CRON_DATA_INTERVALS": cron_intervals}  # fmt: skip
+    env = {
+        **airflow_env(airflow_home, tmp_path),
+        "AIRFLOW__SCHEDULER__CREATE_CRON_DATA_INTERVALS": cron_intervals,
+    }
     r = subprocess.run([PY, "-c", NEXT_RUNS, str(DAGS)], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     runs = json.loads(r.stdout.split("RUNS", 1)[1])
@@ -224,9 +232,18 @@ def test_every_day_a_scheduled_run_reads_is_over_when_it_starts(
 def test_the_kubernetes_switch_runs_each_stage_as_a_pod_of_the_components_image(
     airflow_home, tmp_path
 ):
-    env = airflow_env(airflow_home, tmp_path, executor="kubernetes", image="registry.example/recd:1.2.3",
-               logs_claim="recd-raw-logs", logs="/data/logs",
-               train_gpus=1, synthesize="false", warehouse="s3://bucket/wh", tracking_uri="http://recd-mlflow:5000")  # fmt: skip
+    env = airflow_env(
+        airflow_home,
+        tmp_path,
+        executor="kubernetes",
+        image="registry.example/recd:1.2.3",
+        logs_claim="recd-raw-logs",
+        logs="/data/logs",
+        train_gpus=1,
+        synthesize="false",
+        warehouse="s3://bucket/wh",
+        tracking_uri="http://recd-mlflow:5000",
+    )
     kubeconfig = tmp_path / "kubeconfig"  # the operator builds its client; nothing connects
     kubeconfig.write_text(KUBECONFIG)
     bag = _probe({**env, "KUBECONFIG": str(kubeconfig)})
@@ -261,9 +278,17 @@ def test_training_across_machines_is_one_task_that_submits_a_trainjob(airflow_ho
     Trainer TrainJob of 2 nodes of 4 processes on the chart's runtime with the DAG's image,
     logs volume and secret, and waiting for it; its pod has the API token (only it), no GPU
     (the TrainJob's nodes have them), and its summary is the task's XCom."""
-    env = airflow_env(airflow_home, tmp_path, executor="kubernetes", train_nodes=2,
-                      train_nproc_per_node=4, train_runtime="rel-recd-torch", train_gpus=1,
-                      synthesize="false", warehouse="s3://bucket/wh")  # fmt: skip
+    env = airflow_env(
+        airflow_home,
+        tmp_path,
+        executor="kubernetes",
+        train_nodes=2,
+        train_nproc_per_node=4,
+        train_runtime="rel-recd-torch",
+        train_gpus=1,
+        synthesize="false",
+        warehouse="s3://bucket/wh",
+    )
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(KUBECONFIG)
     bag = _probe({**env, "KUBECONFIG": str(kubeconfig)})
@@ -275,7 +300,10 @@ def test_training_across_machines_is_one_task_that_submits_a_trainjob(airflow_ho
     args = train["arguments"]
     flags = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--")}
     assert (flags["--nodes"], flags["--nproc-per-node"], flags["--trainer-runtime"]) == (
-        "2", "4", "rel-recd-torch")  # fmt: skip
+        "2",
+        "4",
+        "rel-recd-torch",
+    )
     assert flags["--image"] == train["image"]
     assert flags["--output-metadata"] == "/airflow/xcom/return.json"
     pod = json.loads(json.dumps(train["pod"]).replace("{{ ts_nodash | lower }}", "20261127t0000"))

@@ -35,10 +35,14 @@ class Api:
 
     def call(self, method: str, path: str, body: dict | None = None) -> dict:
         req = urllib.request.Request(
-            self.base + path, method=method, data=json.dumps(body).encode() if body else None,
-            headers={"Content-Type": "application/json",
-                     **({"Authorization": f"Bearer {self.token}"} if self.token else {})},
-        )  # fmt: skip
+            self.base + path,
+            method=method,
+            data=json.dumps(body).encode() if body else None,
+            headers={
+                "Content-Type": "application/json",
+                **({"Authorization": f"Bearer {self.token}"} if self.token else {}),
+            },
+        )
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read() or b"{}")
 
@@ -86,14 +90,24 @@ def airflow(tmp_path_factory):
     }
     log = root / "standalone.log"
     with log.open("w") as out:
-        server = subprocess.Popen([str(AIRFLOW), "standalone"], env=env, stdout=out,
-                                  stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        server = subprocess.Popen(
+            [str(AIRFLOW), "standalone"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     api = Api(f"http://127.0.0.1:{port}")
     try:
         _wait("the API server", lambda: api.login() or True, 240, server, log)
         for dag in (DAILY.name, COMPARISON.name):  # parsed by the DAG processor, serialized
-            _wait(f"{dag} parsed", lambda d=dag: api.call("GET", f"/api/v2/dags/{d}"), 240,
-                  server, log)  # fmt: skip
+            _wait(
+                f"{dag} parsed",
+                lambda d=dag: api.call("GET", f"/api/v2/dags/{d}"),
+                240,
+                server,
+                log,
+            )
         yield api, root, server, log
     finally:
         os.killpg(server.pid, signal.SIGTERM)
@@ -181,8 +195,11 @@ def test_the_comparison_dag_runs_both_arms_over_days_when_triggered_over_the_res
     assert final["state"] == "success", states
     assert set(states) == {t.id for t in COMPARISON.tasks} | {"wait_for_logs"}
     _, root, _, _ = airflow
-    compare_logs = "".join(p.read_text() for p in (root / "home" / "logs").rglob("*.log")
-                           if "task_id=compare" in str(p))  # fmt: skip
+    compare_logs = "".join(
+        p.read_text()
+        for p in (root / "home" / "logs").rglob("*.log")
+        if "task_id=compare" in str(p)
+    )
     assert "next-day NE" in compare_logs and "train samples/s" in compare_logs  # the table
     wh = root / "compare" / "small" / "warehouse"
     for day in ("2026-11-01", "2026-11-02"):  # two training days, both arms

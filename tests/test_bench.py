@@ -48,10 +48,17 @@ def test_dpp_bench_figures_and_report(fresh_warehouse):
 
 def test_the_storage_table_names_the_movielens_release_it_measured():
     """ml-1m's storage row says ml-1m (the row read "MovieLens-100k" whatever was measured)."""
-    storage = {"rows": 1_000_209, "sessions": 25_165, "shuffled_bytes": 190_000_000,
-               "clustered_bytes": 35_000_000, "storage_ratio": 5.39,
-               "lower_bound_bytes": 34_900_000, "clustered_over_lower_bound": 1.001,
-               "dedup_factor_mean_clustered": 45.2, "dedup_factor_mean_shuffled": 4.62}  # fmt: skip
+    storage = {
+        "rows": 1_000_209,
+        "sessions": 25_165,
+        "shuffled_bytes": 190_000_000,
+        "clustered_bytes": 35_000_000,
+        "storage_ratio": 5.39,
+        "lower_bound_bytes": 34_900_000,
+        "clustered_over_lower_bound": 1.001,
+        "dedup_factor_mean_clustered": 45.2,
+        "dedup_factor_mean_shuffled": 4.62,
+    }
     report = markdown({"bench.preset": "small", "movielens": {**storage, "data": "ml-1m"}})
     assert "| MovieLens (ml-1m) | 1,000,209 | 25,165 |" in report
 
@@ -68,8 +75,22 @@ def test_recd_bench_writes_and_logs_its_report(tmp_path):
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     exe = Path(sys.executable).parent / "recd"
-    r = subprocess.run([exe, "--tracking-uri", uri, "bench", "--preset", "small", "--out", tmp_path / "b",
-                        "--quality-days", "2"], capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [
+            exe,
+            "--tracking-uri",
+            uri,
+            "bench",
+            "--preset",
+            "small",
+            "--out",
+            tmp_path / "b",
+            "--quality-days",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "b/bench.json").read_text())
     for key in (
@@ -258,14 +279,22 @@ def test_the_factorization_machine_reference_learns_what_the_linear_one_cannot()
     u, i = rng.integers(0, users, n), rng.integers(0, items, n)
     match = (u % 2) == (i % 2)
     label = rng.random(n) < np.where(match, 0.8, 0.2)
-    table = pa.table({
-        "user_id": u, "item_id": i, "label": label.astype(np.int64),
-        "ts": np.arange(n), "event_id": np.arange(n),
-    })  # fmt: skip
-    features = FeatureSet(name="pairs", features=[
-        FeatureSpec(name="user_id", side="user", kind="sparse", table_size=users),
-        FeatureSpec(name="item_id", side="item", kind="sparse", table_size=items),
-    ])  # fmt: skip
+    table = pa.table(
+        {
+            "user_id": u,
+            "item_id": i,
+            "label": label.astype(np.int64),
+            "ts": np.arange(n),
+            "event_id": np.arange(n),
+        }
+    )
+    features = FeatureSet(
+        name="pairs",
+        features=[
+            FeatureSpec(name="user_id", side="user", kind="sparse", table_size=users),
+            FeatureSpec(name="item_id", side="item", kind="sparse", table_size=items),
+        ],
+    )
     train, test = table.slice(0, 5000), table.slice(5000)
     lr = logistic_regression(train, test, features, per_user=False, strengths=(1.0,))
     fm = factorization_machine(
@@ -292,20 +321,45 @@ def _history_match_samples(n: int, seed: int = 0):
     history = [rng.choice(items, rng.integers(1, 4), replace=False) for _ in range(n)]
     match = np.array([genre_of[i] in genre_of[h] for i, h in zip(item, history, strict=True)])
     label = rng.random(n) < np.where(match, 0.85, 0.15)
-    table = pa.table({
-        "user_id": rng.integers(0, users, n), "user_history": [h.tolist() for h in history],
-        "item_id": item, "item_genres": [[int(genre_of[i])] for i in item],
-        "label": label.astype(np.int64), "ts": np.arange(n), "event_id": np.arange(n),
-    })  # fmt: skip
-    features = FeatureSet(name="match", user_key="user_id", item_key="item_id", features=[
-        FeatureSpec(name="user_id", side="user", kind="sparse", table_size=users, hash=False),
-        FeatureSpec(name="user_history", side="user", kind="sequence", table="items",
-                    table_size=items, max_length=16, hash=False),
-        FeatureSpec(name="item_id", side="item", kind="sparse", table="items",
-                    table_size=items, hash=False),
-        FeatureSpec(name="item_genres", side="item", kind="id_list", table_size=genres,
-                    max_length=1),
-    ])  # fmt: skip
+    table = pa.table(
+        {
+            "user_id": rng.integers(0, users, n),
+            "user_history": [h.tolist() for h in history],
+            "item_id": item,
+            "item_genres": [[int(genre_of[i])] for i in item],
+            "label": label.astype(np.int64),
+            "ts": np.arange(n),
+            "event_id": np.arange(n),
+        }
+    )
+    features = FeatureSet(
+        name="match",
+        user_key="user_id",
+        item_key="item_id",
+        features=[
+            FeatureSpec(name="user_id", side="user", kind="sparse", table_size=users, hash=False),
+            FeatureSpec(
+                name="user_history",
+                side="user",
+                kind="sequence",
+                table="items",
+                table_size=items,
+                max_length=16,
+                hash=False,
+            ),
+            FeatureSpec(
+                name="item_id",
+                side="item",
+                kind="sparse",
+                table="items",
+                table_size=items,
+                hash=False,
+            ),
+            FeatureSpec(
+                name="item_genres", side="item", kind="id_list", table_size=genres, max_length=1
+            ),
+        ],
+    )
     return table, features, match
 
 
@@ -322,9 +376,15 @@ def test_the_sequential_references_learn_what_the_history_says_of_the_candidate(
     assert lr["auc"] < 0.65
     for name in ("din", "sim", "dcn_v2"):
         got = sequential_reference(
-            name, train, test, features, per_user=False, batch=128, max_passes=6,
+            name,
+            train,
+            test,
+            features,
+            per_user=False,
+            batch=128,
+            max_passes=6,
             learning_rates=(3e-3,),
-        )  # fmt: skip
+        )
         assert got["auc"] > 0.75 and got["ne"] < lr["ne"] - 0.1, (name, got, lr)
         assert got["lr"] == 3e-3 and 0 < got["passes"] <= 6 * 1.2
 
@@ -344,8 +404,11 @@ def test_sim_searches_out_the_most_recent_history_items_sharing_a_genre():
     assert pos.shape == (50, min(SIM_TOP_K, ids.shape[1]))
     for row in range(50):
         genre = (int(item[row]) - 1) % 4
-        want = [p for p in range(ids.shape[1])
-                if ids[row, p] > 0 and (int(ids[row, p]) - 1) % 4 == genre]  # fmt: skip
+        want = [
+            p
+            for p in range(ids.shape[1])
+            if ids[row, p] > 0 and (int(ids[row, p]) - 1) % 4 == genre
+        ]
         got = pos[row][found[row]].tolist()
         assert got == sorted(want, reverse=True)  # the most recent (last) first
         assert bool(found[row].any()) == bool(match[row])
@@ -386,9 +449,19 @@ def test_the_learned_generator_model_takes_each_topic_from_the_clicks_beyond_its
 
     def fit(rows, start=None):
         return fit_id_terms(
-            u[rows], i[rows], y[rows], offset[rows], shape, 0.5, 1.0, iters=50,
-            latent_priors=zero_latent, topics=topics, rounds=3, start=start,
-        )  # fmt: skip
+            u[rows],
+            i[rows],
+            y[rows],
+            offset[rows],
+            shape,
+            0.5,
+            1.0,
+            iters=50,
+            latent_priors=zero_latent,
+            topics=topics,
+            rounds=3,
+            start=start,
+        )
 
     def right(topic, truth):
         return (topic.argmax(1) == truth).mean()
@@ -400,12 +473,20 @@ def test_the_learned_generator_model_takes_each_topic_from_the_clicks_beyond_its
         assert right(learned["user_topic"], tu) > 0.9 and right(learned["item_topic"], ti) > 0.85
     assert right(both["item_topic"], ti) >= right(first["item_topic"], ti)
     held = slice(n // 2, n)
-    prior_only = {"user_bias": np.zeros(n_users), "item_bias": np.zeros(n_items),
-                  "P": np.zeros((n_users, 1)), "Q": np.zeros((n_items, 1)),
-                  "user_topic": prior_u, "item_topic": prior_i}  # fmt: skip
-    ne = {name: metrics.normalized_entropy(
-              y[held], id_terms_probability(f, u[held], i[held], offset[held], 1.0, effect))
-          for name, f in (("prior", prior_only), ("learned", first))}  # fmt: skip
+    prior_only = {
+        "user_bias": np.zeros(n_users),
+        "item_bias": np.zeros(n_items),
+        "P": np.zeros((n_users, 1)),
+        "Q": np.zeros((n_items, 1)),
+        "user_topic": prior_u,
+        "item_topic": prior_i,
+    }
+    ne = {
+        name: metrics.normalized_entropy(
+            y[held], id_terms_probability(f, u[held], i[held], offset[held], 1.0, effect)
+        )
+        for name, f in (("prior", prior_only), ("learned", first))
+    }
     assert ne["learned"] < ne["prior"] - 0.02
 
 
@@ -423,15 +504,24 @@ def test_gradient_boosted_trees_learn_what_two_ids_say_together():
     n, users, items = 6000, 60, 60
     u, i = rng.integers(0, users, n), rng.integers(0, items, n)
     label = rng.random(n) < np.where((u % 2) == (i % 2), 0.8, 0.2)
-    table = pa.table({
-        "user_id": u, "item_id": i, "tags": [[int(x % 5), int(x % 7)] for x in i],
-        "label": label.astype(np.int64), "ts": np.arange(n), "event_id": np.arange(n),
-    })  # fmt: skip
-    features = FeatureSet(name="pairs", features=[
-        FeatureSpec(name="user_id", side="user", kind="sparse", table_size=users),
-        FeatureSpec(name="item_id", side="item", kind="sparse", table_size=items),
-        FeatureSpec(name="tags", side="item", kind="id_list", table_size=8, max_length=2),
-    ])  # fmt: skip
+    table = pa.table(
+        {
+            "user_id": u,
+            "item_id": i,
+            "tags": [[int(x % 5), int(x % 7)] for x in i],
+            "label": label.astype(np.int64),
+            "ts": np.arange(n),
+            "event_id": np.arange(n),
+        }
+    )
+    features = FeatureSet(
+        name="pairs",
+        features=[
+            FeatureSpec(name="user_id", side="user", kind="sparse", table_size=users),
+            FeatureSpec(name="item_id", side="item", kind="sparse", table_size=items),
+            FeatureSpec(name="tags", side="item", kind="id_list", table_size=8, max_length=2),
+        ],
+    )
     x, categorical = tree_design(table, features)
     assert categorical == [0, 1] and x.shape == (n, 2 + 8 + 1)  # ids, tags multi-hot, length
     gbdt = gradient_boosted_trees(table.slice(0, 5000), table.slice(5000), features, False)
@@ -535,8 +625,9 @@ def test_the_movielens_tables_show_ours_and_the_best_reference_over_seeds(moviel
     assert r[q + "worst_seed_auc_gain"] <= r[q + "best_auc_gain"] + 1e-12
     md = "\n".join(movielens_markdown(r, q, "split globally"))
     assert "recd DLRM, 2 seeds: mean (lowest-highest)" in md and "worst seed over" in md
-    again = movielens_quality(src, tmp_path / "rerun", split="global", seeds=2,
-                              kept=tmp_path / "out" / "kept")  # fmt: skip
+    again = movielens_quality(
+        src, tmp_path / "rerun", split="global", seeds=2, kept=tmp_path / "out" / "kept"
+    )
     kept = again["movielens_quality_global"]["kept"]
     assert {"ours", "ours.seed1"} <= {k["model"] for k in kept}
     assert again[q + "worst_seed_ne_gain"] == r[q + "worst_seed_ne_gain"]

@@ -91,8 +91,17 @@ def test_synth_ingest_generate_with_contract_summaries(tmp_path: Path):
 
 @pytest.mark.slow
 def test_run_is_idempotent_for_a_day(tmp_path: Path):
-    args = ("run", "--warehouse", tmp_path / "wh", "--logs", tmp_path / "logs", "--ds", DAY,
-            "--config", SMALL_CONFIG)  # fmt: skip
+    args = (
+        "run",
+        "--warehouse",
+        tmp_path / "wh",
+        "--logs",
+        tmp_path / "logs",
+        "--ds",
+        DAY,
+        "--config",
+        SMALL_CONFIG,
+    )
     recd(*args, "--summary", tmp_path / "a.json")
     first = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "wh").rglob("*.parquet")}
     recd(*args, "--summary", tmp_path / "b.json")
@@ -122,9 +131,23 @@ def test_run_is_idempotent_for_a_day(tmp_path: Path):
 def test_run_takes_every_config_override_and_hands_it_to_its_stages(tmp_path: Path):
     """`recd run --max-steps 3 --workers 1`: the train stage takes the one, ingest, generate
     and preprocess the other, and no stage refuses what is another's."""
-    recd("run", "--warehouse", tmp_path / "wh", "--logs", tmp_path / "logs", "--ds", DAY,
-         "--config", SMALL_CONFIG, "--max-steps", "3", "--workers", "1",
-         "--summary", tmp_path / "s.json")  # fmt: skip
+    recd(
+        "run",
+        "--warehouse",
+        tmp_path / "wh",
+        "--logs",
+        tmp_path / "logs",
+        "--ds",
+        DAY,
+        "--config",
+        SMALL_CONFIG,
+        "--max-steps",
+        "3",
+        "--workers",
+        "1",
+        "--summary",
+        tmp_path / "s.json",
+    )
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["train.steps"] == 3
 

@@ -18,8 +18,12 @@ DAY = "2026-11-01"
 
 
 def component(stage: str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", f"components.{stage}", *map(str, args)],
-                          capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", f"components.{stage}", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
 
 
 def test_every_stage_has_an_entrypoint_with_typed_arguments():
@@ -30,16 +34,36 @@ def test_every_stage_has_an_entrypoint_with_typed_arguments():
 
 def test_a_component_writes_its_summary_for_the_orchestrator(tmp_path, small_logs):
     meta = tmp_path / "out" / "metadata.json"
-    r = component("ingest", "--warehouse", tmp_path / "wh", "--ds", DAY, "--logs", small_logs,
-                  "--output-metadata", meta, "--args-json", json.dumps({"synthesize": False}))  # fmt: skip
+    r = component(
+        "ingest",
+        "--warehouse",
+        tmp_path / "wh",
+        "--ds",
+        DAY,
+        "--logs",
+        small_logs,
+        "--output-metadata",
+        meta,
+        "--args-json",
+        json.dumps({"synthesize": False}),
+    )
     assert r.returncode == 0, r.stderr
     summary = json.loads(meta.read_text())
     assert summary["status"] == "ok" and summary["ingest.rows_ok"] == summary["ingest.rows_in"] > 0
     assert sorted(summary["ingest.days"]) == [DAY]  # the training day
     assert not (tmp_path / "wh/events/ds=2026-11-02").exists()
     # the evaluation day: the same stage on the run's evaluation days (the graph's ingest_eval)
-    r = component("ingest", "--warehouse", tmp_path / "wh", "--ds", DAY, "--logs", small_logs,
-                  "--days-of", "evaluation")  # fmt: skip
+    r = component(
+        "ingest",
+        "--warehouse",
+        tmp_path / "wh",
+        "--ds",
+        DAY,
+        "--logs",
+        small_logs,
+        "--days-of",
+        "evaluation",
+    )
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "wh/events/ds=2026-11-02/_manifest.json").exists()
 
@@ -49,9 +73,11 @@ def test_a_scheduled_run_reads_days_that_are_over(tmp_path):
     Kubeflow run's): the evaluation day is the last day over when the run starts, the
     training day the one before; `--ds` wins; an unfilled placeholder is no time at all."""
     meta = tmp_path / "finish.json"
-    for scheduled, ds in (("2026-11-25T00:00:00Z", "2026-11-23"),
-                          ("2026-11-25T23:59:00+00:00", "2026-11-23"),
-                          ("2026-11-25T01:00:00+02:00", "2026-11-22")):  # fmt: skip
+    for scheduled, ds in (
+        ("2026-11-25T00:00:00Z", "2026-11-23"),
+        ("2026-11-25T23:59:00+00:00", "2026-11-23"),
+        ("2026-11-25T01:00:00+02:00", "2026-11-22"),
+    ):
         r = component("finish", "--scheduled-time", scheduled, "--output-metadata", meta)
         assert r.returncode == 0, r.stderr
         summary = json.loads(meta.read_text())
@@ -59,8 +85,9 @@ def test_a_scheduled_run_reads_days_that_are_over(tmp_path):
             ds,
             ds[:-2] + f"{int(ds[-2:]) + 1:02d}",
         )
-    r = component("finish", "--scheduled-time", "2026-11-25T00:00:00Z", "--ds", DAY,
-                  "--output-metadata", meta)  # fmt: skip
+    r = component(
+        "finish", "--scheduled-time", "2026-11-25T00:00:00Z", "--ds", DAY, "--output-metadata", meta
+    )
     assert json.loads(meta.read_text())["run.ds"] == DAY
     r = component("finish", "--scheduled-time", "{{$.pipeline_job_schedule_time_utc}}")
     assert r.returncode == 2 and "--ds" in r.stderr  # no day to work on, said in one line
@@ -86,14 +113,30 @@ def test_a_command_and_its_component_are_the_same_stage(tmp_path, small_logs, st
             args += ["--logs", small_logs]
         out = tmp_path / f"{runner}.json"
         if runner == "recd":
-            r = subprocess.run([str(RECD), stage, *map(str, args), "--summary", out],
-                               capture_output=True, text=True)  # fmt: skip
+            r = subprocess.run(
+                [str(RECD), stage, *map(str, args), "--summary", out],
+                capture_output=True,
+                text=True,
+            )
         else:
             r = component(stage, *args, "--output-metadata", out)
         assert r.returncode == 0, r.stderr
         summary = json.loads(out.read_text())
-        figures.append({k: v for k, v in summary.items() if k.endswith(("rows_ok", "rows_in",
-                        "storage.ratio", "storage.bytes.dedup", "storage.bytes.baseline"))})  # fmt: skip
+        figures.append(
+            {
+                k: v
+                for k, v in summary.items()
+                if k.endswith(
+                    (
+                        "rows_ok",
+                        "rows_in",
+                        "storage.ratio",
+                        "storage.bytes.dedup",
+                        "storage.bytes.baseline",
+                    )
+                )
+            }
+        )
         tables = sorted(str(p.relative_to(wh).parent) for p in wh.rglob("_manifest.json"))
         figures[-1]["partitions"] = tables
     assert figures[0] == figures[1] and len(figures[0]) > 1
@@ -102,8 +145,15 @@ def test_a_command_and_its_component_are_the_same_stage(tmp_path, small_logs, st
 
 
 def test_a_stage_refuses_another_stages_argument(tmp_path):
-    r = component("ingest", "--warehouse", tmp_path / "wh", "--ds", DAY, "--args-json",
-                  json.dumps({"epochs": 2}))  # fmt: skip
+    r = component(
+        "ingest",
+        "--warehouse",
+        tmp_path / "wh",
+        "--ds",
+        DAY,
+        "--args-json",
+        json.dumps({"epochs": 2}),
+    )
     assert r.returncode == 2 and "stage ingest takes no --epochs" in r.stderr
     assert "--epochs" not in component("ingest", "--help").stdout
     assert "--epochs" in component("train", "--help").stdout
@@ -119,8 +169,10 @@ def test_a_component_fails_with_one_line_and_the_stage_exit_code(tmp_path):
 
 
 def test_upstream_summaries_fill_the_run_and_model_arguments():
-    ups = {"start": '{"mlflow.run_id": "p1"}',
-           "train": {"train.model_uris": "w/models/x", "mlflow.run_id": "t1"}}  # fmt: skip
+    ups = {
+        "start": '{"mlflow.run_id": "p1"}',
+        "train": {"train.model_uris": "w/models/x", "mlflow.run_id": "t1"},
+    }
     args = with_upstream("register", {"warehouse": "w", "ds": DAY}, ups)
     assert args["parent_run_id"] == "p1" and args["model_uri"] == "w/models/x"
     assert args["register_run_id"] == "t1"
@@ -135,8 +187,11 @@ DOCKERFILE = REPO / "components" / "Dockerfile"
 
 def test_hadolint_passes_the_dockerfile():
     exe = Path(sys.executable).parent / "hadolint"
-    r = subprocess.run([str(exe), "--failure-threshold", "warning", str(DOCKERFILE)],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [str(exe), "--failure-threshold", "warning", str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 

@@ -209,9 +209,21 @@ def test_config_naming_an_unknown_feature_is_an_error_from_the_cli(fresh_warehou
         "features: synthetic\npreprocess:\n  transforms:\n    user_shoe_size: {log1p: true}\n"
     )
     r = subprocess.run(
-        [sys.executable, "-m", "recd_core.cli", "preprocess", "--warehouse", fresh_warehouse.uri, "--ds", DAY, "--config", str(cfg)],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "recd_core.cli",
+            "preprocess",
+            "--warehouse",
+            fresh_warehouse.uri,
+            "--ds",
+            DAY,
+            "--config",
+            str(cfg),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert (
         r.returncode == 2 and "'user_shoe_size'" in r.stderr and r.stderr.strip().count("\n") == 0
     )

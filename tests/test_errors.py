@@ -56,8 +56,12 @@ def test_the_cli_and_the_component_fail_the_same_way(stage, tmp_path):
     """A missing upstream partition: the same one line, the same exit code."""
     common = ["--warehouse", str(tmp_path / "wh"), "--ds", "2026-11-01"]
     cli = subprocess.run([str(RECD), stage, *common], capture_output=True, text=True)
-    comp = subprocess.run([sys.executable, "-m", f"components.{stage}", *common],
-                          capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    comp = subprocess.run(
+        [sys.executable, "-m", f"components.{stage}", *common],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert cli.returncode == comp.returncode == 2, (cli.stderr, comp.stderr)
     for r in (cli, comp):
         assert "Traceback" not in r.stderr and f"recd {stage}: error:" in r.stderr

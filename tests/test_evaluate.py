@@ -37,10 +37,23 @@ def test_both_arms_reach_the_same_quality_on_the_next_day(fresh_warehouse, tmp_p
     # each arm) move the AUC of a 4,000-sample day by a few thousandths (0.0032 measured)
     assert d["eval.auc"] == pytest.approx(b["eval.auc"], abs=5e-3)
     r = subprocess.run(
-        [sys.executable, "-m", "recd_core.cli", "evaluate", "--warehouse", fresh_warehouse.uri, "--model-uri",
-         d["eval.model_uri"], "--ds", DAY, "--summary", str(tmp_path / "e.json")],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "recd_core.cli",
+            "evaluate",
+            "--warehouse",
+            fresh_warehouse.uri,
+            "--model-uri",
+            d["eval.model_uri"],
+            "--ds",
+            DAY,
+            "--summary",
+            str(tmp_path / "e.json"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     s = json.loads(Path(tmp_path / "e.json").read_text())
     assert (
@@ -65,9 +78,18 @@ def test_missing_model_or_day_is_one_line(fresh_warehouse):
         ),
     ):
         r = subprocess.run(
-            [sys.executable, "-m", "recd_core.cli", "evaluate", "--warehouse", fresh_warehouse.uri, *args],
-            capture_output=True, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "recd_core.cli",
+                "evaluate",
+                "--warehouse",
+                fresh_warehouse.uri,
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
         if message:
             assert message in r.stderr

@@ -21,8 +21,12 @@ DAY = "2026-11-01"
 
 
 def recd(*args, code: int) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "recd_core.cli", *map(str, args)],
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "recd_core.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.returncode == code, r.stderr[-3000:]
     if code:
@@ -39,8 +43,18 @@ def test_a_5000_digit_integer_quarantines_its_line_and_the_day_goes_on(tmp_path,
     lines[7] = lines[7].replace(b'"user_id":', b'"user_id":' + b"9" * 5000 + b',"was":', 1)
     f.write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
     out = tmp_path / "s.json"
-    recd("ingest", "--source", src, "--warehouse", tmp_path / "wh", "--ds", DAY,
-         "--summary", out, code=0)  # fmt: skip
+    recd(
+        "ingest",
+        "--source",
+        src,
+        "--warehouse",
+        tmp_path / "wh",
+        "--ds",
+        DAY,
+        "--summary",
+        out,
+        code=0,
+    )
     s = json.loads(out.read_text())
     assert s["ingest.rows_quarantined"] == 1 and s["ingest.rows_ok"] == len(lines) - 1
     assert s["ingest.rows_in"] == len(lines)
@@ -69,8 +83,9 @@ def read_only_dir(tmp_path):
     """A read-only filesystem (a tmpfs remounted read-only): EROFS, not a permission bit."""
     mnt = tmp_path / "ro"
     mnt.mkdir()
-    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                        capture_output=True)  # fmt: skip
+    ok = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
+    )
     if ok.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {ok.stderr.decode().strip()}")
     (mnt / "wh").mkdir()
@@ -82,8 +97,16 @@ def read_only_dir(tmp_path):
 
 
 def test_a_read_only_warehouse_is_one_line_and_final(read_only_dir, small_logs):
-    r = recd("ingest", "--source", small_logs / f"ds={DAY}", "--warehouse", read_only_dir,
-             "--ds", DAY, code=2)  # fmt: skip
+    r = recd(
+        "ingest",
+        "--source",
+        small_logs / f"ds={DAY}",
+        "--warehouse",
+        read_only_dir,
+        "--ds",
+        DAY,
+        code=2,
+    )
     assert "cannot be written" in r.stderr and "read-only file system" in r.stderr
     assert not any(Path(read_only_dir).iterdir())
 
@@ -99,8 +122,9 @@ con.execute("ROLLBACK")
 
 
 def _hold_lock(db: Path, seconds: float) -> subprocess.Popen:
-    holder = subprocess.Popen([sys.executable, "-c", LOCK_DB, str(db), str(seconds)],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCK_DB, str(db), str(seconds)], stdout=subprocess.PIPE, text=True
+    )
     assert holder.stdout.readline().strip() == "locked"
     return holder
 
@@ -111,11 +135,35 @@ def test_a_locked_tracking_store_is_waited_for_then_retryable(tmp_path):
 
     db = tmp_path / "mlflow.db"
     uri = f"sqlite:///{db}"
-    recd("--tracking-uri", uri, "synth", "--logs", tmp_path / "a", "--ds", DAY, "--preset",
-         "small", "--days", "1", code=0)  # fmt: skip
+    recd(
+        "--tracking-uri",
+        uri,
+        "synth",
+        "--logs",
+        tmp_path / "a",
+        "--ds",
+        DAY,
+        "--preset",
+        "small",
+        "--days",
+        "1",
+        code=0,
+    )
     holder = _hold_lock(db, 8)  # a lock that passes: the command waits for it
-    recd("--tracking-uri", uri, "synth", "--logs", tmp_path / "b", "--ds", DAY, "--preset",
-         "small", "--days", "1", code=0)  # fmt: skip
+    recd(
+        "--tracking-uri",
+        uri,
+        "synth",
+        "--logs",
+        tmp_path / "b",
+        "--ds",
+        DAY,
+        "--preset",
+        "small",
+        "--days",
+        "1",
+        code=0,
+    )
     holder.wait()
     holder = _hold_lock(db, 20)  # one that does not, within the wait: retryable, not final
     with pytest.raises(TrackingError, match="stayed locked") as e:
@@ -128,11 +176,30 @@ def test_commands_that_first_use_a_fresh_tracking_store_together_all_succeed(tmp
     procs = []
     for round_ in range(3):
         uri = f"sqlite:///{tmp_path}/m{round_}.db"
-        procs += [subprocess.Popen([sys.executable, "-m", "recd_core.cli", "--tracking-uri",
-                                    uri, "synth", "--logs", str(tmp_path / f"l{round_}{k}"),
-                                    "--ds", DAY, "--preset", "small", "--days", "1"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                  for k in range(2)]  # fmt: skip
+        procs += [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "recd_core.cli",
+                    "--tracking-uri",
+                    uri,
+                    "synth",
+                    "--logs",
+                    str(tmp_path / f"l{round_}{k}"),
+                    "--ds",
+                    DAY,
+                    "--preset",
+                    "small",
+                    "--days",
+                    "1",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for k in range(2)
+        ]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
@@ -150,16 +217,31 @@ def test_a_parquet_export_that_decodes_past_the_limit_is_refused_before_reading(
     src = tmp_path / "logs" / f"ds={DAY}"
     shutil.copytree(small_logs / f"ds={DAY}", src)
     n = 130_000
-    lists = pa.ListArray.from_arrays(pa.array(np.arange(0, n * 1000 + 1, 1000, np.int32)),
-                                     pa.array(np.full(n * 1000, 7, np.int64)))  # fmt: skip
-    pq.write_table(pa.table({"user_history": lists, "event_id": pa.array(np.arange(n))}),
-                   src / "export.parquet", compression="zstd")  # fmt: skip
+    lists = pa.ListArray.from_arrays(
+        pa.array(np.arange(0, n * 1000 + 1, 1000, np.int32)),
+        pa.array(np.full(n * 1000, 7, np.int64)),
+    )
+    pq.write_table(
+        pa.table({"user_history": lists, "event_id": pa.array(np.arange(n))}),
+        src / "export.parquet",
+        compression="zstd",
+    )
     assert (src / "export.parquet").stat().st_size < 1 << 20
     out = tmp_path / "s.json"
-    recd("ingest", "--source", src, "--warehouse", tmp_path / "wh", "--ds", DAY,
-         "--summary", out, code=0)  # fmt: skip
+    recd(
+        "ingest",
+        "--source",
+        src,
+        "--warehouse",
+        tmp_path / "wh",
+        "--ds",
+        DAY,
+        "--summary",
+        out,
+        code=0,
+    )
     s = json.loads(out.read_text())
-    (name, why), = s["ingest.refused_files"].items()  # fmt: skip
+    ((name, why),) = s["ingest.refused_files"].items()
     assert name.endswith("export.parquet") and "expands past the limit" in why
     lines = sum(len(gzip.decompress(f.read_bytes()).splitlines()) for f in src.glob("*.gz"))
     assert s["ingest.rows_ok"] == lines and s["ingest.rows_in"] == lines + 1
@@ -174,6 +256,5 @@ def test_an_object_store_that_does_not_answer_is_retryable_in_one_line(tmp_path,
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     wh = f"s3://recd-bucket/wh?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
-    r = recd("ingest", "--source", small_logs / f"ds={DAY}", "--warehouse", wh, "--ds", DAY,
-             code=1)  # fmt: skip
+    r = recd("ingest", "--source", small_logs / f"ds={DAY}", "--warehouse", wh, "--ds", DAY, code=1)
     assert "unreachable" in r.stderr and "retry" in r.stderr and f"127.0.0.1:{port}" in r.stderr

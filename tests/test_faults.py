@@ -34,8 +34,9 @@ SMALL = Path(__file__).parent / "configs/small.yaml"
 
 def recd(*args, code: int, env: dict | None = None) -> subprocess.CompletedProcess:
     """`recd ARGS`: the exit code wanted, no traceback, one line on stderr when it fails."""
-    r = subprocess.run([RECD, *map(str, args)], capture_output=True, text=True,
-                       env={**os.environ, **(env or {})})  # fmt: skip
+    r = subprocess.run(
+        [RECD, *map(str, args)], capture_output=True, text=True, env={**os.environ, **(env or {})}
+    )
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.returncode == code, f"exit {r.returncode}, wanted {code}:\n{r.stderr[-3000:]}"
     if code:
@@ -104,9 +105,14 @@ def test_a_manifest_that_cannot_be_trusted_is_one_line(damage, fresh_warehouse, 
         manifest.write_text(json.dumps(m))
     r = recd("generate", "--warehouse", fresh_warehouse.root, "--ds", DAY, code=2)
     assert "events/ds=2026-11-01" in r.stderr
-    words = {"foreign": "not a file of the partition", "traversal": "not a file of the partition",
-             "empty": "lists no files", "missing": "is missing", "truncated": "is damaged",
-             "not json": "is damaged"}  # fmt: skip
+    words = {
+        "foreign": "not a file of the partition",
+        "traversal": "not a file of the partition",
+        "empty": "lists no files",
+        "missing": "is missing",
+        "truncated": "is damaged",
+        "not json": "is damaged",
+    }
     assert words[damage] in r.stderr
 
 
@@ -156,8 +162,11 @@ def test_a_stage_killed_mid_write_leaves_the_day_intact_and_the_next_run_clean(
     wh = fresh_warehouse
     if stage == "preprocess":
         preprocess(wh, DAY, PreprocessConfig())
-    table, keys = {"ingest": ("events", {}), "generate": ("samples", {"layout": "clustered"}),
-                   "preprocess": ("batches", {"mode": "dedup"})}[stage]  # fmt: skip
+    table, keys = {
+        "ingest": ("events", {}),
+        "generate": ("samples", {"layout": "clustered"}),
+        "preprocess": ("batches", {"mode": "dedup"}),
+    }[stage]
     before = wh.manifest(table, DAY, **keys)["write_id"]
     spill = tmp_path / "spill"
     spill.mkdir()
@@ -190,10 +199,18 @@ def test_a_checkpoint_write_killed_midway_is_swept_and_a_live_one_kept(tmp_path)
     ckpts = Path(wh.root) / "checkpoints" / "run"
     ckpts.mkdir(parents=True)
     tmp = ckpts / f"step-00000100.pt{TMP_MARK}dead"
-    child = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from recd_core.leftovers import hold; "
-        f"fd = hold({str(tmp)!r}); open({str(tmp)!r}, 'ab').write(b'x' * 4096); "
-        "print('writing', flush=True); time.sleep(120)")], stdout=subprocess.PIPE)  # fmt: skip
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from recd_core.leftovers import hold; "
+                f"fd = hold({str(tmp)!r}); open({str(tmp)!r}, 'ab').write(b'x' * 4096); "
+                "print('writing', flush=True); time.sleep(120)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+    )
     assert child.stdout.readline().strip() == b"writing"
     assert sweep_files(wh.fs, str(ckpts)) == [] and tmp.exists(), "a live writer's is kept"
     child.send_signal(signal.SIGKILL)
@@ -211,8 +228,11 @@ def small_disk(tmp_path):
     """A 48 MB tmpfs (the suite runs as root in CI); skipped where mounting is refused."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
     yield mnt
@@ -230,8 +250,11 @@ def _fill(disk: Path, leave_mb: float) -> Path:
 
 
 def _leftover_files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*")
-                  if TMP_MARK in p.name or p.parent.name == "_staging")  # fmt: skip
+    return sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if TMP_MARK in p.name or p.parent.name == "_staging"
+    )
 
 
 def test_a_full_disk_fails_cleanly_and_freeing_space_is_enough(small_disk, small_logs):
@@ -248,8 +271,11 @@ def test_a_full_disk_fails_cleanly_and_freeing_space_is_enough(small_disk, small
     recd("generate", *common, code=0)
     recd("preprocess", *common, code=0)
     ballast = _fill(small_disk, 0.3)
-    for stage, args in (("ingest", ("--source", small_logs / f"ds={DAY}")), ("generate", ()),
-                        ("preprocess", ())):  # fmt: skip
+    for stage, args in (
+        ("ingest", ("--source", small_logs / f"ds={DAY}")),
+        ("generate", ()),
+        ("preprocess", ()),
+    ):
         r = recd(stage, *common, *args, code=1)
         assert "no space left on the device" in r.stderr, r.stderr
         assert _leftover_files(wh) == [], f"{stage} left {_leftover_files(wh)}"
@@ -260,8 +286,11 @@ def test_a_full_disk_fails_cleanly_and_freeing_space_is_enough(small_disk, small
     assert isinstance(classify(e.value), StorageFull)
     assert _leftover_files(wh) == [], "the partial checkpoint is removed"
     ballast.unlink()
-    for stage, args in (("ingest", ("--source", small_logs / f"ds={DAY}")), ("generate", ()),
-                        ("preprocess", ())):  # fmt: skip
+    for stage, args in (
+        ("ingest", ("--source", small_logs / f"ds={DAY}")),
+        ("generate", ()),
+        ("preprocess", ()),
+    ):
         recd(stage, *common, *args, code=0)
     write_atomically(Warehouse(wh).fs, ckpt, b"\0" * (4 << 20))
     assert _leftover_files(wh) == []
@@ -270,11 +299,24 @@ def test_a_full_disk_fails_cleanly_and_freeing_space_is_enough(small_disk, small
 def _mlflow_server(db: Path, port: int) -> subprocess.Popen:
     mlflow = Path(sys.executable).with_name("mlflow")
     server = subprocess.Popen(
-        [str(mlflow), "server", "--backend-store-uri", f"sqlite:///{db}", "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1",
-         "--default-artifact-root", str(db.parent / "artifacts")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        [
+            str(mlflow),
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{db}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--default-artifact-root",
+            str(db.parent / "artifacts"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
     def up():
         try:
@@ -301,8 +343,20 @@ def test_a_tracking_server_killed_mid_run_is_told_truthfully_and_cleaned_up(tmp_
     port, db = free_port(), tmp_path / "mlflow.db"
     uri = f"http://127.0.0.1:{port}"
     server = _mlflow_server(db, port)
-    cmd = [RECD, "--tracking-uri", uri, "run", "--warehouse", str(tmp_path / "wh"),
-           "--logs", str(tmp_path / "logs"), "--ds", DAY, "--config", str(SMALL)]  # fmt: skip
+    cmd = [
+        RECD,
+        "--tracking-uri",
+        uri,
+        "run",
+        "--warehouse",
+        str(tmp_path / "wh"),
+        "--logs",
+        str(tmp_path / "logs"),
+        "--ds",
+        DAY,
+        "--config",
+        str(SMALL),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     client = MlflowClient(tracking_uri=uri)
 

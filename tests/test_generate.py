@@ -138,8 +138,13 @@ def test_a_small_memory_budget_streams_in_buckets_with_the_same_result(generated
         hashes = row_hashes(t["user_history"])
         direct = float(batch_factors(hashes, 300).mean())
         assert s_many["layouts"][lay]["dedup.factor.user_history"] == pytest.approx(direct)
-    for k in ("storage.bytes", "storage.sessions", "dedup.factor.mean", "dedup.factor.user_group",
-              "storage.lower_bound_bytes"):  # fmt: skip
+    for k in (
+        "storage.bytes",
+        "storage.sessions",
+        "dedup.factor.mean",
+        "dedup.factor.user_group",
+        "storage.lower_bound_bytes",
+    ):
         assert s_many[k] == s_one[k], k
 
 

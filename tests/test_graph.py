@@ -13,8 +13,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_daily_graph_is_the_chain_of_its_stages():
-    chain = ["start", "synth", "ingest", "generate", "preprocess", "train", "evaluate",
-             "register", "finish"]  # fmt: skip
+    chain = [
+        "start",
+        "synth",
+        "ingest",
+        "generate",
+        "preprocess",
+        "train",
+        "evaluate",
+        "register",
+        "finish",
+    ]
     for a, b in zip(chain, chain[1:], strict=False):
         assert a in DAILY.task(b).after
     # the evaluation day: the same two stages, beside the training day's work, before
@@ -26,8 +35,11 @@ def test_the_daily_graph_is_the_chain_of_its_stages():
     assert [t.id for t in DAILY.order()] == [t.id for t in DAILY.tasks]
     # evaluate and register take the model (and register the train run) from train's summary
     pulls = {(p.arg, src) for p, src in DAILY.pulls(DAILY.task("register"))}
-    assert pulls == {("parent_run_id", "start"), ("model_uri", "train"),
-                     ("register_run_id", "train")}  # fmt: skip
+    assert pulls == {
+        ("parent_run_id", "start"),
+        ("model_uri", "train"),
+        ("register_run_id", "train"),
+    }
 
 
 def test_the_comparison_graph_runs_both_arms_after_generate_and_compares_them():
@@ -72,8 +84,11 @@ def _code_strings(path: Path) -> set[str]:
 
 def test_no_runner_keeps_its_own_list_of_stages_or_edges():
     names = set(STAGES) | {t.id for g in (DAILY, COMPARISON) for t in g.tasks}
-    files = [*(REPO / "dags").rglob("*.py"), *(REPO / "components").glob("_*.py"),
-             REPO / "recd_core" / "orchestration" / "runner.py"]  # fmt: skip
+    files = [
+        *(REPO / "dags").rglob("*.py"),
+        *(REPO / "components").glob("_*.py"),
+        REPO / "recd_core" / "orchestration" / "runner.py",
+    ]
     inputs = names | {f"u_{n}" for n in names}  # a component input per stage, spelled out
     for path in files:
         assert not (_code_strings(path) & names), path

@@ -28,8 +28,11 @@ def helm() -> str:
 
 
 def render(helm: str, *args: str) -> list[dict]:
-    r = subprocess.run([helm, "template", "rel", str(CHART), "--namespace", "recd",
-                        "--kube-version", K8S, *args], capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [helm, "template", "rel", str(CHART), "--namespace", "recd", "--kube-version", K8S, *args],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     return [d for d in yaml.safe_load_all(r.stdout) if d]
 
@@ -43,8 +46,12 @@ def pod_specs(objects: list[dict]):
 
 
 def test_the_validator_is_not_a_no_op():
-    bad = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"},
-           "spec": {"replicas": "two", "selector": {}, "template": {}}}  # fmt: skip
+    bad = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "x"},
+        "spec": {"replicas": "two", "selector": {}, "template": {}},
+    }
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, K8S, strict=True)
 
@@ -168,26 +175,46 @@ def test_training_across_machines_gets_a_trainer_runtime_its_submitters_and_the_
     assert pod["containers"][0]["name"] == "node"
     assert pod["containers"][0]["command"] == ["torchrun", "-m", "components.train"]
     assert job["template"]["metadata"]["labels"]["recd.ai/train-node"] == "true"
-    role = next(o for o in objects if o["kind"] == "Role"
-                and o["metadata"]["name"] == "rel-recd-trainjob-submitter")  # fmt: skip
-    granted = {(g, r) for rule in role["rules"] for g in rule["apiGroups"]
-               for r in rule["resources"]}  # fmt: skip
-    assert granted == {("trainer.kubeflow.org", "trainjobs"),
-                       ("trainer.kubeflow.org", "trainingruntimes"), ("", "pods"),
-                       ("", "events"), ("", "pods/log")}  # fmt: skip
-    binding = next(o for o in objects if o["kind"] == "RoleBinding"
-                   and o["roleRef"]["name"] == "rel-recd-trainjob-submitter")  # fmt: skip
+    role = next(
+        o
+        for o in objects
+        if o["kind"] == "Role" and o["metadata"]["name"] == "rel-recd-trainjob-submitter"
+    )
+    granted = {
+        (g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+    }
+    assert granted == {
+        ("trainer.kubeflow.org", "trainjobs"),
+        ("trainer.kubeflow.org", "trainingruntimes"),
+        ("", "pods"),
+        ("", "events"),
+        ("", "pods/log"),
+    }
+    binding = next(
+        o
+        for o in objects
+        if o["kind"] == "RoleBinding" and o["roleRef"]["name"] == "rel-recd-trainjob-submitter"
+    )
     assert binding["subjects"][0]["name"] == "rel-recd-pipeline"
     cm = next(o for o in objects if o["kind"] == "ConfigMap")
-    assert {k: cm["data"][k] for k in ("RECD_TRAIN_NODES", "RECD_TRAIN_NPROC_PER_NODE",
-            "RECD_TRAIN_RUNTIME")} == {"RECD_TRAIN_NODES": "2", "RECD_TRAIN_NPROC_PER_NODE": "4",
-                                       "RECD_TRAIN_RUNTIME": "rel-recd-torch"}  # fmt: skip
-    policy = next(o for o in objects
-                  if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "rel-recd-train")  # fmt: skip
+    assert {
+        k: cm["data"][k]
+        for k in ("RECD_TRAIN_NODES", "RECD_TRAIN_NPROC_PER_NODE", "RECD_TRAIN_RUNTIME")
+    } == {
+        "RECD_TRAIN_NODES": "2",
+        "RECD_TRAIN_NPROC_PER_NODE": "4",
+        "RECD_TRAIN_RUNTIME": "rel-recd-torch",
+    }
+    policy = next(
+        o
+        for o in objects
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "rel-recd-train"
+    )
     assert policy["spec"]["podSelector"]["matchLabels"] == {"recd.ai/train-node": "true"}
     default = render(helm)  # off unless asked
-    assert not any(o["kind"] == "TrainingRuntime" or "trainjob" in o["metadata"]["name"]
-                   for o in default)  # fmt: skip
+    assert not any(
+        o["kind"] == "TrainingRuntime" or "trainjob" in o["metadata"]["name"] for o in default
+    )
     assert "RECD_TRAIN_NODES" not in next(o for o in default if o["kind"] == "ConfigMap")["data"]
 
 
@@ -227,25 +254,35 @@ def test_the_champion_is_served_ready_only_once_it_scores_a_ranking_request(helm
     request scored through the whole request path), rolled one pod at a time, reaching MLflow
     as its client, reached by the listed sources only."""
     objects = render(helm, "-f", str(ALT))
-    deploy = next(o for o in objects if o["kind"] == "Deployment"
-                  and o["metadata"]["name"] == "rel-recd-serve")  # fmt: skip
+    deploy = next(
+        o
+        for o in objects
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "rel-recd-serve"
+    )
     spec = deploy["spec"]
     assert spec["replicas"] == 3 and spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     pod = spec["template"]
     assert pod["metadata"]["labels"]["recd.ai/mlflow-client"] == "true"
     container = pod["spec"]["containers"][0]
     assert container["command"] == ["recd"]
-    assert container["args"][:3] == ["--tracking-uri=http://rel-recd-mlflow:5000", "serve",
-                                     "--model=models:/recd-dlrm@champion"]  # fmt: skip
+    assert container["args"][:3] == [
+        "--tracking-uri=http://rel-recd-mlflow:5000",
+        "serve",
+        "--model=models:/recd-dlrm@champion",
+    ]
     assert "--config=/etc/recd/pipeline.yaml" in container["args"]  # serve: limits
     assert "--follow-alias-s=60" in container["args"]  # a promotion is swapped in
     assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert container["resources"]["limits"]["memory"] == "2Gi"
-    service = next(o for o in objects if o["kind"] == "Service"
-                   and o["metadata"]["name"] == "rel-recd-serve")  # fmt: skip
+    service = next(
+        o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "rel-recd-serve"
+    )
     assert service["spec"]["ports"][0]["port"] == container["ports"][0]["containerPort"] == 8080
-    policy = next(o for o in objects if o["kind"] == "NetworkPolicy"
-                  and o["metadata"]["name"] == "rel-recd-serve")  # fmt: skip
+    policy = next(
+        o
+        for o in objects
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "rel-recd-serve"
+    )
     sources = policy["spec"]["ingress"][0]["from"]
     assert {"podSelector": {"matchLabels": {"recd.ai/serving-client": "true"}}} in sources
     assert any("namespaceSelector" in s for s in sources)

@@ -162,8 +162,20 @@ def test_every_kind_of_bad_line_is_quarantined_and_every_clean_line_published(da
         expected[(str(src / "strings.parquet"), i + 1)] = (None, "user_id", "integers only")
 
     wh, summary = tmp_path / "wh", tmp_path / "s.json"
-    recd("ingest", "--source", src, "--warehouse", wh, "--ds", DAY,
-         "--max-quarantine-fraction", 1, "--summary", summary, code=0)  # fmt: skip
+    recd(
+        "ingest",
+        "--source",
+        src,
+        "--warehouse",
+        wh,
+        "--ds",
+        DAY,
+        "--max-quarantine-fraction",
+        1,
+        "--summary",
+        summary,
+        code=0,
+    )
     s = json.loads(summary.read_text())
     lines_in = len(out) + len(b) + 21 + 40
     assert s["ingest.rows_in"] == lines_in == s["ingest.rows_ok"] + s["ingest.rows_quarantined"]
@@ -185,8 +197,20 @@ def test_a_gzip_file_cut_short_publishes_the_lines_before_the_cut(day_logs, tmp_
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "cut.jsonl.gz").write_bytes(data[: len(data) // 2])
     summary = tmp_path / "s.json"
-    recd("ingest", "--source", tmp_path / "src", "--warehouse", tmp_path / "wh", "--ds", DAY,
-         "--max-quarantine-fraction", 1, "--summary", summary, code=0)  # fmt: skip
+    recd(
+        "ingest",
+        "--source",
+        tmp_path / "src",
+        "--warehouse",
+        tmp_path / "wh",
+        "--ds",
+        DAY,
+        "--max-quarantine-fraction",
+        1,
+        "--summary",
+        summary,
+        code=0,
+    )
     s = json.loads(summary.read_text())
     partial, cut = Warehouse(tmp_path / "wh").read("quarantine", DAY).to_pylist()
     assert partial["reason"].startswith("invalid JSON"), "the line the cut went through"
@@ -215,8 +239,7 @@ def test_a_warehouse_that_cannot_be_written_is_one_line(kind, day_logs, tmp_path
     else:
         (wh / "events").mkdir(parents=True, mode=0o555)
         prefix, message = _unprivileged(), "cannot be written"
-    r = recd("ingest", "--source", day_logs, "--warehouse", wh, "--ds", DAY, code=2,
-             prefix=prefix)  # fmt: skip
+    r = recd("ingest", "--source", day_logs, "--warehouse", wh, "--ds", DAY, code=2, prefix=prefix)
     assert message in r.stderr
 
 
@@ -228,8 +251,7 @@ def test_sources_that_cannot_be_read_are_one_line(tmp_path):
         (tmp_path / "empty", "no input files"),
         (tmp_path / "x.parquet", "not a readable Parquet file"),
     ):
-        r = recd("ingest", "--source", source, "--warehouse", tmp_path / "wh", "--ds", DAY,
-                 code=2)  # fmt: skip
+        r = recd("ingest", "--source", source, "--warehouse", tmp_path / "wh", "--ds", DAY, code=2)
         assert message in r.stderr
 
 
@@ -237,8 +259,18 @@ def test_a_config_with_a_python_yaml_tag_runs_no_code(day_logs, tmp_path):
     marker = tmp_path / "pwned"
     cfg = tmp_path / "evil.yaml"
     cfg.write_text(f"features: !!python/object/apply:os.system ['touch {marker}']\n")
-    recd("ingest", "--source", day_logs, "--warehouse", tmp_path / "wh", "--ds", DAY,
-         "--config", cfg, code=2)  # fmt: skip
+    recd(
+        "ingest",
+        "--source",
+        day_logs,
+        "--warehouse",
+        tmp_path / "wh",
+        "--ds",
+        DAY,
+        "--config",
+        cfg,
+        code=2,
+    )
     assert not marker.exists()
 
 
@@ -276,13 +308,23 @@ def test_a_damaged_or_malicious_model_is_one_line_about_the_model(files, tmp_pat
             if text == "pickle":  # what torch.save would write, plus a payload
                 (model / name).write_bytes(pickle.dumps({"w": _Pwn(marker)}))
             elif text == "real":  # a valid model.json, so loading reaches the weights
-                meta = {"features": load_feature_set("synthetic").model_dump(mode="json"),
-                        "train": {}}  # fmt: skip
+                meta = {
+                    "features": load_feature_set("synthetic").model_dump(mode="json"),
+                    "train": {},
+                }
                 (model / name).write_text(json.dumps(meta))
             else:
                 (model / name).write_text(text)
-    r = recd("evaluate", "--warehouse", tmp_path / "wh", "--model-uri", model, "--ds", "2026-11-01",
-             code=2)  # fmt: skip
+    r = recd(
+        "evaluate",
+        "--warehouse",
+        tmp_path / "wh",
+        "--model-uri",
+        model,
+        "--ds",
+        "2026-11-01",
+        code=2,
+    )
     assert "checkpoint" not in r.stderr and str(model) in r.stderr, r.stderr
     assert not marker.exists(), "the pickle did not run"
 
@@ -308,9 +350,20 @@ def test_a_tracking_store_that_cannot_be_written_fails_before_any_work(store, da
         (tmp_path / "file").write_text("x")
         db = tmp_path / "file" / "mlflow.db"
     summary = tmp_path / "s.json"
-    r = recd("ingest", "--source", day_logs, "--warehouse", tmp_path / "wh", "--ds", DAY,
-             "--summary", summary, code=4, options=("--tracking-uri", f"sqlite:///{db}"),
-             prefix=prefix)  # fmt: skip
+    r = recd(
+        "ingest",
+        "--source",
+        day_logs,
+        "--warehouse",
+        tmp_path / "wh",
+        "--ds",
+        DAY,
+        "--summary",
+        summary,
+        code=4,
+        options=("--tracking-uri", f"sqlite:///{db}"),
+        prefix=prefix,
+    )
     assert "tracking store" in r.stderr and "cannot be written" in r.stderr  # one line (recd)
     assert json.loads(summary.read_text())["status"] == "failed", "the summary is written"
     assert not list((tmp_path / "wh").rglob("ds=*")), "no work was done"
@@ -318,8 +371,19 @@ def test_a_tracking_store_that_cannot_be_written_fails_before_any_work(store, da
 
 def _ingest_day(src: Path, tmp_path: Path, *options: str, code: int = 0) -> dict:
     summary = tmp_path / "s.json"
-    recd("ingest", "--source", src, "--warehouse", tmp_path / "wh", "--ds", DAY,
-         "--summary", summary, *options, code=code)  # fmt: skip
+    recd(
+        "ingest",
+        "--source",
+        src,
+        "--warehouse",
+        tmp_path / "wh",
+        "--ds",
+        DAY,
+        "--summary",
+        summary,
+        *options,
+        code=code,
+    )
     return json.loads(summary.read_text())
 
 
@@ -427,8 +491,12 @@ def test_a_parquet_export_too_large_once_decompressed_is_refused_before_reading(
     src.mkdir()
     rows = [json.loads(x) for x in clean_lines(day_logs, 20)]
     pq.write_table(pa.Table.from_pylist(rows), src / "fine.parquet")
-    zeros = pa.table({"event_id": pa.array(range(4_000_000), pa.int64()),
-                      "blob": pa.array([0] * 4_000_000, pa.int64())})  # fmt: skip
+    zeros = pa.table(
+        {
+            "event_id": pa.array(range(4_000_000), pa.int64()),
+            "blob": pa.array([0] * 4_000_000, pa.int64()),
+        }
+    )
     pq.write_table(zeros, src / "zeros.parquet", compression="zstd", use_dictionary=False)
     cfg = tmp_path / "limits.yaml"
     cfg.write_text("features: synthetic\ningest:\n  max_file_mb: 16\n")

@@ -40,9 +40,13 @@ def engine() -> str:
     if not (shutil.which("docker") or shutil.which("podman") or can_install):
         pytest.skip("no docker, no podman, and no way to install podman here (not root/apt)")
     pip = str(Path(sys.executable).with_name("pip"))
-    r = subprocess.run([str(REPO / "components" / "build_image.sh")], cwd=REPO,
-                       env={**_engine_env(), "IMAGE": IMAGE, "PIP": pip},
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [str(REPO / "components" / "build_image.sh")],
+        cwd=REPO,
+        env={**_engine_env(), "IMAGE": IMAGE, "PIP": pip},
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     docker = shutil.which("docker")
     ok = docker and subprocess.run([docker, "info"], capture_output=True).returncode == 0
@@ -50,8 +54,12 @@ def engine() -> str:
 
 
 def _run(engine: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([engine, "run", "--rm", *POD, IMAGE, *args], capture_output=True, text=True,
-                          env=_engine_env())  # fmt: skip
+    return subprocess.run(
+        [engine, "run", "--rm", *POD, IMAGE, *args],
+        capture_output=True,
+        text=True,
+        env=_engine_env(),
+    )
 
 
 def test_the_image_runs_recd_and_torchrec_as_an_unprivileged_user(engine):
@@ -59,12 +67,22 @@ def test_the_image_runs_recd_and_torchrec_as_an_unprivileged_user(engine):
     assert r.returncode == 0 and "ingest" in r.stdout, r.stderr
     r = _run(engine, "python", "-c", "import os, torchrec, recd_core.cli; print(os.getuid())")
     assert r.returncode == 0 and r.stdout.strip() == "10001", r.stderr
-    labels = json.loads(subprocess.run(
-        [engine, "image", "inspect", IMAGE, "--format", "{{json .Config.Labels}}"],
-        capture_output=True, text=True, env=_engine_env(), check=True).stdout)  # fmt: skip
+    labels = json.loads(
+        subprocess.run(
+            [engine, "image", "inspect", IMAGE, "--format", "{{json .Config.Labels}}"],
+            capture_output=True,
+            text=True,
+            env=_engine_env(),
+            check=True,
+        ).stdout
+    )
     assert labels["org.opencontainers.image.version"] == "0.1.0"
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                          capture_output=True, text=True).stdout.strip() or "unknown"  # fmt: skip
+    head = (
+        subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+        or "unknown"
+    )
     assert labels["org.opencontainers.image.revision"] == head  # this build's, not a cached one
     assert labels["org.opencontainers.image.source"].startswith("https://")
 
@@ -72,8 +90,20 @@ def test_the_image_runs_recd_and_torchrec_as_an_unprivileged_user(engine):
 def test_a_running_stage_stops_within_a_second(engine):
     """SIGTERM ends a stage at once: under the image's tini, and with Python as PID 1 (a
     pod's `command` replaces the entrypoint; the component handles SIGTERM itself)."""
-    stage = ["-m", "components.synth", "--warehouse", "/tmp/wh", "--logs", "/tmp/logs",
-             "--ds", "2026-11-01", "--preset", "standard", "--samples-per-day", "2000000"]  # fmt: skip
+    stage = [
+        "-m",
+        "components.synth",
+        "--warehouse",
+        "/tmp/wh",
+        "--logs",
+        "/tmp/logs",
+        "--ds",
+        "2026-11-01",
+        "--preset",
+        "standard",
+        "--samples-per-day",
+        "2000000",
+    ]
     for name, entry in (("tini", []), ("pid1", ["--entrypoint", "python"])):
         cmd = [*([] if entry else ["python"]), *stage]
         run = [engine, "run", "-d", "--name", f"recd-stop-{name}", *POD, *entry, IMAGE, *cmd]
@@ -81,14 +111,19 @@ def test_a_running_stage_stops_within_a_second(engine):
         try:
             time.sleep(5)  # well into its work
             t0 = time.monotonic()
-            subprocess.run([engine, "stop", f"recd-stop-{name}"], check=True,
-                           capture_output=True, env=_engine_env())  # fmt: skip
+            subprocess.run(
+                [engine, "stop", f"recd-stop-{name}"],
+                check=True,
+                capture_output=True,
+                env=_engine_env(),
+            )
             # at once, not after podman's 10 s kill timeout: `podman stop` itself took 1.1-1.2 s
             # on a loaded 2-core runner, so the bar is 3 s, still a third of the timeout
             assert time.monotonic() - t0 < 3.0, name
         finally:
-            subprocess.run([engine, "rm", "-f", f"recd-stop-{name}"], capture_output=True,
-                           env=_engine_env())  # fmt: skip
+            subprocess.run(
+                [engine, "rm", "-f", f"recd-stop-{name}"], capture_output=True, env=_engine_env()
+            )
 
 
 def test_the_kubeflow_pipeline_runs_a_day_with_every_stage_its_own_container(
@@ -104,9 +139,14 @@ def test_the_kubeflow_pipeline_runs_a_day_with_every_stage_its_own_container(
     root = tmp_path / "root"
     root.mkdir()
     config = shutil.copy(REPO / "tests" / "configs" / "small.yaml", root / "small.yaml")
-    args = {"ds": "2026-11-01", "warehouse": f"{root}/wh", "logs": f"{root}/logs",
-            "config": str(config), "tracking_uri": f"sqlite:///{root}/mlflow.db",
-            "synthesize": True}  # fmt: skip
+    args = {
+        "ds": "2026-11-01",
+        "warehouse": f"{root}/wh",
+        "logs": f"{root}/logs",
+        "config": str(config),
+        "tracking_uri": f"sqlite:///{root}/mlflow.db",
+        "synthesize": True,
+    }
     done = run_pipeline(IMAGE, root, args)
     assert len(done) == len(DAILY.tasks)  # every task ran in its container and returned
     last = done["recd-finish"]["summary"]
@@ -114,8 +154,9 @@ def test_the_kubeflow_pipeline_runs_a_day_with_every_stage_its_own_container(
     assert 0.5 < last["eval.ne"] < 1.0
     # the typed outputs a Kubeflow run shows: partitions by URI, the model, the figures
     samples = done["recd-generate"]["outputs"]["samples"]["artifacts"][0]["metadata"]
-    assert samples["uris"] == [f"{root}/wh/samples/layout={lay}/ds=2026-11-01"
-                               for lay in ("clustered", "shuffled")]  # fmt: skip
+    assert samples["uris"] == [
+        f"{root}/wh/samples/layout={lay}/ds=2026-11-01" for lay in ("clustered", "shuffled")
+    ]
     assert samples["rows"] > 0 and samples["bytes"] > 0
     model = done["recd-train"]["outputs"]["model"]["artifacts"][0]["metadata"]
     assert model["model_uri"].startswith(f"{root}/wh/models/")
@@ -131,8 +172,14 @@ def test_a_failing_stage_fails_the_local_kubeflow_run(engine, tmp_path, monkeypa
 
     for k, v in _engine_env().items():
         monkeypatch.setenv(k, v)
-    args = {"ds": "2026-13-01", "warehouse": f"{tmp_path}/wh", "logs": f"{tmp_path}/logs",
-            "config": "", "tracking_uri": "", "synthesize": True}  # fmt: skip
+    args = {
+        "ds": "2026-13-01",
+        "warehouse": f"{tmp_path}/wh",
+        "logs": f"{tmp_path}/logs",
+        "config": "",
+        "tracking_uri": "",
+        "synthesize": True,
+    }
     with pytest.raises(RuntimeError, match="recd-start"):
         run_pipeline(IMAGE, tmp_path / "root", args, retries=0)  # no backoff (60 s, 120 s)
 
@@ -144,9 +191,15 @@ def test_the_comparison_runs_with_every_stage_its_own_container(engine, tmp_path
     data.mkdir()
     data.chmod(0o777)
     shutil.copy(REPO / "tests" / "configs" / "small.yaml", data / "small.yaml")
-    args = {"warehouse": "/data/wh", "logs": "/data/logs", "ds": "2026-11-01",
-            "synthesize": True, "tracking_uri": "sqlite:////data/mlflow.db",
-            "config": "/data/small.yaml", "pipeline": "recd kubeflow (containers)"}  # fmt: skip
+    args = {
+        "warehouse": "/data/wh",
+        "logs": "/data/logs",
+        "ds": "2026-11-01",
+        "synthesize": True,
+        "tracking_uri": "sqlite:////data/mlflow.db",
+        "config": "/data/small.yaml",
+        "pipeline": "recd kubeflow (containers)",
+    }
     if "CONTAINERS_CONF" in _engine_env():
         monkeypatch.setenv("CONTAINERS_CONF", _engine_env()["CONTAINERS_CONF"])
     done = run_in_containers(engine, IMAGE, data, args, COMPARISON)
@@ -192,9 +245,18 @@ def test_a_trainjob_runs_as_two_containers_of_the_image_ending_where_two_process
     subprocess.run(["chmod", "-R", "a+rwX", str(work)], check=True)  # the image's user 10001
     spawned = train(here, "2026-11-01", cfg, nproc=2)
     name = job_name("2026-11-01", "dedup")
-    args = ["--warehouse", "/workspace/wh", "--ds", "2026-11-01", "--train-config",
-            "/workspace/train.yaml", "--tracking-uri", "sqlite:////workspace/mlflow.db",
-            "--output-metadata", summary_uri("/workspace/wh", name)]  # fmt: skip
+    args = [
+        "--warehouse",
+        "/workspace/wh",
+        "--ds",
+        "2026-11-01",
+        "--train-config",
+        "/workspace/train.yaml",
+        "--tracking-uri",
+        "sqlite:////workspace/mlflow.db",
+        "--output-metadata",
+        summary_uri("/workspace/wh", name),
+    ]
     body = trainjob(name, args, TrainJobConfig(nodes=2, image=IMAGE)).to_dict()
     status, logs = run_locally(body, work, timeout_s=900)
     (tmp_path / "nodes.log").write_text("\n".join(logs))

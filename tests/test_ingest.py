@@ -81,10 +81,21 @@ def test_missing_and_unreadable_sources_fail_with_one_line(tmp_path, warehouse, 
     with pytest.raises(SourceError, match="not a readable Parquet file"):
         ingest(tmp_path / "x.parquet", warehouse, DAY, features, IngestConfig())
     r = subprocess.run(
-        [sys.executable, "-m", "recd_core.cli", "ingest", "--source", str(tmp_path / "nope"),
-         "--warehouse", str(tmp_path / "wh"), "--ds", DAY],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "recd_core.cli",
+            "ingest",
+            "--source",
+            str(tmp_path / "nope"),
+            "--warehouse",
+            str(tmp_path / "wh"),
+            "--ds",
+            DAY,
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "source not found" in lines[0]
@@ -223,8 +234,11 @@ def _plain(data: bytes, schema: pa.Schema):
 
     opts = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
     try:
-        return pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(use_threads=False),
-                            parse_options=opts)  # fmt: skip
+        return pj.read_json(
+            pa.BufferReader(data),
+            read_options=pj.ReadOptions(use_threads=False),
+            parse_options=opts,
+        )
     except pa.ArrowInvalid:
         return None
 
@@ -236,8 +250,9 @@ def _shared(data: bytes, schema: pa.Schema, shared: list[str]):
     from recd_core.data.sources import Lines
 
     lines = Lines.of(data)
-    return parse_shared(data, lines.starts, lines.ends, schema, shared,
-                        pj.ReadOptions(use_threads=False))  # fmt: skip
+    return parse_shared(
+        data, lines.starts, lines.ends, schema, shared, pj.ReadOptions(use_threads=False)
+    )
 
 
 def test_a_sessions_user_side_text_is_parsed_once_into_the_same_table(
@@ -261,8 +276,14 @@ def test_a_sessions_user_side_text_is_parsed_once_into_the_same_table(
 
 
 SESSION = [{"event_id": i, "user_id": 7, "user_tags": [1, 2], "item_id": 3 * i} for i in range(8)]
-SMALL = pa.schema([("event_id", pa.int64()), ("user_id", pa.int64()),
-                   ("user_tags", pa.list_(pa.int64())), ("item_id", pa.int64())])  # fmt: skip
+SMALL = pa.schema(
+    [
+        ("event_id", pa.int64()),
+        ("user_id", pa.int64()),
+        ("user_tags", pa.list_(pa.int64())),
+        ("item_id", pa.int64()),
+    ]
+)
 
 
 def _session_lines(**one_line) -> bytes:
@@ -311,8 +332,9 @@ def test_any_damage_to_a_line_gives_the_plain_parse_or_declines(data):
         text.insert(at, byte)
     else:
         del text[at]
-    if b"\n\n" in text or not all(ln.startswith(b"{") and ln.endswith(b"}")
-                                  for ln in bytes(text).splitlines()):  # fmt: skip
+    if b"\n\n" in text or not all(
+        ln.startswith(b"{") and ln.endswith(b"}") for ln in bytes(text).splitlines()
+    ):
         return  # the reader's own line checks deal with these, before any parse
     got, plain = _shared(bytes(text), SMALL, ["user_id", "user_tags"]), _plain(bytes(text), SMALL)
     assert got is None or (plain is not None and got.equals(plain)), bytes(text)
@@ -362,8 +384,10 @@ def test_many_small_files_are_read_as_one_text_and_quarantined_by_file(
         else:
             name.write_bytes(line)  # no final newline: still its own line
     s = ingest(src, warehouse, DAY, features, IngestConfig())
-    q = {(r["source"].rsplit("/", 1)[1], r["line"]): r
-         for r in warehouse.read("quarantine", DAY).to_pylist()}  # fmt: skip
+    q = {
+        (r["source"].rsplit("/", 1)[1], r["line"]): r
+        for r in warehouse.read("quarantine", DAY).to_pylist()
+    }
     assert q[("part-00010.jsonl", 1)]["reason"].startswith("invalid JSON")
     assert q[("part-00030.jsonl", 1)]["field"] == "event_id"
     assert "part-00005.jsonl:1" in q[("part-00030.jsonl", 1)]["reason"]

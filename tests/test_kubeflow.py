@@ -96,8 +96,9 @@ def test_training_across_machines_is_one_step_that_submits_a_trainjob(tmp_path):
     from components._entry import parser
     from recd_core.orchestration.trainjob import TrainJobConfig, flag_options, trainjob
 
-    paths = recd_pipeline.compile_pipelines(tmp_path, "reg.example/recd:9", train_nodes=2,
-                                            nproc_per_node=4)  # fmt: skip
+    paths = recd_pipeline.compile_pipelines(
+        tmp_path, "reg.example/recd:9", train_nodes=2, nproc_per_node=4
+    )
     spec, platform = yaml.safe_load_all(paths[0].read_text())
     tasks = spec["root"]["dag"]["tasks"]
     by_name = {t["taskInfo"]["name"]: t for t in tasks.values()}
@@ -107,8 +108,12 @@ def test_training_across_machines_is_one_step_that_submits_a_trainjob(tmp_path):
     c = executors[spec["components"][train["componentRef"]["name"]]["executorLabel"]]["container"]
     assert c["command"] == ["python", "-m", "components.train"]
     assert "accelerator" not in c["resources"]
-    args = [a.replace("{{$.inputs.parameters['logs_pvc']}}", "recd-logs")
-            .replace("{{$.inputs.parameters['s3_secret']}}", "recd-s3") for a in c["args"]]  # fmt: skip
+    args = [
+        a.replace("{{$.inputs.parameters['logs_pvc']}}", "recd-logs").replace(
+            "{{$.inputs.parameters['s3_secret']}}", "recd-s3"
+        )
+        for a in c["args"]
+    ]
     ns = vars(parser("train").parse_args([re.sub(r"\{\{.*?\}\}", "x", a) for a in args]))
     cfg = TrainJobConfig.from_flags({n: ns[n] for n, *_ in flag_options()})
     assert (cfg.nodes, cfg.nproc_per_node, cfg.image) == (2, 4, "reg.example/recd:9")
@@ -121,8 +126,11 @@ def test_training_across_machines_is_one_step_that_submits_a_trainjob(tmp_path):
     assert "recd-train" in by_name["evaluate"]["dependentTasks"]
     one = recd_pipeline.compile_pipelines(tmp_path / "one", "reg.example/recd:9")
     spec1, _ = yaml.safe_load_all(one[0].read_text())
-    c1 = next(e["container"] for n, e in spec1["deploymentSpec"]["executors"].items()
-              if e["container"]["command"][-1] == "components.train")  # fmt: skip
+    c1 = next(
+        e["container"]
+        for n, e in spec1["deploymentSpec"]["executors"].items()
+        if e["container"]["command"][-1] == "components.train"
+    )
     assert "--nodes" not in c1["args"] and "accelerator" in c1["resources"]
 
 
@@ -135,9 +143,11 @@ def test_the_pipelines_leave_typed_artifacts_a_kubeflow_run_shows(tmp_path):
         for comp, c in spec["components"].items():
             arts = c.get("outputDefinitions", {}).get("artifacts", {})
             kinds[comp] = {a: v["artifactType"]["schemaTitle"] for a, v in arts.items()}
-    assert kinds["comp-recd-ingest"] == {"events": "system.Dataset",
-                                         "quarantine": "system.Dataset",
-                                         "metrics": "system.Metrics"}  # fmt: skip
+    assert kinds["comp-recd-ingest"] == {
+        "events": "system.Dataset",
+        "quarantine": "system.Dataset",
+        "metrics": "system.Metrics",
+    }
     assert kinds["comp-recd-generate"]["samples"] == "system.Dataset"
     assert kinds["comp-recd-preprocess"]["batches"] == "system.Dataset"
     assert kinds["comp-recd-train"] == {"model": "system.Model", "metrics": "system.Metrics"}
@@ -157,9 +167,12 @@ def test_the_lightweight_pipeline_runs_end_to_end_locally(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))
     task = recd_pipeline.lightweight_pipeline(
-        warehouse=str(tmp_path / "wh"), ds="2026-11-01", logs=str(tmp_path / "logs"),
-        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", config=str(REPO / "tests/configs/small.yaml"),
-    )  # fmt: skip
+        warehouse=str(tmp_path / "wh"),
+        ds="2026-11-01",
+        logs=str(tmp_path / "logs"),
+        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+        config=str(REPO / "tests/configs/small.yaml"),
+    )
     assert task is not None
     outputs = [
         json.loads(json.loads(f.read_text())["parameterValues"]["Output"])
@@ -189,19 +202,29 @@ def test_the_pipeline_defaults_work_with_the_chart_as_documented(tmp_path):
     import recd_pipeline
 
     helm = os.environ.get("RECD_HELM") or shutil.which("helm") or str(REPO / "build/tools/helm")
-    r = subprocess.run([helm, "template", "recd", str(REPO / "helm" / "recd"), "-n", "recd"],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [helm, "template", "recd", str(REPO / "helm" / "recd"), "-n", "recd"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     objects = [d for d in yaml.safe_load_all(r.stdout) if d]
-    services = {(o["metadata"]["name"], p["port"]) for o in objects if o["kind"] == "Service"
-                for p in o["spec"]["ports"]}  # fmt: skip
+    services = {
+        (o["metadata"]["name"], p["port"])
+        for o in objects
+        if o["kind"] == "Service"
+        for p in o["spec"]["ports"]
+    }
     spec, platform = _compiled(tmp_path, "recd_pipeline.yaml")
     params = spec["root"]["inputDefinitions"]["parameters"]
     uri = urllib.parse.urlsplit(params["tracking_uri"]["defaultValue"])
     host, namespace = uri.hostname.split(".")[:2]
     assert (host, uri.port) in services and namespace == "recd", (uri, services)
-    policy = next(o for o in objects if o["kind"] == "NetworkPolicy"
-                  and o["metadata"]["name"].endswith("-mlflow"))  # fmt: skip
+    policy = next(
+        o
+        for o in objects
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"].endswith("-mlflow")
+    )
     admitted = [f["podSelector"]["matchLabels"] for f in policy["spec"]["ingress"][0]["from"]]
     key, value = recd_pipeline.MLFLOW_CLIENT_LABEL
     assert {key: value} in admitted
@@ -227,10 +250,14 @@ def test_each_step_consumes_what_it_reads_so_the_run_lineage_is_connected(tmp_pa
         for a in t.get("inputs", {}).get("artifacts", {}).values():
             src = a["taskOutputArtifact"]
             edges.add((src["producerTask"], src["outputArtifactKey"], tid))
-    assert {("recd-synth", "raw_logs", "recd-ingest"), ("recd-ingest", "events", "recd-generate"),
-            ("recd-generate", "samples", "recd-preprocess"),
-            ("recd-preprocess", "batches", "recd-train"), ("recd-train", "model", "recd-evaluate"),
-            ("recd-train", "model", "recd-register")} <= edges  # fmt: skip
+    assert {
+        ("recd-synth", "raw_logs", "recd-ingest"),
+        ("recd-ingest", "events", "recd-generate"),
+        ("recd-generate", "samples", "recd-preprocess"),
+        ("recd-preprocess", "batches", "recd-train"),
+        ("recd-train", "model", "recd-evaluate"),
+        ("recd-train", "model", "recd-register"),
+    } <= edges
     # the evaluation day's samples come from that day's generate, not the training day's
     evaluate = spec["root"]["dag"]["tasks"]["recd-evaluate"]["inputs"]["artifacts"]
     producer = evaluate["in_samples"]["taskOutputArtifact"]["producerTask"]

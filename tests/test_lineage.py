@@ -66,8 +66,9 @@ def build(wh, src, features, ds=DAY, cfg=IngestConfig()):
 
 
 def recd(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "recd_core.cli", *args], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "recd_core.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def error_line(proc) -> str:
@@ -105,9 +106,11 @@ def test_late_data_re_ingested_makes_the_days_samples_and_batches_stale(
     s = preprocess(wh, DAY, PreprocessConfig(batch_size=512), features=features)
     assert s["dpp.samples"] == again["ingest.rows_ok"]
     assert {r["partition"]: r["state"] for r in status(wh, DAY)} == {
-        f"events/ds={DAY}": "fresh", f"quarantine/ds={DAY}": "fresh",
-        f"samples/layout=clustered/ds={DAY}": "fresh", f"batches/mode=dedup/ds={DAY}": "fresh",
-    }  # fmt: skip
+        f"events/ds={DAY}": "fresh",
+        f"quarantine/ds={DAY}": "fresh",
+        f"samples/layout=clustered/ds={DAY}": "fresh",
+        f"batches/mode=dedup/ds={DAY}": "fresh",
+    }
 
 
 def test_a_split_read_sees_one_version_while_the_partition_is_replaced(fresh_warehouse):
@@ -152,8 +155,9 @@ def test_evaluation_on_a_training_day_or_another_days_model_is_refused(fresh_war
         evaluate(wh, uri, "2026-11-03", trained_on=NEXT)
     ok = evaluate(wh, uri, NEXT, trained_on=DAY)
     assert ok["eval.ds"] == NEXT and ok["eval.samples"] > 0
-    proc = recd("evaluate", "--warehouse", str(wh.uri), "--ds", DAY, "--eval-ds", DAY,
-                "--model-uri", uri)  # fmt: skip
+    proc = recd(
+        "evaluate", "--warehouse", str(wh.uri), "--ds", DAY, "--eval-ds", DAY, "--model-uri", uri
+    )
     assert proc.returncode == 2 and "would score rows it learned from" in error_line(proc)
     assert ok["eval.model_lineage"] == "fresh"
     # a model whose batches were rebuilt since it trained: scored (it is an artifact of its
@@ -177,14 +181,20 @@ def test_a_config_whose_features_differ_from_the_stored_data_is_refused(
         name = feats.pop()["name"]
         expected = f"'{name}' not in the config"
     else:
-        spec = next(f for f in feats if f.get("table_size") and f["name"] not in (
-            "user_id", "item_id") and not f.get("table"))  # fmt: skip
+        spec = next(
+            f
+            for f in feats
+            if f.get("table_size")
+            and f["name"] not in ("user_id", "item_id")
+            and not f.get("table")
+        )
         spec["table_size"] //= 2
         expected = f"'{spec['name']}' defined differently"
     path = tmp_path / "changed.yaml"
     path.write_text(yaml.safe_dump(data))
-    proc = recd("preprocess", "--warehouse", str(fresh_warehouse.uri), "--ds", DAY,
-                "--config", str(path))  # fmt: skip
+    proc = recd(
+        "preprocess", "--warehouse", str(fresh_warehouse.uri), "--ds", DAY, "--config", str(path)
+    )
     line = error_line(proc)
     assert proc.returncode == 2 and expected in line and "feature set" in line
     assert not fresh_warehouse.exists("batches", DAY, mode="dedup")
@@ -296,7 +306,7 @@ def test_every_file_of_a_day_is_read_by_its_content_or_named(tmp_path, small_log
     s = ingest(src, wh, DAY, features, IngestConfig())
     assert s["ingest.rows_ok"] == len(lines)  # all four read, whatever their names
     assert s["ingest.files"] == 5 and s["ingest.files_refused"] == 1
-    (name, why), = s["ingest.refused_files"].items()  # fmt: skip
+    ((name, why),) = s["ingest.refused_files"].items()
     assert name.endswith("notes.bin") and "not a recognized format" in why
     q = wh.read("quarantine", DAY).to_pylist()
     assert [r["source"] for r in q] == [name]  # named in the quarantine, counted
@@ -320,8 +330,9 @@ def test_a_validation_slice_of_one_class_chooses_nothing(tmp_path, small_logs, f
     s = train(wh, DAY, TRAIN.model_copy(update={"max_steps": None, "epochs": 2}))
     assert s["train.validation"].startswith("one class (no clicks")
     assert s["train.validated"] is False and "train.val_ne" not in s
-    assert "train.calibration_slope" not in s and s["train.steps"] == 2 * s[
-        "train.steps_per_epoch"]  # the configured passes  # fmt: skip
+    assert (
+        "train.calibration_slope" not in s and s["train.steps"] == 2 * s["train.steps_per_epoch"]
+    )  # the configured passes
 
 
 def test_status_shows_a_days_lineage_stale_after_a_re_ingest_and_fresh_after_a_run(
@@ -333,21 +344,27 @@ def test_status_shows_a_days_lineage_stale_after_a_re_ingest_and_fresh_after_a_r
     args = ["--warehouse", str(wh), "--logs", str(logs), "--ds", DAY, "--no-synthesize"]
     cfg = tmp_path / "quick.yaml"
     base = load_yaml(Path(__file__).parents[1] / "recd_core/configs/synthetic.yaml")
-    base["train"] = {**base.get("train", {}), "batch_size": 512, "epochs": 1, "max_steps": 6,
-                     "model": SMALL.model_dump()}  # fmt: skip
+    base["train"] = {
+        **base.get("train", {}),
+        "batch_size": 512,
+        "epochs": 1,
+        "max_steps": 6,
+        "model": SMALL.model_dump(),
+    }
     cfg.write_text(yaml.safe_dump(base))
     assert recd("run", *args, "--config", str(cfg)).returncode == 0
     states = {r["partition"]: r["state"] for r in status(Warehouse(wh), DAY)}
     assert set(states.values()) == {"fresh"} and any(p.startswith("models/") for p in states)
-    assert recd("ingest", "--logs", str(logs), "--warehouse", str(wh), "--ds",
-                DAY).returncode == 0  # fmt: skip
-    proc = recd("status", "--warehouse", str(wh), "--ds", DAY, "--summary",
-                str(tmp_path / "s.json"))  # fmt: skip
+    assert recd("ingest", "--logs", str(logs), "--warehouse", str(wh), "--ds", DAY).returncode == 0
+    proc = recd(
+        "status", "--warehouse", str(wh), "--ds", DAY, "--summary", str(tmp_path / "s.json")
+    )
     assert proc.returncode == 0 and "stale" in proc.stderr + proc.stdout
     rows = json.loads((tmp_path / "s.json").read_text())["partitions"]
     assert rows[f"events/ds={DAY}"]["state"] == "fresh"
-    assert {r["state"] for p, r in rows.items() if p.startswith(("samples", "batches",
-                                                                  "models"))} == {"stale"}  # fmt: skip
+    assert {
+        r["state"] for p, r in rows.items() if p.startswith(("samples", "batches", "models"))
+    } == {"stale"}
     assert recd("run", *args, "--config", str(cfg)).returncode == 0
     after = status(Warehouse(wh), DAY)
     data = [r for r in after if not r["partition"].startswith("models/")]

@@ -44,10 +44,28 @@ def daily(tmp_path_factory):
     """Two days of `recd run`: day one with both arms, day two the dedup arm."""
     root = tmp_path_factory.mktemp("daily")
     uri = f"sqlite:///{root}/mlflow.db"
-    common = ("--warehouse", root / "wh", "--logs", root / "logs", "--out", root / "out",
-              "--config", Path(__file__).parent / "configs/small.yaml")  # fmt: skip
-    first = recd("--tracking-uri", uri, "run", *common, "--ds", DAY, "--mode", "both",
-                 "--summary", root / "day1.json")  # fmt: skip
+    common = (
+        "--warehouse",
+        root / "wh",
+        "--logs",
+        root / "logs",
+        "--out",
+        root / "out",
+        "--config",
+        Path(__file__).parent / "configs/small.yaml",
+    )
+    first = recd(
+        "--tracking-uri",
+        uri,
+        "run",
+        *common,
+        "--ds",
+        DAY,
+        "--mode",
+        "both",
+        "--summary",
+        root / "day1.json",
+    )
     recd("--tracking-uri", uri, "run", *common, "--ds", NEXT, "--summary", root / "day2.json")
     return root, uri, first.stderr
 
@@ -120,8 +138,13 @@ def test_the_mlflow_experiment_reads_at_a_glance(daily):
         [exp.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
     names = {r.info.run_name for r in children}
-    assert {f"ingest {DAY}", f"ingest {NEXT}", f"train dedup {DAY}", f"train baseline {DAY}",
-            f"evaluate dedup {DAY} → {NEXT}"} <= names  # fmt: skip
+    assert {
+        f"ingest {DAY}",
+        f"ingest {NEXT}",
+        f"train dedup {DAY}",
+        f"train baseline {DAY}",
+        f"evaluate dedup {DAY} → {NEXT}",
+    } <= names
     train = next(r for r in children if r.info.run_name == f"train dedup {DAY}")
     assert "train.batch_size" in train.data.params and "train.lr_dense" in train.data.params
     inputs = {d.dataset.name: d for d in train.inputs.dataset_inputs}
@@ -193,8 +216,22 @@ def test_compare_fails_loudly_when_the_arms_differ_beyond_tolerance(daily, tmp_p
     cfg.write_text(
         "features: synthetic\nregistry: {compare_ne_tolerance: 0.0, compare_auc_tolerance: 0.0}\n"
     )
-    r = recd("--tracking-uri", uri, "compare", "--warehouse", root / "wh", "--logs", root / "logs",
-             "--ds", DAY, "--config", cfg, "--out", tmp_path, check=False)  # fmt: skip
+    r = recd(
+        "--tracking-uri",
+        uri,
+        "compare",
+        "--warehouse",
+        root / "wh",
+        "--logs",
+        root / "logs",
+        "--ds",
+        DAY,
+        "--config",
+        cfg,
+        "--out",
+        tmp_path,
+        check=False,
+    )
     assert r.returncode == 3, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("recd compare: error:") and "differ in quality" in last
@@ -301,8 +338,11 @@ def test_a_day_without_clicks_decides_nothing_and_the_champion_stays(daily):
     root, uri, _ = daily
     wh = Warehouse(root / "wh")
     rows = wh.read("samples", NEXT, layout="clustered")
-    rows = rows.set_column(rows.schema.get_field_index("label"), rows.schema.field("label"),
-                           pa.array(np.zeros(rows.num_rows, np.int8)))  # fmt: skip
+    rows = rows.set_column(
+        rows.schema.get_field_index("label"),
+        rows.schema.field("label"),
+        pa.array(np.zeros(rows.num_rows, np.int8)),
+    )
     quiet = "2026-11-09"
     with wh.writing("samples", quiet, layout="clustered") as w:
         w.write(rows)
@@ -327,10 +367,26 @@ def test_a_backfilled_day_cannot_judge_a_champion_that_learned_from_it(daily):
     client = MlflowClient(tracking_uri=uri)
     before = client.get_model_version_by_alias("recd-dlrm", "champion")
     assert before.tags["recd.trained_on"] >= DAY  # a day after the one backfilled
-    common = ("--warehouse", root / "wh", "--logs", root / "logs", "--out", root / "out",
-              "--config", Path(__file__).parent / "configs/small.yaml")  # fmt: skip
-    recd("--tracking-uri", uri, "run", *common, "--ds", "2026-10-31", "--summary",
-         root / "backfill.json")  # fmt: skip
+    common = (
+        "--warehouse",
+        root / "wh",
+        "--logs",
+        root / "logs",
+        "--out",
+        root / "out",
+        "--config",
+        Path(__file__).parent / "configs/small.yaml",
+    )
+    recd(
+        "--tracking-uri",
+        uri,
+        "run",
+        *common,
+        "--ds",
+        "2026-10-31",
+        "--summary",
+        root / "backfill.json",
+    )
     out = json.loads((root / "backfill.json").read_text())  # trained 10-31, scored 11-01
     assert (
         out["registry.decision"] == "no decision"
@@ -352,8 +408,16 @@ def test_a_champion_whose_artifacts_vanished_does_not_stick_the_daily_run(daily)
     stored = Path(urllib.parse.urlparse(location).path)
     assert location.startswith("file://") and stored.is_dir(), location
     shutil.rmtree(stored)
-    common = ("--warehouse", root / "wh", "--logs", root / "logs", "--out", root / "out",
-              "--config", Path(__file__).parent / "configs/small.yaml")  # fmt: skip
+    common = (
+        "--warehouse",
+        root / "wh",
+        "--logs",
+        root / "logs",
+        "--out",
+        root / "out",
+        "--config",
+        Path(__file__).parent / "configs/small.yaml",
+    )
     recd("--tracking-uri", uri, "run", *common, "--ds", THIRD, "--summary", root / "day3.json")
     day3 = json.loads((root / "day3.json").read_text())
     assert f"models:/recd-dlrm/{gone.version} cannot be read" in day3["train.init_from"]

@@ -34,8 +34,9 @@ N = 300
 def served(samples_warehouse, features):
     """An untrained DLRM (its history encoder, target attention and cross layers on) with
     the run's transforms: standardized dense values, hashed ids, the user side one group."""
-    rows = Warehouse(samples_warehouse).read_range("samples", "2026-11-01", 0, 2000,
-                                                   layout="clustered")  # fmt: skip
+    rows = Warehouse(samples_warehouse).read_range(
+        "samples", "2026-11-01", 0, 2000, layout="clustered"
+    )
     cfg = PreprocessConfig(batch_size=256, default_dense=TransformSpec(standardize=True))
     prep = prepare(rows, features, cfg)
     assert prep.groups, "the user side is a dedup group"
@@ -87,17 +88,21 @@ def _body(rows: pa.Table, features, n: int = 3) -> dict:
 @pytest.mark.parametrize(
     ("change", "words"),
     [
-        (lambda r: r[CANDIDATES][1].__setitem__("item_id", -2), ["candidate 1: field 'item_id'",
-                                                                 "negative"]),
-        (lambda r: r[CANDIDATES][2].__setitem__("item_id", 1.5), ["candidate 2, field 'item_id'",
-                                                                  "integer"]),
+        (
+            lambda r: r[CANDIDATES][1].__setitem__("item_id", -2),
+            ["candidate 1: field 'item_id'", "negative"],
+        ),
+        (
+            lambda r: r[CANDIDATES][2].__setitem__("item_id", 1.5),
+            ["candidate 2, field 'item_id'", "integer"],
+        ),
         (lambda r: r[CANDIDATES][0].pop("item_dense"), ["candidate 0: lacks 'item_dense'"]),
         (lambda r: r.__setitem__(CANDIDATES, {}), ["'candidates' must be a non-empty list"]),
         (lambda r: r.__setitem__("user_history", [1, "2"]), ["user field 'user_history'"]),
         (lambda r: r.__setitem__("user_dense", [0.0]), ["user field 'user_dense'", "values"]),
         (lambda r: r.pop("user_age"), ["lacks user feature(s): user_age"]),
     ],
-)  # fmt: skip
+)
 def test_a_malformed_request_is_refused_naming_where(served, features, change, words):
     *_, rows = served
     body = _body(rows, features)
@@ -129,8 +134,9 @@ def test_the_user_side_is_encoded_once_a_request_whatever_its_batches(served, fe
     encoders = [h for m in members_of(model) for h in m.history.values()]
     assert encoders, "the synthetic features have a history"
     calls: list[int] = []
-    hooks = [h.register_forward_hook(lambda m, i, out: calls.append(out[0].shape[0]))
-             for h in encoders]  # fmt: skip
+    hooks = [
+        h.register_forward_hook(lambda m, i, out: calls.append(out[0].shape[0])) for h in encoders
+    ]
     try:
         scores = score_ranking(model, prep, ranking, batch_rows=64)
         once = list(calls)
@@ -149,9 +155,16 @@ def test_an_optional_feature_left_out_is_missing_not_refused(served, features):
     """A feature the config marks `required: false` may be left out of a candidate (and of
     the user side): null, as an event may lack it; a required one left out is refused."""
     *_, rows = served
-    loose = features.model_copy(update={"features": [
-        f.model_copy(update={"required": False}) if f.name in ("item_tags", "user_friends") else f
-        for f in features.features]})  # fmt: skip
+    loose = features.model_copy(
+        update={
+            "features": [
+                f.model_copy(update={"required": False})
+                if f.name in ("item_tags", "user_friends")
+                else f
+                for f in features.features
+            ]
+        }
+    )
     body = _body(rows, loose)
     body.pop("user_friends")
     body[CANDIDATES][1].pop("item_tags")

@@ -23,8 +23,14 @@ from recd_core.dpp.preprocess import preprocess
 from recd_core.modeling.train import train
 from recd_core.warehouse import Warehouse
 
-BASE = dict(batch_size=256, model=SMALL_MODEL, threads=1, cooccurrence_weight=0.0,
-            checkpoint_every=5, nproc=2)  # fmt: skip
+BASE = dict(
+    batch_size=256,
+    model=SMALL_MODEL,
+    threads=1,
+    cooccurrence_weight=0.0,
+    checkpoint_every=5,
+    nproc=2,
+)
 
 
 @pytest.fixture(scope="module")

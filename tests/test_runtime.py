@@ -85,8 +85,9 @@ time.sleep(300)
 
     from recd_core.runtime import owned_child, stop_group
 
-    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE,
-                              text=True, **owned_child())  # fmt: skip
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True, **owned_child()
+    )
     grandchild = int(server.stdout.readline())
     stop_group(server)
     assert not _alive(server.pid) and _gone(grandchild), "the server's child outlived it"

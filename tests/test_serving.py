@@ -32,8 +32,9 @@ def as_rows(ranking: dict) -> dict:
         request = dict(zip(split["columns"], values, strict=True))
         records += [{**request, **cand} for cand in request.pop("candidates")]
     columns = list(records[0])
-    return {"dataframe_split": {"columns": columns,
-                                "data": [[r[c] for c in columns] for r in records]}}  # fmt: skip
+    return {
+        "dataframe_split": {"columns": columns, "data": [[r[c] for c in columns] for r in records]}
+    }
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +44,25 @@ def champion(tmp_path_factory):
     root = tmp_path_factory.mktemp("serving")
     uri = f"sqlite:///{root}/mlflow.db"
     r = subprocess.run(
-        [str(BIN / "recd"), "--tracking-uri", uri, "run", "--warehouse", root / "wh",
-         "--logs", root / "logs", "--out", root / "out", "--ds", DAY,
-         "--config", Path(__file__).parent / "configs/small.yaml"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            str(BIN / "recd"),
+            "--tracking-uri",
+            uri,
+            "run",
+            "--warehouse",
+            root / "wh",
+            "--logs",
+            root / "logs",
+            "--out",
+            root / "out",
+            "--ds",
+            DAY,
+            "--config",
+            Path(__file__).parent / "configs/small.yaml",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     version = MlflowClient(tracking_uri=uri).get_model_version_by_alias("recd-dlrm", "champion")
     local = mlflow.artifacts.download_artifacts(
@@ -71,8 +86,9 @@ class Server:
     def __init__(self, cmd: list[str], uri: str, port: int):
         env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PATH": f"{BIN}:{os.environ['PATH']}"}
         self.port = port
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -89,8 +105,9 @@ class Server:
 
     def post(self, body, content_type: str = "application/json") -> tuple[int, str]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        request = urllib.request.Request(self.url("/invocations"), data=data,
-                                         headers={"Content-Type": content_type})  # fmt: skip
+        request = urllib.request.Request(
+            self.url("/invocations"), data=data, headers={"Content-Type": content_type}
+        )
         try:
             with urllib.request.urlopen(request, timeout=120) as r:
                 return r.status, r.read().decode()
@@ -109,8 +126,19 @@ class Server:
 
 def recd_serve(uri: str, *limits: str) -> Server:
     port = free_port()
-    return Server([str(BIN / "recd"), "serve", "--model", "models:/recd-dlrm@champion",
-                   "--port", str(port), *limits], uri, port)  # fmt: skip
+    return Server(
+        [
+            str(BIN / "recd"),
+            "serve",
+            "--model",
+            "models:/recd-dlrm@champion",
+            "--port",
+            str(port),
+            *limits,
+        ],
+        uri,
+        port,
+    )
 
 
 def one_line_refusal(status: int, body: str, expected: int, *words: str) -> None:
@@ -139,8 +167,23 @@ def test_both_servers_score_the_champions_example_alike(champion):
     finally:
         ours.stop()
     port = free_port()
-    theirs = Server([str(BIN / "mlflow"), "models", "serve", "-m", "models:/recd-dlrm@champion",
-                     "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)], uri, port)  # fmt: skip
+    theirs = Server(
+        [
+            str(BIN / "mlflow"),
+            "models",
+            "serve",
+            "-m",
+            "models:/recd-dlrm@champion",
+            "--env-manager",
+            "local",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+        ],
+        uri,
+        port,
+    )
     cols = example["dataframe_split"]["columns"]
     dense = next(c for c in ("user_dense", "item_dense") if c in cols)
     broken = json.loads(json.dumps(example))
@@ -277,8 +320,9 @@ def test_requests_past_the_in_flight_limit_are_told_to_retry(champion):
         slow.send(b"%x\r\n%s\r\n" % (10, body[:10]))  # in flight, its body half there
         time.sleep(1)
         t0 = time.monotonic()
-        request = urllib.request.Request(server.url("/invocations"), data=body,
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        request = urllib.request.Request(
+            server.url("/invocations"), data=body, headers={"Content-Type": "application/json"}
+        )
         with pytest.raises(urllib.error.HTTPError) as busy:
             urllib.request.urlopen(request, timeout=60)
         assert time.monotonic() - t0 < 5  # told at once, not queued
@@ -295,8 +339,23 @@ def test_requests_past_the_in_flight_limit_are_told_to_retry(champion):
 
 def mlflow_serve(uri: str) -> Server:
     port = free_port()
-    return Server([str(BIN / "mlflow"), "models", "serve", "-m", "models:/recd-dlrm@champion",
-                   "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)], uri, port)  # fmt: skip
+    return Server(
+        [
+            str(BIN / "mlflow"),
+            "models",
+            "serve",
+            "-m",
+            "models:/recd-dlrm@champion",
+            "--env-manager",
+            "local",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+        ],
+        uri,
+        port,
+    )
 
 
 def test_a_ranking_request_scores_as_its_rows_on_both_servers(champion, ranking):
@@ -432,8 +491,9 @@ def test_a_moved_alias_is_followed_and_a_broken_version_never_served(champion, r
         status, body = server.post(ranking)
         assert status == 200 and json.loads(body)["predictions"] == pytest.approx(scores)
         # a version whose artifacts are gone: never swapped in
-        broken = client.create_model_version("recd-dlrm", str(Path(uri[10:]).parent / "gone"),
-                                             run_id=first.run_id)  # fmt: skip
+        broken = client.create_model_version(
+            "recd-dlrm", str(Path(uri[10:]).parent / "gone"), run_id=first.run_id
+        )
         client.set_registered_model_alias("recd-dlrm", "champion", broken.version)
         time.sleep(3)
         assert served_version() == str(promoted.version)

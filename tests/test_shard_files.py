@@ -46,8 +46,11 @@ def test_a_model_saved_as_shards_scores_as_its_single_file_twin(fresh_warehouse)
     tables = open_tables(base, meta)
     for key, t in tables.items():
         np.testing.assert_array_equal(t.materialize().numpy(), single.state_dict()[key].numpy())
-    np.testing.assert_allclose(_scores(fresh_warehouse, shards["train.model_uri"]),
-                               _scores(fresh_warehouse, one["train.model_uri"]), atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        _scores(fresh_warehouse, shards["train.model_uri"]),
+        _scores(fresh_warehouse, one["train.model_uri"]),
+        atol=1e-6,
+    )
     # the accumulators the warm start continues are the single-file model's
     init = initial_state(shards["train.model_uri"], model.features, TrainConfig(**BASE))
     theirs = read_optimizer(one["train.model_uri"])["sparse"]["state"]
@@ -97,11 +100,22 @@ def _placed_and_saved_again(rank: int, world: int, port: str, uri: str, run: str
     opt_dense, opt_sparse = parallel.optimizers(model, cfg, warm=True)
     continue_optimizers(opt_dense, opt_sparse, init.optimizer)
     optimizer = {"dense": opt_dense.state_dict(), "sparse": opt_sparse.state_dict()}
-    saved = parallel.saved_state(model, net, optimizer, opt_sparse, cfg, wh.fs,
-                                 f"{wh.root}/models/{run}")  # fmt: skip
+    saved = parallel.saved_state(
+        model, net, optimizer, opt_sparse, cfg, wh.fs, f"{wh.root}/models/{run}"
+    )
     if rank == 0:
-        save_model(wh, run, model, cfg, meta["prepared"], {}, saved.optimizer, saved.state,
-                   None, saved.tables)  # fmt: skip
+        save_model(
+            wh,
+            run,
+            model,
+            cfg,
+            meta["prepared"],
+            {},
+            saved.optimizer,
+            saved.state,
+            None,
+            saved.tables,
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -122,8 +136,12 @@ def test_saved_by_two_processes_loaded_by_three_and_by_one_scores_alike(fresh_wa
     rows = {k: [e["box"][2] for e in t["shards"]] for k, t in meta["tables"]["tables"].items()}
     assert all(len(r) == 2 for r in rows.values()), rows  # each table in 2 row ranges
     three = f"{fresh_warehouse.uri}/models/resharded-3"
-    mp.start_processes(_placed_and_saved_again, args=(3, str(free_port()), uri, "resharded-3"),
-                       nprocs=3, start_method="spawn")  # fmt: skip
+    mp.start_processes(
+        _placed_and_saved_again,
+        args=(3, str(free_port()), uri, "resharded-3"),
+        nprocs=3,
+        start_method="spawn",
+    )
     meta3 = json.loads(Path(three, "model.json").read_text())
     assert all(len(t["shards"]) == 3 for t in meta3["tables"]["tables"].values())
     expected = _scores(fresh_warehouse, uri)
@@ -157,9 +175,20 @@ def test_shard_files_give_back_any_box_and_any_rows_of_a_table_cut_both_ways(tmp
     acc = torch.rand(1000)
     boxes = [(0, 0, 600, 5), (0, 5, 600, 3), (600, 0, 400, 8)]
     fs, base = pafs.LocalFileSystem(), str(tmp_path)
-    entries = [("t.weight", write_shard(fs, base, "t", box, table[box[0]:box[0] + box[2],
-                                                                  box[1]:box[1] + box[3]],
-                                        acc[box[0]:box[0] + box[2]])) for box in boxes]  # fmt: skip
+    entries = [
+        (
+            "t.weight",
+            write_shard(
+                fs,
+                base,
+                "t",
+                box,
+                table[box[0] : box[0] + box[2], box[1] : box[1] + box[3]],
+                acc[box[0] : box[0] + box[2]],
+            ),
+        )
+        for box in boxes
+    ]
     meta = {"tables": layout(8, 3, [TableSpec("t", 1000, ("f",), "t.weight", 0.05)], entries)}
     (lazy,) = open_tables(tmp_path, meta).values()
     assert torch.equal(lazy.materialize(), table)

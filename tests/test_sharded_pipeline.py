@@ -34,9 +34,14 @@ def test_two_days_with_a_table_past_the_budget_train_score_register_and_warm_sta
         assert day["eval.ne"] > 0 and day["registry.decision"] in ("promoted", "kept champion")
         # each rank: the runtime (TorchRec's included) and the batches, then its shards and
         # a copy of one while a checkpoint is written; no rank gathers the table
-        grown = [peak - before for before, peak in zip(
-            day["train.rss_before_model_bytes_per_rank"], day["train.peak_mem_bytes_per_rank"],
-            strict=True)]  # fmt: skip
+        grown = [
+            peak - before
+            for before, peak in zip(
+                day["train.rss_before_model_bytes_per_rank"],
+                day["train.peak_mem_bytes_per_rank"],
+                strict=True,
+            )
+        ]
         shards = day["train.shard_bytes_per_rank"]
         assert all(g < 3 * s for g, s in zip(grown, shards, strict=True)), (grown, shards)
         assert max(shards) < (BUDGET_MB << 20) < table_bytes

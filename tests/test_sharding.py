@@ -26,8 +26,14 @@ from recd_core.modeling.saved import load_model, read_optimizer
 from recd_core.modeling.sharded.plan import ShardingRefused
 from recd_core.modeling.train import train
 
-SHARDED = dict(batch_size=256, epochs=2, model=SMALL_MODEL, threads=1,
-               cooccurrence_weight=0.0, checkpoint_every=5)  # fmt: skip
+SHARDED = dict(
+    batch_size=256,
+    epochs=2,
+    model=SMALL_MODEL,
+    threads=1,
+    cooccurrence_weight=0.0,
+    checkpoint_every=5,
+)
 
 
 def _start(wh) -> str:
@@ -47,8 +53,13 @@ def test_sharded_two_processes_end_where_one_process_does(fresh_warehouse, shard
     start = _start(fresh_warehouse)
     cfg = TrainConfig(**SHARDED, seed=1)  # another run key than the start's
     one = train(fresh_warehouse, DAY, cfg, init_from=start)
-    two = train(fresh_warehouse, DAY, cfg.model_copy(update={"sharding": sharding}), nproc=2,
-                init_from=start)  # fmt: skip
+    two = train(
+        fresh_warehouse,
+        DAY,
+        cfg.model_copy(update={"sharding": sharding}),
+        nproc=2,
+        init_from=start,
+    )
     assert two["train.world_size"] == 2 and two["train.steps"] == one["train.steps"]
     assert {v.split()[0] for v in two["train.sharding"].values()} == {sharding}
     assert two["train.val_ne"] == pytest.approx(one["train.val_ne"], rel=1e-4)
@@ -74,14 +85,20 @@ def test_sharded_training_with_the_cooccurrence_loss_ends_near_one_process(fresh
     start = _start(fresh_warehouse)
     cfg = TrainConfig(**{**SHARDED, "cooccurrence_weight": 3.0}, seed=1)
     one = train(fresh_warehouse, DAY, cfg, init_from=start)
-    two = train(fresh_warehouse, DAY, cfg.model_copy(update={"sharding": "row_wise"}), nproc=2,
-                init_from=start)  # fmt: skip
+    two = train(
+        fresh_warehouse,
+        DAY,
+        cfg.model_copy(update={"sharding": "row_wise"}),
+        nproc=2,
+        init_from=start,
+    )
     assert two["train.val_ne"] == pytest.approx(one["train.val_ne"], rel=1e-3)
 
 
 def test_from_torchrec_reads_back_what_to_torchrec_wrote():
-    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 7, 8, 9]),
-                            torch.tensor([2, 0, 1, 1, 2, 0]))  # fmt: skip
+    kjt = KeyedJaggedTensor(
+        ["a", "b"], torch.tensor([1, 2, 3, 7, 8, 9]), torch.tensor([2, 0, 1, 1, 2, 0])
+    )
     ik = InverseKeyedJaggedTensor.from_kjt(kjt)
     back = from_torchrec(to_torchrec(ik))
     assert isinstance(back, InverseKeyedJaggedTensor)
@@ -109,16 +126,23 @@ def test_a_budget_no_placement_fits_is_refused_and_one_that_fits_is_kept(fresh_w
     holds the run's three copies of a rank's shards (live, best state, restart point)."""
     preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=256))
     cfg = TrainConfig(**SHARDED, max_steps=2, sharding="auto", memory_budget_mb=30)
-    with pytest.raises(Exception, match=r"no placement of the tables .* fits 30 MB each, 3 "
-                       r"copies of its shards \(the live tables, early stopping's best state"):  # fmt: skip
+    with pytest.raises(
+        Exception,
+        match=r"no placement of the tables .* fits 30 MB each, 3 "
+        r"copies of its shards \(the live tables, early stopping's best state",
+    ):
         train(fresh_warehouse, DAY, cfg, nproc=2)
     s = train(fresh_warehouse, DAY, cfg.model_copy(update={"memory_budget_mb": 60}), nproc=2)
     ranks = {r for where in s["train.sharding"].values() for r in where.split()[-1].split(",")}
     assert ranks == {"0", "1"}  # both ranks hold tables
     assert s["train.shard_bytes_per_rank"] and max(s["train.shard_bytes_per_rank"]) < 20 << 20
     # without the passes' restarts, two copies: 45 MB holds them
-    s = train(fresh_warehouse, DAY, cfg.model_copy(update={"restart_tables": False,
-              "memory_budget_mb": 45}), nproc=2)  # fmt: skip
+    s = train(
+        fresh_warehouse,
+        DAY,
+        cfg.model_copy(update={"restart_tables": False, "memory_budget_mb": 45}),
+        nproc=2,
+    )
     assert max(s["train.shard_bytes_per_rank"]) < 45 << 19
 
 
@@ -138,8 +162,9 @@ def test_sigkill_of_a_sharded_run_then_resume_matches_an_uninterrupted_run(
     # ranks are spawned, so the hook goes in through a sitecustomize every one imports
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(textwrap.dedent(
-        """
+    (hook / "sitecustomize.py").write_text(
+        textwrap.dedent(
+            """
         import os, signal
         import torch.distributed as dist
         from recd_core.modeling.sharded.checkpoints import ShardedCheckpoints
@@ -151,7 +176,8 @@ def test_sigkill_of_a_sharded_run_then_resume_matches_an_uninterrupted_run(
             return path
         ShardedCheckpoints.save = save_then_die
         """
-    ))  # fmt: skip
+        )
+    )
     script = textwrap.dedent(
         f"""
         from recd_core.config import TrainConfig
@@ -167,7 +193,9 @@ def test_sigkill_of_a_sharded_run_then_resume_matches_an_uninterrupted_run(
     from pathlib import Path
 
     assert sorted(p.name for p in Path(fresh_warehouse.root, "checkpoints").glob("*/step-*")) == [
-        "step-00000008", "step-00000012"]  # fmt: skip
+        "step-00000008",
+        "step-00000012",
+    ]
     # the same checkpoint resumed by three processes: its shard files are cut again
     three = Warehouse(shutil.copytree(Path(fresh_warehouse.root), tmp_path / "three"))
     resumed = train(fresh_warehouse, DAY, cfg, nproc=2)
@@ -196,9 +224,26 @@ def test_recd_train_refuses_a_budget_too_small_in_one_line_with_exit_2(fresh_war
     cfg = tmp_path / "train.yaml"
     cfg.write_text(TrainConfig(**SHARDED).model_dump_json())  # JSON is YAML
     exe = Path(sys.executable).parent / "recd"
-    r = subprocess.run([exe, "train", "--warehouse", fresh_warehouse.uri, "--ds", DAY,
-                        "--train-config", cfg, "--nproc", "2", "--sharding", "auto",
-                        "--memory-budget-mb", "8"], capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [
+            exe,
+            "train",
+            "--warehouse",
+            fresh_warehouse.uri,
+            "--ds",
+            DAY,
+            "--train-config",
+            cfg,
+            "--nproc",
+            "2",
+            "--sharding",
+            "auto",
+            "--memory-budget-mb",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().count("\n") == 0, r.stderr
     assert "no placement of the tables (14 tables, 37 MB" in r.stderr and "8 MB each" in r.stderr
@@ -237,8 +282,10 @@ def _vbe_rank(rank: int, world: int, port: str, out: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    specs = [TableSpec("t_u", 50, ("u",), "bags.t_u.weight", 0.05),
-             TableSpec("t_h", 100, ("h",), "bags.t_h.weight", 0.05)]  # fmt: skip
+    specs = [
+        TableSpec("t_u", 50, ("u",), "bags.t_u.weight", 0.05),
+        TableSpec("t_h", 100, ("h",), "bags.t_h.weight", 0.05),
+    ]
 
     class Holder(nn.Module):
         def __init__(self):
@@ -246,8 +293,9 @@ def _vbe_rank(rank: int, world: int, port: str, out: str) -> None:
             self.sharded = ShardedTables(specs, 8)
 
     net = shard(Holder(), TrainConfig(sharding="row_wise"), world, torch.device("cpu"))
-    unique = KeyedJaggedTensor(["u", "h"], torch.tensor([3, 40, 7, 8, 90]),
-                               torch.tensor([1, 1, 2, 1]))  # 2 unique rows  # fmt: skip
+    unique = KeyedJaggedTensor(
+        ["u", "h"], torch.tensor([3, 40, 7, 8, 90]), torch.tensor([1, 1, 2, 1])
+    )  # 2 unique rows
     group = InverseKeyedJaggedTensor(unique, torch.tensor([0, 0, 0, 1, 1, 1]))
     batch = Batch(torch.zeros(6, 0), None, torch.zeros(6), {"user": group})
     with counted_all_to_all() as padded_bytes:
@@ -256,9 +304,15 @@ def _vbe_rank(rank: int, world: int, port: str, out: str) -> None:
         vbe = net.module.sharded.ec(to_torchrec(group))
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"padded_rows": {k: v.shape[0] for k, v in padded.items()},
-                       "vbe_rows": {k: v.values().shape[0] for k, v in vbe.items()},
-                       "padded_bytes": dict(padded_bytes), "vbe_bytes": dict(vbe_bytes)}, f)  # fmt: skip
+            json.dump(
+                {
+                    "padded_rows": {k: v.shape[0] for k, v in padded.items()},
+                    "vbe_rows": {k: v.values().shape[0] for k, v in vbe.items()},
+                    "padded_bytes": dict(padded_bytes),
+                    "vbe_bytes": dict(vbe_bytes),
+                },
+                f,
+            )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -275,8 +329,9 @@ def test_a_variable_batch_kjt_comes_back_per_sample_and_padded_unique_rows_do_no
     from recd_core.modeling.launch import free_port
 
     out = tmp_path / "probe.json"
-    mp.start_processes(_vbe_rank, args=(2, str(free_port()), str(out)), nprocs=2,
-                       start_method="spawn")  # fmt: skip
+    mp.start_processes(
+        _vbe_rank, args=(2, str(free_port()), str(out)), nprocs=2, start_method="spawn"
+    )
     probe = json.loads(out.read_text())
     assert probe["padded_rows"] == {"u": 2, "h": 3}  # the unique rows' ids
     assert probe["vbe_rows"] == {"u": 6, "h": 9}  # every sample's

@@ -38,12 +38,27 @@ def test_sigterm_to_a_two_process_train_stops_every_rank_and_the_retry_trains(
     wh = fresh_warehouse
     # no validation slice: nothing stops the run early, it trains all its passes
     preprocess(wh, DAY, PreprocessConfig(batch_size=256, validation_fraction=0.0))
-    cmd = [sys.executable, "-m", "recd_core.cli", "train", "--warehouse", str(wh.root),
-           "--ds", DAY, "--nproc", "2", "--batch-size", "256"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "recd_core.cli",
+        "train",
+        "--warehouse",
+        str(wh.root),
+        "--ds",
+        DAY,
+        "--nproc",
+        "2",
+        "--batch-size",
+        "256",
+    ]
     # started as a shell's background job is (SIGINT ignored, inherited by the ranks): torch's
     # own parent-death signal to its ranks is a SIGINT, which they then never see
-    proc = subprocess.Popen([*cmd, "--epochs", "5000"], stderr=subprocess.DEVNULL,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
+    proc = subprocess.Popen(
+        [*cmd, "--epochs", "5000"],
+        stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     parent = psutil.Process(proc.pid)
     deadline = time.monotonic() + 120
     while len(ranks := _ranks(parent)) < 2:
@@ -55,8 +70,12 @@ def test_sigterm_to_a_two_process_train_stops_every_rank_and_the_retry_trains(
     gone, alive = psutil.wait_procs(ranks, timeout=15)
     assert not alive, f"ranks left running: {[p.pid for p in alive]}"
     # the retry (one process) takes the day's lock at once, no leftover holding it, and trains
-    retry = subprocess.run([*cmd[:-4], "--batch-size", "256", "--epochs", "1"],
-                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    retry = subprocess.run(
+        [*cmd[:-4], "--batch-size", "256", "--epochs", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert retry.returncode == 0, retry.stderr[-2000:]
 
 

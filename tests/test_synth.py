@@ -146,8 +146,20 @@ def test_a_day_is_written_file_by_file_and_sized_from_the_command_line(tmp_path,
     import recd_core.data.synth as synth
 
     recd = str(Path(sys.executable).with_name("recd"))
-    cmd = [recd, "synth", "--logs", str(tmp_path / "one"), "--ds", "2026-11-01", "--samples-per-day", "3000",
-           "--users", "60", "--items", "300"]  # fmt: skip
+    cmd = [
+        recd,
+        "synth",
+        "--logs",
+        str(tmp_path / "one"),
+        "--ds",
+        "2026-11-01",
+        "--samples-per-day",
+        "3000",
+        "--users",
+        "60",
+        "--items",
+        "300",
+    ]
     subprocess.run(cmd, check=True, capture_output=True)
     (one,) = (tmp_path / "one").glob("ds=*")
     rows = _rows(one)

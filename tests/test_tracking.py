@@ -101,10 +101,23 @@ def mlflow_server(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [exe, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--default-artifact-root", str(tmp_path / "artifacts")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            exe,
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path}/server.db",
+            "--default-artifact-root",
+            str(tmp_path / "artifacts"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -137,9 +150,21 @@ def test_commands_log_to_a_real_mlflow_server(mlflow_server, tmp_path):
     _, runs = _runs(mlflow_server, "synth")
     assert len(runs) == 1 and runs[0].data.metrics["synth.rows"] > 1000
     # the daily run registers its model through the server and names a champion
-    recd("--tracking-uri", mlflow_server, "run", "--warehouse", tmp_path / "wh",
-         "--logs", tmp_path / "logs", "--ds", "2026-11-01", "--summary", tmp_path / "run.json",
-         "--config", Path(__file__).parent / "configs/small.yaml")  # fmt: skip
+    recd(
+        "--tracking-uri",
+        mlflow_server,
+        "run",
+        "--warehouse",
+        tmp_path / "wh",
+        "--logs",
+        tmp_path / "logs",
+        "--ds",
+        "2026-11-01",
+        "--summary",
+        tmp_path / "run.json",
+        "--config",
+        Path(__file__).parent / "configs/small.yaml",
+    )
     summary = json.loads((tmp_path / "run.json").read_text())
     client = MlflowClient(tracking_uri=mlflow_server)
     champion = client.get_model_version_by_alias("recd-dlrm", "champion")

@@ -108,8 +108,14 @@ def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(
     # batches of 256: ~14 a pass, so the resumed run also restarts the tables for its
     # second pass from the start it rebuilt (the seeded init), not from the checkpoint.
     # `average`: the states averaged at the validations before the kill are checkpointed
-    cfg = TrainConfig(batch_size=256, max_steps=20, checkpoint_every=4, model=SMALL_MODEL,
-                      threads=1, average_states=average)  # fmt: skip
+    cfg = TrainConfig(
+        batch_size=256,
+        max_steps=20,
+        checkpoint_every=4,
+        model=SMALL_MODEL,
+        threads=1,
+        average_states=average,
+    )
     script = textwrap.dedent(
         f"""
         import os, signal
@@ -180,11 +186,27 @@ def test_corrupt_checkpoint_is_a_clear_error(fresh_warehouse, tmp_path):
     with pytest.raises(CheckpointError, match=r"step-00000002.pt is corrupt"):
         train(fresh_warehouse, DAY, cfg)
     r = subprocess.run(
-        [sys.executable, "-m", "recd_core.cli", "train", "--warehouse", fresh_warehouse.uri, "--ds", DAY,
-         "--batch-size", "512", "--max-steps", "2", "--checkpoint-every", "1",
-         "--train-config", str(_write_yaml(tmp_path, cfg))],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "recd_core.cli",
+            "train",
+            "--warehouse",
+            fresh_warehouse.uri,
+            "--ds",
+            DAY,
+            "--batch-size",
+            "512",
+            "--max-steps",
+            "2",
+            "--checkpoint-every",
+            "1",
+            "--train-config",
+            str(_write_yaml(tmp_path, cfg)),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "is corrupt" in r.stderr and r.stderr.strip().count("\n") == 0
 
 
@@ -264,9 +286,14 @@ def test_early_stopping_keeps_the_best_validated_state(fresh_warehouse):
 
     # tables kept across passes (they memorize the day): patience counts validations
     cfg = TrainConfig(
-        batch_size=128, epochs=4, patience=3, model=SMALL_MODEL, lr_sparse=0.3,
-        restart_tables=False, fold_in_validation=False,
-    )  # fmt: skip
+        batch_size=128,
+        epochs=4,
+        patience=3,
+        model=SMALL_MODEL,
+        lr_sparse=0.3,
+        restart_tables=False,
+        fold_in_validation=False,
+    )
     s = fit(fresh_warehouse, cfg)
     curve = s["train.history"]["train.val_ne"]
     assert curve[0][0] == 0 and len(curve) >= 4  # validated before the first step, then often
@@ -312,8 +339,15 @@ def test_each_validation_scores_the_mean_of_the_last_states_and_the_best_mean_is
 
     monkeypatch.setattr(training, "train_step", stepping)
     monkeypatch.setattr(training, "validate", validating)
-    cfg = TrainConfig(batch_size=128, epochs=2, patience=100, average_states=3,
-                      restart_tables=False, fold_in_validation=False, model=SMALL_MODEL)  # fmt: skip
+    cfg = TrainConfig(
+        batch_size=128,
+        epochs=2,
+        patience=100,
+        average_states=3,
+        restart_tables=False,
+        fold_in_validation=False,
+        model=SMALL_MODEL,
+    )
     s = fit(fresh_warehouse, cfg)
     at = sorted(k for k in validated if k > 0)
     assert len(at) >= 6 and s["train.steps"] == at[-1]
@@ -356,8 +390,14 @@ def test_each_pass_restarts_the_tables_from_where_the_run_started(fresh_warehous
         return real_step(model, batch, opt_dense, opt_sparse, amp, aux, scale)
 
     monkeypatch.setattr(training, "train_step", recording)
-    cfg = TrainConfig(batch_size=256, epochs=2, pass_patience=1, model=SMALL_MODEL,
-                      lr_dense=2e-3, lr_dense_pass_decay=0.5)  # fmt: skip
+    cfg = TrainConfig(
+        batch_size=256,
+        epochs=2,
+        pass_patience=1,
+        model=SMALL_MODEL,
+        lr_dense=2e-3,
+        lr_dense_pass_decay=0.5,
+    )
     s = fit(fresh_warehouse, cfg)
     per_pass = s["train.steps_per_epoch"]
     assert s["train.steps"] == 2 * per_pass  # pass_patience 1: not stopped mid-pass

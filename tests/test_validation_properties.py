@@ -75,13 +75,41 @@ def events(draw, min_size=1, max_size=30):
 
 
 CORRUPTIONS = {
-    "user_id": st.one_of(st.integers(max_value=-1), st.text(max_size=3), st.floats(allow_nan=False).filter(lambda x: x != int(x) if math.isfinite(x) else True), st.booleans(), st.integers(min_value=2**63)),
-    "label": st.one_of(st.integers().filter(lambda x: x not in (0, 1)), st.booleans(), st.none(), st.text(max_size=2)),
-    "user_tags": st.one_of(st.lists(I64, min_size=6, max_size=9), st.lists(st.integers(max_value=-1), min_size=1, max_size=3), st.integers(), st.just([None])),
-    "user_emb": st.one_of(st.lists(F32, min_size=0, max_size=1), st.lists(F32, min_size=3, max_size=4), st.just([float("nan"), 1.0]), st.just([1.0, float("-inf")])),
-    "item_score": st.one_of(st.just(float("nan")), st.just(float("inf")), st.text(max_size=2), st.lists(F32, max_size=2)),
-    "ts": st.one_of(st.integers(max_value=-1), st.none(), st.integers(0, DAY_START - 86_400_001), st.integers(DAY_START + 25 * 3_600_000, 2**63 - 1)),
-}  # fmt: skip
+    "user_id": st.one_of(
+        st.integers(max_value=-1),
+        st.text(max_size=3),
+        st.floats(allow_nan=False).filter(lambda x: x != int(x) if math.isfinite(x) else True),
+        st.booleans(),
+        st.integers(min_value=2**63),
+    ),
+    "label": st.one_of(
+        st.integers().filter(lambda x: x not in (0, 1)),
+        st.booleans(),
+        st.none(),
+        st.text(max_size=2),
+    ),
+    "user_tags": st.one_of(
+        st.lists(I64, min_size=6, max_size=9),
+        st.lists(st.integers(max_value=-1), min_size=1, max_size=3),
+        st.integers(),
+        st.just([None]),
+    ),
+    "user_emb": st.one_of(
+        st.lists(F32, min_size=0, max_size=1),
+        st.lists(F32, min_size=3, max_size=4),
+        st.just([float("nan"), 1.0]),
+        st.just([1.0, float("-inf")]),
+    ),
+    "item_score": st.one_of(
+        st.just(float("nan")), st.just(float("inf")), st.text(max_size=2), st.lists(F32, max_size=2)
+    ),
+    "ts": st.one_of(
+        st.integers(max_value=-1),
+        st.none(),
+        st.integers(0, DAY_START - 86_400_001),
+        st.integers(DAY_START + 25 * 3_600_000, 2**63 - 1),
+    ),
+}
 
 
 def _ingest(lines: list[bytes]):

@@ -114,9 +114,13 @@ def s3_uri():
     server.start()
     host, port = server.get_host_and_port()
     s3 = pafs.S3FileSystem(
-        access_key="test", secret_key="test", endpoint_override=f"{host}:{port}",
-        scheme="http", region="us-east-1", allow_bucket_creation=True,
-    )  # fmt: skip
+        access_key="test",
+        secret_key="test",
+        endpoint_override=f"{host}:{port}",
+        scheme="http",
+        region="us-east-1",
+        allow_bucket_creation=True,
+    )
     s3.create_dir("recd-bucket")
     yield (
         f"s3://test:test@recd-bucket/wh?endpoint_override={host}:{port}&scheme=http&region=us-east-1",
@@ -176,9 +180,15 @@ def _write_normalized(wh, table, rows_per_file=100, row_group=32):
             name = f"part-{f:05d}-{w.write_id}.parquet"
             path, side_path = w.add_file(name, part.num_rows), w.add_side_file(name)
             with (
-                pq.ParquetWriter(path, pa.schema([*part.schema][:2] + [pa.field("_side_row", pa.int32())]), filesystem=wh.fs) as rows_w,
-                pq.ParquetWriter(side_path, pa.schema([part.schema.field("user")]), filesystem=wh.fs) as side_w,
-            ):  # fmt: skip
+                pq.ParquetWriter(
+                    path,
+                    pa.schema([*part.schema][:2] + [pa.field("_side_row", pa.int32())]),
+                    filesystem=wh.fs,
+                ) as rows_w,
+                pq.ParquetWriter(
+                    side_path, pa.schema([part.schema.field("user")]), filesystem=wh.fs
+                ) as side_w,
+            ):
                 for g in range(0, part.num_rows, row_group):
                     chunk = part.slice(g, row_group)
                     run = np.asarray(chunk["run"])

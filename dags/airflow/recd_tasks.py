@@ -109,17 +109,26 @@ def xcoms_json(task_ids: list[str]) -> str:
 def override_params(exclude: tuple[str, ...] = ()) -> dict[str, Param]:
     """Every config override (`stage_args.override_fields`, declared once in `StageArgs`)
     as a trigger-form param in a section of its own: empty, the config's value holds."""
-    return {n: Param(None, section="Config overrides (empty: the config's value)",
-                     **param_schema(n, nullable=True))
-            for n in override_fields() if n not in exclude}  # fmt: skip
+    return {
+        n: Param(
+            None,
+            section="Config overrides (empty: the config's value)",
+            **param_schema(n, nullable=True),
+        )
+        for n in override_fields()
+        if n not in exclude
+    }
 
 
 def override_args(exclude: tuple[str, ...] = ()) -> dict[str, str]:
     """Each override's param as a task argument (a template; empty when the param is:
     unset, and `build` hands it only to the stages that take it)."""
     # params['items'], not params.items: a dict's attribute is its method
-    return {n: "{{ '' if params['" + n + "'] is none else params['" + n + "'] }}"
-            for n in override_fields() if n not in exclude}  # fmt: skip
+    return {
+        n: "{{ '' if params['" + n + "'] is none else params['" + n + "'] }}"
+        for n in override_fields()
+        if n not in exclude
+    }
 
 
 def asset(table: str, warehouse: str = SETTINGS.warehouse) -> Asset:
@@ -173,9 +182,13 @@ def wait_for_logs(args: dict):
     # sensor when one poke's executor success arrives after the next poke started
     # (apache/airflow#71172); a poke is harmless to repeat, and the real failure (the wait
     # ran out) raises AirflowFailException, which never retries
-    @task.sensor(task_id="wait_for_logs", poke_interval=SETTINGS.logs_poke_s, mode="reschedule",
-                 timeout=wait_s + 2 * SETTINGS.logs_poke_s,
-                 retries=max(SETTINGS.retries, 1))  # fmt: skip
+    @task.sensor(
+        task_id="wait_for_logs",
+        poke_interval=SETTINGS.logs_poke_s,
+        mode="reschedule",
+        timeout=wait_s + 2 * SETTINGS.logs_poke_s,
+        retries=max(SETTINGS.retries, 1),
+    )
     def waiting(run_args: dict, **context) -> PokeReturnValue:
         from airflow.sdk.exceptions import AirflowFailException
 
@@ -220,9 +233,12 @@ def stage(name: str, args: dict, task_id: str, upstream: list[str], tables: list
 
         quiet_third_parties()
         try:
-            summary = run_stage(name, stage_args,
-                                json.loads(upstream_json) if upstream_json else None,
-                                progress=progress)  # fmt: skip
+            summary = run_stage(
+                name,
+                stage_args,
+                json.loads(upstream_json) if upstream_json else None,
+                progress=progress,
+            )
         except RecdError as e:
             if e.retryable:  # e.g. the tracking server: the task's retries apply
                 raise
@@ -270,9 +286,11 @@ def _pod_operator():
                     c.image = XCOM_SIDECAR_IMAGE
                     c.resources.limits = {"memory": "32Mi"}
                     c.security_context = k8s.V1SecurityContext(
-                        allow_privilege_escalation=False, read_only_root_filesystem=True,
-                        run_as_non_root=True, capabilities=k8s.V1Capabilities(drop=["ALL"]),
-                    )  # fmt: skip
+                        allow_privilege_escalation=False,
+                        read_only_root_filesystem=True,
+                        run_as_non_root=True,
+                        capabilities=k8s.V1Capabilities(drop=["ALL"]),
+                    )
             # no token unless the pod talks to the API (a TrainJob's submitter)
             pod.spec.automount_service_account_token = bool(self.automount_service_account_token)
             return pod
@@ -283,9 +301,18 @@ def _pod_operator():
 def trainjob_flags() -> list[str]:
     """The train component's flags that make it submit a TrainJob across `train_nodes`
     machines (orchestration/trainjob.py) with this pod's image, logs volume and secret."""
-    flags = ["--nodes", str(SETTINGS.train_nodes), "--nproc-per-node",
-             str(SETTINGS.train_nproc_per_node), "--trainer-runtime", SETTINGS.train_runtime,
-             "--image", SETTINGS.image, "--namespace", SETTINGS.namespace]  # fmt: skip
+    flags = [
+        "--nodes",
+        str(SETTINGS.train_nodes),
+        "--nproc-per-node",
+        str(SETTINGS.train_nproc_per_node),
+        "--trainer-runtime",
+        SETTINGS.train_runtime,
+        "--image",
+        SETTINGS.image,
+        "--namespace",
+        SETTINGS.namespace,
+    ]
     if SETTINGS.logs_claim:
         flags += ["--volume", f"{SETTINGS.logs_claim}:{SETTINGS.logs}"]
     if SETTINGS.env_from_secret:
@@ -337,12 +364,12 @@ def _pod(name: str, task_id: str, args: dict, outlets: list, upstream_json: str 
             run_as_user=10001,
             fs_group=10001,
             seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
-        ),  # fmt: skip
+        ),
         container_security_context=k8s.V1SecurityContext(
             allow_privilege_escalation=False,
             read_only_root_filesystem=True,
             capabilities=k8s.V1Capabilities(drop=["ALL"]),
-        ),  # fmt: skip
+        ),
         # the root filesystem is read-only: scratch and $HOME are emptyDirs
         volumes=[
             k8s.V1Volume(name="tmp", empty_dir=k8s.V1EmptyDirVolumeSource()),
@@ -362,7 +389,7 @@ def _pod(name: str, task_id: str, args: dict, outlets: list, upstream_json: str 
             "app.kubernetes.io/component": "pipeline",
             "recd.ai/mlflow-client": "true",
             **({"recd.ai/trainjob-client": "true"} if across else {}),
-        },  # fmt: skip
+        },
         env_from=[
             k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=SETTINGS.env_from_secret))
         ]

@@ -85,18 +85,36 @@ def print_summary(dag_id: str, day: dt.date, state: str, tracking_uri: str | Non
 
     client = MlflowClient(tracking_uri=tracking_uri)
     exp = client.get_experiment_by_name("recd")
-    runs = client.search_runs(
-        [exp.experiment_id], filter_string="tags.`recd.stage` = 'pipeline'",
-        order_by=["attributes.start_time DESC"], max_results=1,
-    ) if exp else []  # fmt: skip
+    runs = (
+        client.search_runs(
+            [exp.experiment_id],
+            filter_string="tags.`recd.stage` = 'pipeline'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+        if exp
+        else []
+    )
     if not runs:
         console.print(f"{dag_id} {day}: {state}; no MLflow run found at {tracking_uri}")
         return
     m, t = runs[0].data.metrics, runs[0].data.tags
-    keep = ("storage.bytes", "storage.ratio", "dpp.samples_per_s", "train.samples_per_s",
-            "train.steps", "train.val_ne", "eval.ne", "eval.oracle_ne", "eval.auc",
-            "eval.oracle_auc", "eval.calibration", "registry.version",
-            "registry.challenger_ne", "registry.champion_ne")  # fmt: skip
+    keep = (
+        "storage.bytes",
+        "storage.ratio",
+        "dpp.samples_per_s",
+        "train.samples_per_s",
+        "train.steps",
+        "train.val_ne",
+        "eval.ne",
+        "eval.oracle_ne",
+        "eval.auc",
+        "eval.oracle_auc",
+        "eval.calibration",
+        "registry.version",
+        "registry.challenger_ne",
+        "registry.champion_ne",
+    )
     try:
         path = client.download_artifacts(runs[0].info.run_id, "summary.json")
         summary = json.loads(Path(path).read_text())

@@ -19,8 +19,11 @@ def draw(spec_path: str, out: str) -> None:
     tasks = spec["root"]["dag"]["tasks"]
     name = {t: v["taskInfo"]["name"] for t, v in tasks.items()}
     deps = {t: set(v.get("dependentTasks", [])) for t, v in tasks.items()}
-    passed = [(a["taskOutputArtifact"]["producerTask"], t, a["taskOutputArtifact"]["outputArtifactKey"])
-              for t, v in tasks.items() for a in v.get("inputs", {}).get("artifacts", {}).values()]  # fmt: skip
+    passed = [
+        (a["taskOutputArtifact"]["producerTask"], t, a["taskOutputArtifact"]["outputArtifactKey"])
+        for t, v in tasks.items()
+        for a in v.get("inputs", {}).get("artifacts", {}).values()
+    ]
     depth: dict[str, int] = {}
 
     def level(t: str) -> int:
@@ -32,8 +35,11 @@ def draw(spec_path: str, out: str) -> None:
     # the evaluation day's steps below the training day's
     for t in sorted(tasks, key=lambda t: (name[t].endswith("_eval"), name[t])):
         layers.setdefault(level(t), []).append(t)
-    pos = {t: (x * 2.2, -(i - (len(ts) - 1) / 2) * 1.3)
-           for x, ts in layers.items() for i, t in enumerate(ts)}  # fmt: skip
+    pos = {
+        t: (x * 2.2, -(i - (len(ts) - 1) / 2) * 1.3)
+        for x, ts in layers.items()
+        for i, t in enumerate(ts)
+    }
     fig, ax = plt.subplots(figsize=(15, 3.8))
 
     def arrow(u: str, t: str, **style) -> None:
@@ -46,16 +52,25 @@ def draw(spec_path: str, out: str) -> None:
     for u, t, key in passed:
         arrow(u, t, arrowstyle="-|>", color="#1f6fb2", lw=1.6)
         (x0, y0), (x1, y1) = pos[u], pos[t]
-        ax.text((x0 + x1) / 2, (y0 + y1) / 2 + 0.12, key, fontsize=8, color="#1f6fb2",
-                ha="center")  # fmt: skip
+        ax.text((x0 + x1) / 2, (y0 + y1) / 2 + 0.12, key, fontsize=8, color="#1f6fb2", ha="center")
     for t, (x, y) in pos.items():
-        ax.text(x, y, name[t], ha="center", va="center", fontsize=9,
-                bbox={"boxstyle": "round,pad=0.4", "fc": "#f3f6fa", "ec": "#444444"})  # fmt: skip
+        ax.text(
+            x,
+            y,
+            name[t],
+            ha="center",
+            va="center",
+            fontsize=9,
+            bbox={"boxstyle": "round,pad=0.4", "fc": "#f3f6fa", "ec": "#444444"},
+        )
     ax.set_xlim(-1, max(p[0] for p in pos.values()) + 1)
     ax.set_ylim(-1.6, 1.6)
     ax.axis("off")
-    ax.set_title(f"{spec['pipelineInfo']['name']}: steps and the artifacts they pass "
-                 "(blue; grey dashed: order only)", fontsize=10)  # fmt: skip
+    ax.set_title(
+        f"{spec['pipelineInfo']['name']}: steps and the artifacts they pass "
+        "(blue; grey dashed: order only)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 

@@ -41,16 +41,22 @@ IMAGE = "ghcr.io/recd-project/recd-components:0.1.0"
 # them; and the schedule's time, which components turn into the days (components/_entry.py)
 RUN_INPUTS = ("ds", "warehouse", "logs", "tracking_uri", "config", "synthesize", "pipeline")
 KFP_TYPES = {"boolean": bool, "integer": int, "number": float}
-SHARED = {**{n: KFP_TYPES.get(param_schema(n)["type"], str) for n in RUN_INPUTS},
-          "scheduled_time": str}  # fmt: skip
+SHARED = {
+    **{n: KFP_TYPES.get(param_schema(n)["type"], str) for n in RUN_INPUTS},
+    "scheduled_time": str,
+}
 # the config overrides (`StageArgs`, `arg(config=...)`) as pipeline inputs, empty by default
 # (the config's value holds); `mode` is the graph's (a task's arm), not the run's. Text, not
 # `Optional[int] = None`: kfp.local (2.17) cannot run a pipeline whose optional inputs have
 # no default, and a number has no empty value; the stage validates the text as StageArgs
 # types it (a bad value is one line, exit 2).
 OVERRIDES = tuple(n for n in override_fields() if n != "mode")
-ARTIFACTS = {"dataset": dsl.Dataset, "model": dsl.Model, "metrics": dsl.Metrics,
-             "markdown": dsl.Markdown}  # fmt: skip
+ARTIFACTS = {
+    "dataset": dsl.Dataset,
+    "model": dsl.Model,
+    "metrics": dsl.Metrics,
+    "markdown": dsl.Markdown,
+}
 GRAPHS = (DAILY, COMPARISON)
 
 
@@ -73,8 +79,10 @@ def _upstream_inputs(stage: str | None = None, graph: Graph = DAILY) -> list[str
     tasks = [t for g in graphs for t in g.tasks if stage in (None, t.stage)]
     pulled = {p.stage for t in tasks for p in STAGES[t.stage].pulls}
     gathered = list(dict.fromkeys(g for t in tasks for g in t.gathers))
-    return [*(s for s in PULLED_FROM if stage is None or s in pulled),
-            *(f"u_{t}" for t in gathered)]  # fmt: skip
+    return [
+        *(s for s in PULLED_FROM if stage is None or s in pulled),
+        *(f"u_{t}" for t in gathered),
+    ]
 
 
 def _with_inputs(fn, variadic, params: list[inspect.Parameter]):
@@ -91,18 +99,24 @@ def _param(name: str, annotation, default=inspect.Parameter.empty) -> inspect.Pa
     return inspect.Parameter(name, kind, default=default, annotation=annotation)
 
 
-def stage_command(name: str, flags: dict, sources: list, upstream: list, metadata,
-                  executor_input=None) -> list:  # fmt: skip
+def stage_command(
+    name: str, flags: dict, sources: list, upstream: list, metadata, executor_input=None
+) -> list:
     """A stage container's command line (`components/_entry.py`): its arguments as flags, one
     summary per stage it pulls arguments from (in `PULLED_FROM` order), the summaries it
     gathers, where its summary goes, and (Kubeflow) the executor input its typed outputs
     are written for. Values or KFP placeholders alike."""
-    return ["python", "-m", f"components.{name}",
-            *[x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", v)],
-            *[x for s, v in zip(PULLED_FROM, sources, strict=True) for x in (f"--{s}-json", v)],
-            *[x for u in upstream for x in ("--upstream-item", u)],
-            "--output-metadata", metadata,
-            *(["--executor-input", executor_input] if executor_input else [])]  # fmt: skip
+    return [
+        "python",
+        "-m",
+        f"components.{name}",
+        *[x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", v)],
+        *[x for s, v in zip(PULLED_FROM, sources, strict=True) for x in (f"--{s}-json", v)],
+        *[x for u in upstream for x in ("--upstream-item", u)],
+        "--output-metadata",
+        metadata,
+        *(["--executor-input", executor_input] if executor_input else []),
+    ]
 
 
 def consumed(stage: str) -> dict[str, str]:
@@ -159,12 +173,27 @@ def container_stage(name: str, image: str = IMAGE, across: tuple[int, int] | Non
         flags = {k: given[k] for k in (*SHARED, *task_args, *overrides)}
         sources = [given.get(s, "{}") for s in PULLED_FROM]
         gathered = [given[n] for n in upstream if n.startswith("u_")]
-        cmd = stage_command(name, flags, sources, gathered, given["summary"],
-                            dsl.PIPELINE_TASK_EXECUTOR_INPUT_PLACEHOLDER)  # fmt: skip
+        cmd = stage_command(
+            name,
+            flags,
+            sources,
+            gathered,
+            given["summary"],
+            dsl.PIPELINE_TASK_EXECUTOR_INPUT_PLACEHOLDER,
+        )
         if across is not None:
-            cmd += ["--nodes", str(across[0]), "--nproc-per-node", str(across[1]),
-                    "--image", image, "--volume", f"{given['logs_pvc']}:{LOGS_MOUNT}",
-                    "--s3-secret", given["s3_secret"]]  # fmt: skip
+            cmd += [
+                "--nodes",
+                str(across[0]),
+                "--nproc-per-node",
+                str(across[1]),
+                "--image",
+                image,
+                "--volume",
+                f"{given['logs_pvc']}:{LOGS_MOUNT}",
+                "--s3-secret",
+                given["s3_secret"],
+            ]
         return dsl.ContainerSpec(image=image, command=cmd[:3], args=cmd[3:])
 
     stage.__name__ = f"recd_{name}"
@@ -202,7 +231,7 @@ recd_stage = dsl.component(base_image=IMAGE)(
         recd_stage,
         inspect.Parameter.VAR_KEYWORD,
         [_param(n, str, "{}") for n in _upstream_inputs(None, DAILY)],
-    )  # fmt: skip
+    )
 )
 
 
@@ -222,8 +251,10 @@ def graph(op, g: Graph, artifacts: bool = False) -> None:
         inputs = {p.stage: summary(src) for p, src in g.pulls(task)}
         inputs |= {f"u_{t}": summary(t) for t in task.gathers}
         if artifacts:
-            inputs |= {n: tasks[src].outputs[n.removeprefix("in_")]
-                       for n, src in producers(g, task).items()}  # fmt: skip
+            inputs |= {
+                n: tasks[src].outputs[n.removeprefix("in_")]
+                for n, src in producers(g, task).items()
+            }
         step = op(task, **inputs)
         step.after(*(tasks[a] for a in task.after))
         tasks[task.id] = step
@@ -243,16 +274,30 @@ MLFLOW_CLIENT_LABEL = ("recd.ai/mlflow-client", "true")
 # `helm install recd ./helm/recd -n recd` (docs/operations.md): its MLflow Service, by a name
 # that resolves from any namespace
 TRACKING_URI = "http://recd-mlflow.recd:5000"
-NAMES = {DAILY.name: ("recd-daily-retrain", "recd: one day of dedup-aware DLRM retraining",
-                      "recd_pipeline.yaml"),
-         COMPARISON.name: ("recd-dedup-vs-baseline", "recd: dedup and baseline arms trained "
-                           "on the same day, side by side", "recd_comparison.yaml")}  # fmt: skip
+NAMES = {
+    DAILY.name: (
+        "recd-daily-retrain",
+        "recd: one day of dedup-aware DLRM retraining",
+        "recd_pipeline.yaml",
+    ),
+    COMPARISON.name: (
+        "recd-dedup-vs-baseline",
+        "recd: dedup and baseline arms trained on the same day, side by side",
+        "recd_comparison.yaml",
+    ),
+}
 
 
 GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 # the run's inputs' defaults in a cluster (their types and descriptions: `StageArgs`)
-RUN_DEFAULTS = {"ds": "", "warehouse": "s3://recd/warehouse", "logs": LOGS_MOUNT,
-                "tracking_uri": TRACKING_URI, "config": "", "synthesize": False}  # fmt: skip
+RUN_DEFAULTS = {
+    "ds": "",
+    "warehouse": "s3://recd/warehouse",
+    "logs": LOGS_MOUNT,
+    "tracking_uri": TRACKING_URI,
+    "config": "",
+    "synthesize": False,
+}
 # the pipeline's own inputs (where its steps run), with their types and defaults
 PIPELINE_INPUTS = {
     "train_accelerator": (str, "nvidia.com/gpu"),
@@ -266,26 +311,29 @@ PIPELINE_INPUTS = {
 # descriptions); the stages' own arguments are described where they are declared (StageArgs)
 INPUT_HELP = {
     "ds": "the training day YYYY-MM-DD; empty: the last complete days before the run's "
-          "scheduled time (a recurring run leaves it empty)",
+    "scheduled time (a recurring run leaves it empty)",
     "logs": f"raw logs root, ds=<day>/ folders (default: the logs volume, mounted at {LOGS_MOUNT})",
     "tracking_uri": f"MLflow tracking URI (default: the chart's Service, `helm install recd "
-                    f"./helm/recd -n recd`: {TRACKING_URI})",
+    f"./helm/recd -n recd`: {TRACKING_URI})",
     "train_accelerator": "the train step's accelerator resource (nvidia.com/gpu)",
     "train_accelerators": "accelerators for the train step (0: train on CPUs)",
     "train_node_selector": "node labels the train step must run on, e.g. "
-                           "{\"nvidia.com/gpu.present\": \"true\"} ({}: any node)",
+    '{"nvidia.com/gpu.present": "true"} ({}: any node)',
     "train_tolerations": "taints the train step tolerates (default: GPU nodes' nvidia.com/gpu)",
     "logs_pvc": "the PersistentVolumeClaim holding the raw logs, mounted in every step",
     "s3_secret": "Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for an s3:// "
-                 "warehouse (optional; the chart's: recd-s3)",
-}  # fmt: skip
+    "warehouse (optional; the chart's: recd-s3)",
+}
 
 
 def pipeline_doc(description: str) -> str:
     """The pipeline's docstring: its description, and `Args:` describing every input (the
     run's arguments from `StageArgs`, the pipeline's own from `INPUT_HELP`)."""
-    names = [*(n for n in RUN_INPUTS if n != "pipeline"), *(n for n in INPUT_HELP
-             if n not in RUN_INPUTS), *OVERRIDES]  # fmt: skip
+    names = [
+        *(n for n in RUN_INPUTS if n != "pipeline"),
+        *(n for n in INPUT_HELP if n not in RUN_INPUTS),
+        *OVERRIDES,
+    ]
     lines = [description, "", "Args:"]
     for n in names:
         text = INPUT_HELP.get(n) or param_schema(n).get("description", n)
@@ -296,17 +344,22 @@ def pipeline_doc(description: str) -> str:
 
 
 def build_pipeline(
-    image: str = IMAGE, g: Graph = DAILY, scheduled: bool = True, retries: int = RETRIES,
-    train_nodes: int = 1, nproc_per_node: int = 1,
-):  # fmt: skip
+    image: str = IMAGE,
+    g: Graph = DAILY,
+    scheduled: bool = True,
+    retries: int = RETRIES,
+    train_nodes: int = 1,
+    nproc_per_node: int = 1,
+):
     """The pipeline of graph `g`. `scheduled=False` leaves out the scheduled-time
     placeholder, which `kfp.local` (2.17) cannot resolve: the local container run's build.
     `train_nodes > 1`: the accelerated stage (train) across that many machines of
     `nproc_per_node` processes, a Kubeflow Trainer TrainJob its step submits."""
     across = (train_nodes, nproc_per_node) if train_nodes > 1 else None
-    components = {t.stage: container_stage(t.stage, image, across if
-                                           STAGES[t.stage].accelerated else None)
-                  for t in g.tasks}  # fmt: skip
+    components = {
+        t.stage: container_stage(t.stage, image, across if STAGES[t.stage].accelerated else None)
+        for t in g.tasks
+    }
     name, description, _ = NAMES[g.name]
 
     def op(task, shared: dict, accelerator: tuple, **upstream):
@@ -318,8 +371,12 @@ def build_pipeline(
         step.set_caching_options(False)
         # KFP retries by count, not by exit code: a lost tracking server or a killed pod
         # (exits 4, 1) clears on a retry; bad input and gates (2, 3) fail again, fast
-        step.set_retry(num_retries=retries, backoff_duration="60s", backoff_factor=2.0,
-                       backoff_max_duration="600s")  # fmt: skip
+        step.set_retry(
+            num_retries=retries,
+            backoff_duration="60s",
+            backoff_factor=2.0,
+            backoff_max_duration="600s",
+        )
         here = STAGES[task.stage].accelerated and across is None  # trains in its own pod
         cpu, cpu_limit, memory, limit = RESOURCES[here]
         step.set_cpu_request(cpu).set_cpu_limit(cpu_limit)
@@ -336,11 +393,12 @@ def build_pipeline(
     def recd_pipeline(*values):
         inputs = dict(zip(names, values, strict=True))
         overrides = {n: inputs[n] for n in OVERRIDES}
-        shared = {**{n: inputs[n] for n in RUN_INPUTS if n != "pipeline"},
-                  "pipeline": "recd kubeflow",
-                  # the backend fills it for a recurring run's jobs; `ds` wins when given
-                  "scheduled_time": dsl.PIPELINE_JOB_SCHEDULE_TIME_UTC_PLACEHOLDER
-                  if scheduled else ""}  # fmt: skip
+        shared = {
+            **{n: inputs[n] for n in RUN_INPUTS if n != "pipeline"},
+            "pipeline": "recd kubeflow",
+            # the backend fills it for a recurring run's jobs; `ds` wins when given
+            "scheduled_time": dsl.PIPELINE_JOB_SCHEDULE_TIME_UTC_PLACEHOLDER if scheduled else "",
+        }
         accelerator = (inputs["train_accelerator"], inputs["train_accelerators"])
 
         def wired(task, **upstream):
@@ -350,8 +408,12 @@ def build_pipeline(
             step = op(task, {**shared, **mine}, accelerator, **upstream)
             kubernetes.mount_pvc(step, pvc_name=inputs["logs_pvc"], mount_path=LOGS_MOUNT)
             # optional: a warehouse that is not on S3 needs no keys
-            kubernetes.use_secret_as_env(step, secret_name=inputs["s3_secret"], optional=True,
-                                         secret_key_to_env={k: k for k in S3_KEYS})  # fmt: skip
+            kubernetes.use_secret_as_env(
+                step,
+                secret_name=inputs["s3_secret"],
+                optional=True,
+                secret_key_to_env={k: k for k in S3_KEYS},
+            )
             kubernetes.add_pod_label(step, *MLFLOW_CLIENT_LABEL)
             accelerated = STAGES[task.stage].accelerated
             kubernetes.set_timeout(step, TIMEOUT_S[accelerated])
@@ -371,8 +433,14 @@ def build_pipeline(
 def lightweight_pipeline(
     warehouse: str, ds: str, logs: str, tracking_uri: str = "", config: str = ""
 ):
-    shared = {"warehouse": warehouse, "ds": ds, "logs": logs, "tracking_uri": tracking_uri,
-              "config": config, "pipeline": "recd kubeflow (local)"}  # fmt: skip
+    shared = {
+        "warehouse": warehouse,
+        "ds": ds,
+        "logs": logs,
+        "tracking_uri": tracking_uri,
+        "config": config,
+        "pipeline": "recd kubeflow (local)",
+    }
 
     def op(task, **upstream):
         args = {**shared, **task.args()}
@@ -381,8 +449,9 @@ def lightweight_pipeline(
     graph(op, DAILY)
 
 
-def compile_pipelines(out_dir: Path, image: str = IMAGE, train_nodes: int = 1,
-                      nproc_per_node: int = 1) -> list[Path]:  # fmt: skip
+def compile_pipelines(
+    out_dir: Path, image: str = IMAGE, train_nodes: int = 1, nproc_per_node: int = 1
+) -> list[Path]:
     """Both pipelines, compiled into `out_dir` (train across `train_nodes` machines)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []

@@ -35,26 +35,41 @@ from recd_core.orchestration.graph import (  # noqa: E402
 
 # how the chart runs pods, declared once: as docker-py arguments (kfp.local's DockerRunner,
 # run_local.py) and as the engine's command-line flags
-POD_RUN_ARGS = {"user": "10001:10001", "read_only": True, "cap_drop": ["ALL"],
-                "security_opt": ["no-new-privileges"], "tmpfs": {"/tmp": "mode=1777"}}  # fmt: skip
-POD = ["--user", POD_RUN_ARGS["user"], "--read-only",
-       *(f"--cap-drop={c}" for c in POD_RUN_ARGS["cap_drop"]),
-       *(f"--security-opt={o}" for o in POD_RUN_ARGS["security_opt"]),
-       *(x for d, o in POD_RUN_ARGS["tmpfs"].items() for x in ("--tmpfs", f"{d}:{o}"))]  # fmt: skip
+POD_RUN_ARGS = {
+    "user": "10001:10001",
+    "read_only": True,
+    "cap_drop": ["ALL"],
+    "security_opt": ["no-new-privileges"],
+    "tmpfs": {"/tmp": "mode=1777"},
+}
+POD = [
+    "--user",
+    POD_RUN_ARGS["user"],
+    "--read-only",
+    *(f"--cap-drop={c}" for c in POD_RUN_ARGS["cap_drop"]),
+    *(f"--security-opt={o}" for o in POD_RUN_ARGS["security_opt"]),
+    *(x for d, o in POD_RUN_ARGS["tmpfs"].items() for x in ("--tmpfs", f"{d}:{o}")),
+]
 
 
 def executor_input(task_id: str, stage: str) -> dict:
     """The part of KFP's executor input a stage's container reads (components/_kfp.py): where
     each typed output goes (under /data/_task_outputs/<task>/) and the executor output file."""
     base = f"/data/_task_outputs/{task_id}"
-    return {"outputs": {
-        "artifacts": {n: {"artifacts": [{"name": n, "uri": f"{base}/{n}", "metadata": {}}]}
-                      for n in outputs(stage)},
-        "outputFile": f"{base}/executor_output.json"}}  # fmt: skip
+    return {
+        "outputs": {
+            "artifacts": {
+                n: {"artifacts": [{"name": n, "uri": f"{base}/{n}", "metadata": {}}]}
+                for n in outputs(stage)
+            },
+            "outputFile": f"{base}/executor_output.json",
+        }
+    }
 
 
-def run_in_containers(engine: str, image: str, data: Path, args: dict,
-                      graph: Graph = DAILY) -> dict[str, dict]:  # fmt: skip
+def run_in_containers(
+    engine: str, image: str, data: Path, args: dict, graph: Graph = DAILY
+) -> dict[str, dict]:
     """Every task of `graph` in its own container; each task's summary and typed outputs
     (its executor output) by task id. A task that fails raises
     `subprocess.CalledProcessError` with its exit code and stderr."""
@@ -71,11 +86,20 @@ def run_in_containers(engine: str, image: str, data: Path, args: dict,
             k: json.dumps(v) if isinstance(v, bool) else str(v)
             for k, v in {**args, **task.args()}.items()
         }  # as KFP renders them
-        cmd = stage_command(task.stage, flags, sources, gathered,
-                            f"/data/_task_outputs/{task.id}.json", json.dumps(spec))  # fmt: skip
+        cmd = stage_command(
+            task.stage,
+            flags,
+            sources,
+            gathered,
+            f"/data/_task_outputs/{task.id}.json",
+            json.dumps(spec),
+        )
         t0 = time.perf_counter()
-        r = subprocess.run([engine, "run", "--rm", *POD, "-v", f"{data}:/data", image, *cmd],
-                           capture_output=True, text=True)  # fmt: skip
+        r = subprocess.run(
+            [engine, "run", "--rm", *POD, "-v", f"{data}:/data", image, *cmd],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode:
             raise subprocess.CalledProcessError(
                 r.returncode, f"{task.id} ({task.stage})", r.stdout, r.stderr
@@ -85,8 +109,11 @@ def run_in_containers(engine: str, image: str, data: Path, args: dict,
             "summary": json.loads((out / f"{task.id}.json").read_text()),
             "outputs": json.loads(executor_output.read_text())["artifacts"],
         }
-        print(f"{task.id:<20} {time.perf_counter() - t0:6.1f} s  exit 0  "
-              f"outputs: {', '.join(done[task.id]['outputs']) or '-'}", flush=True)  # fmt: skip
+        print(
+            f"{task.id:<20} {time.perf_counter() - t0:6.1f} s  exit 0  "
+            f"outputs: {', '.join(done[task.id]['outputs']) or '-'}",
+            flush=True,
+        )
     return done
 
 
@@ -101,9 +128,15 @@ def main() -> int:
     a = p.parse_args()
     graph = COMPARISON if a.comparison else DAILY
     a.data.mkdir(parents=True, exist_ok=True)
-    args = {"warehouse": "/data/wh", "logs": "/data/logs", "ds": a.ds, "synthesize": True,
-            "tracking_uri": "sqlite:////data/mlflow.db", "config": a.config,
-            "pipeline": "recd kubeflow (containers)"}  # fmt: skip
+    args = {
+        "warehouse": "/data/wh",
+        "logs": "/data/logs",
+        "ds": a.ds,
+        "synthesize": True,
+        "tracking_uri": "sqlite:////data/mlflow.db",
+        "config": a.config,
+        "pipeline": "recd kubeflow (containers)",
+    }
     try:
         done = run_in_containers(a.engine, a.image, a.data.resolve(), args, graph)
     except subprocess.CalledProcessError as e:

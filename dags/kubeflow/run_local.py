@@ -43,14 +43,19 @@ def docker_api(env: dict | None = None) -> Iterator[str | None]:
     default)."""
     env = dict(os.environ if env is None else env)
     docker = shutil.which("docker")
-    if env.get("DOCKER_HOST") or (docker and subprocess.run(
-            [docker, "info"], capture_output=True).returncode == 0):  # fmt: skip
+    if env.get("DOCKER_HOST") or (
+        docker and subprocess.run([docker, "info"], capture_output=True).returncode == 0
+    ):
         yield env.get("DOCKER_HOST")
         return
     with tempfile.TemporaryDirectory(prefix="recd-podman-") as tmp:
         sock = f"unix://{tmp}/podman.sock"
-        proc = subprocess.Popen(["podman", "system", "service", "--time=0", sock], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+        proc = subprocess.Popen(
+            ["podman", "system", "service", "--time=0", sock],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         try:
             for _ in range(100):
                 if Path(tmp, "podman.sock").exists():
@@ -67,8 +72,9 @@ def docker_api(env: dict | None = None) -> Iterator[str | None]:
 def _run_keeping_exit_code(client, image: str, command: list[str], volumes: dict, **kw) -> int:
     """kfp.local's `run_docker_container`, but the container is removed after its exit code
     is read (kfp.local's `auto_remove` races the engine and then assumes exit 0)."""
-    container = client.containers.run(image=image, command=command, detach=True,
-                                      volumes=volumes, **kw)  # fmt: skip
+    container = client.containers.run(
+        image=image, command=command, detach=True, volumes=volumes, **kw
+    )
     try:
         for line in container.logs(stream=True):
             print(line.decode(), end="")
@@ -85,13 +91,16 @@ def task_outputs(root: Path) -> dict[str, dict]:
         executor_output = json.loads(f.read_text())
         summary = executor_output.get("parameterValues", {}).get("summary")
         summary = summary or (f.parent / "summary").read_text()
-        out[f.parent.name] = {"summary": json.loads(summary),
-                              "outputs": executor_output.get("artifacts", {})}  # fmt: skip
+        out[f.parent.name] = {
+            "summary": json.loads(summary),
+            "outputs": executor_output.get("artifacts", {}),
+        }
     return out
 
 
-def run_pipeline(image: str, root: Path, args: dict, graph: Graph = DAILY,
-                 retries: int = RETRIES) -> dict[str, dict]:  # fmt: skip
+def run_pipeline(
+    image: str, root: Path, args: dict, graph: Graph = DAILY, retries: int = RETRIES
+) -> dict[str, dict]:
     """Run `graph`'s Kubeflow pipeline with kfp.local in containers under pipeline root
     `root`; each task's summary and outputs (`task_outputs`). A stage that fails raises
     `RuntimeError` naming it, after its retries (kfp.local honours the retry policy)."""
@@ -106,8 +115,11 @@ def run_pipeline(image: str, root: Path, args: dict, graph: Graph = DAILY,
             os.environ["DOCKER_HOST"] = host
         docker_task_handler.run_docker_container = _run_keeping_exit_code
         try:
-            local.init(runner=local.DockerRunner(**POD_RUN_ARGS), pipeline_root=str(root),
-                       raise_on_error=True)  # fmt: skip
+            local.init(
+                runner=local.DockerRunner(**POD_RUN_ARGS),
+                pipeline_root=str(root),
+                raise_on_error=True,
+            )
             build_pipeline(image, graph, scheduled=False, retries=retries)(**args)
         finally:
             docker_task_handler.run_docker_container = saved[1]
@@ -131,8 +143,14 @@ def main() -> int:
     config = ""
     if a.config:
         config = str(shutil.copy(a.config, root / a.config.name))
-    args = {"ds": a.ds, "warehouse": f"{root}/wh", "logs": f"{root}/logs", "config": config,
-            "tracking_uri": f"sqlite:///{root}/mlflow.db", "synthesize": True}  # fmt: skip
+    args = {
+        "ds": a.ds,
+        "warehouse": f"{root}/wh",
+        "logs": f"{root}/logs",
+        "config": config,
+        "tracking_uri": f"sqlite:///{root}/mlflow.db",
+        "synthesize": True,
+    }
     try:
         done = run_pipeline(a.image, root, args, COMPARISON if a.comparison else DAILY)
     except RuntimeError as e:  # kfp.local's: the pipeline failed, naming the task

@@ -114,9 +114,15 @@ def fit_id_terms(
     for _ in range(rounds):
         if topics is not None:
             match = (qu[u] * qi[i]).sum(1)  # P(same topic) under the current distributions
-        opt = torch.optim.LBFGS(params, lr=1, max_iter=iters, history_size=20,
-                                line_search_fn="strong_wolfe", tolerance_grad=1e-9,
-                                tolerance_change=1e-12)  # fmt: skip
+        opt = torch.optim.LBFGS(
+            params,
+            lr=1,
+            max_iter=iters,
+            history_size=20,
+            line_search_fn="strong_wolfe",
+            tolerance_grad=1e-9,
+            tolerance_change=1e-12,
+        )
 
         def closure(opt=opt, match=match):
             opt.zero_grad()
@@ -125,8 +131,11 @@ def fit_id_terms(
                 fit = nll(z).sum()
             else:
                 fit = (match * nll(z + effect) + (1 - match) * nll(z)).sum()
-            prior = (((p - p_mean) ** 2 / p_var).sum() + ((q - q_mean) ** 2 / q_var).sum()
-                     + ((bu**2).sum() + (bi**2).sum()) / bias_sd**2)  # fmt: skip
+            prior = (
+                ((p - p_mean) ** 2 / p_var).sum()
+                + ((q - q_mean) ** 2 / q_var).sum()
+                + ((bu**2).sum() + (bi**2).sum()) / bias_sd**2
+            )
             loss = fit + 0.5 * prior
             loss.backward()
             return loss
@@ -145,13 +154,21 @@ def fit_id_terms(
 
 
 def id_terms_probability(
-    fit: dict, users: np.ndarray, items: np.ndarray, offset: np.ndarray, latent_scale: float,
+    fit: dict,
+    users: np.ndarray,
+    items: np.ndarray,
+    offset: np.ndarray,
+    latent_scale: float,
     effect: float = 0.0,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """P(click) of impressions under a `fit_id_terms` fit: with topics, the mixture over
     whether the two topics match (the predictive of the mean-field fit)."""
-    z = (offset + fit["user_bias"][users] + fit["item_bias"][items]
-         + (fit["P"][users] * fit["Q"][items]).sum(1) / latent_scale)  # fmt: skip
+    z = (
+        offset
+        + fit["user_bias"][users]
+        + fit["item_bias"][items]
+        + (fit["P"][users] * fit["Q"][items]).sum(1) / latent_scale
+    )
     sigmoid = lambda v: 1.0 / (1.0 + np.exp(-v))  # noqa: E731
     if "user_topic" not in fit:
         return sigmoid(z)
@@ -220,9 +237,11 @@ def learnable_bounds(
             return float(metrics.normalized_entropy(day.labels, fit.predict_proba(x)[:, 1]))
 
         scale = np.sqrt(synth.latent_dim)
-        learned_logit = _logit(id_terms_probability(
-            learned, day.users, day.items, _rest_of_logit(synth, day), scale, synth.topic_effect
-        ))  # fmt: skip
+        learned_logit = _logit(
+            id_terms_probability(
+                learned, day.users, day.items, _rest_of_logit(synth, day), scale, synth.topic_effect
+            )
+        )
         out.append(
             {
                 "bound": ne([p["topic_match"], p["affinity_seen"], *rest]),
@@ -247,9 +266,13 @@ def _logit(prob: np.ndarray) -> np.ndarray:
 
 
 def _learned_model(
-    days: dict, seen: list[str], synth: SynthConfig, priors: tuple, topics: dict,
+    days: dict,
+    seen: list[str],
+    synth: SynthConfig,
+    priors: tuple,
+    topics: dict,
     start: dict | None,
-) -> dict:  # fmt: skip
+) -> dict:
     """The generator's click model learned from the days seen, nothing handed over but
     its form and priors (`fit_id_terms` with each row's latent prior from its dense
     feature and each side's topic from its ids), continued from the fit of the days before."""
@@ -258,11 +281,19 @@ def _learned_model(
         return np.concatenate([f(days[d]) for d in seen])
 
     return fit_id_terms(
-        cat(lambda d: d.users), cat(lambda d: d.items), cat(lambda d: d.labels),
-        cat(lambda d: _rest_of_logit(synth, d)), (synth.users, synth.items, synth.latent_dim),
-        bias_sd=0.5, latent_scale=np.sqrt(synth.latent_dim), iters=150, latent_priors=priors,
-        topics=(topics["user"], topics["item"], synth.topic_effect), rounds=2, start=start,
-    )  # fmt: skip
+        cat(lambda d: d.users),
+        cat(lambda d: d.items),
+        cat(lambda d: d.labels),
+        cat(lambda d: _rest_of_logit(synth, d)),
+        (synth.users, synth.items, synth.latent_dim),
+        bias_sd=0.5,
+        latent_scale=np.sqrt(synth.latent_dim),
+        iters=150,
+        latent_priors=priors,
+        topics=(topics["user"], topics["item"], synth.topic_effect),
+        rounds=2,
+        start=start,
+    )
 
 
 def missed_terms(

@@ -45,8 +45,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = pipe.train.model_copy(update={"batch_size": pipe.preprocess.batch_size})
     steps = bench_train(table, cfg, repeats=15, device="cuda")
     show(steps)
-    out |= {k: steps[k] for k in ("train.step_ms.dedup", "train.step_ms.baseline",
-                                  "bench.train_speedup")}  # fmt: skip
+    out |= {
+        k: steps[k]
+        for k in ("train.step_ms.dedup", "train.step_ms.baseline", "bench.train_speedup")
+    }
     for amp in (False, True):
         for mode in ("dedup", "baseline"):
             run = pipe.train.model_copy(update={"mode": mode, "device": "cuda", "amp": amp})

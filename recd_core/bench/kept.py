@@ -145,8 +145,9 @@ class Kept:
         path, want = self.root / f"{name}.json", digest(key)
         kept = self._read(path)
         if kept is not None and kept.get("key") == want and isinstance(kept.get("figures"), dict):
-            self.reused.append({"model": name, "measured": kept.get("measured"),
-                                "machine": kept.get("machine")})  # fmt: skip
+            self.reused.append(
+                {"model": name, "measured": kept.get("measured"), "machine": kept.get("machine")}
+            )
             return kept["figures"]
         figures = fit()
         now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -14,8 +14,11 @@ from recd_core.lineage import logs_digest, require_fresh
 from recd_core.warehouse import Warehouse
 
 # (stage, the table it reads, its keys)
-READS = (("generate", "events", {}), ("preprocess", "samples", {"layout": "clustered"}),
-         ("train", "batches", {"mode": "dedup"}))  # fmt: skip
+READS = (
+    ("generate", "events", {}),
+    ("preprocess", "samples", {"layout": "clustered"}),
+    ("train", "batches", {"mode": "dedup"}),
+)
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -27,8 +30,9 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def lineage_costs(wh: Warehouse, ds: str, logs: Path, stage_seconds: dict[str, float],
-                  repeats: int = 20) -> dict:  # fmt: skip
+def lineage_costs(
+    wh: Warehouse, ds: str, logs: Path, stage_seconds: dict[str, float], repeats: int = 20
+) -> dict:
     """Per stage: the freshness check of its input (walking the lineage up to the raw logs)
     and the pin (manifest once, hard links, the reader's lock) in ms, and their share of the
     stage's seconds (`stage_seconds`); ingest: the digest of the day's logs."""
@@ -40,8 +44,7 @@ def lineage_costs(wh: Warehouse, ds: str, logs: Path, stage_seconds: dict[str, f
             with wh.pinned(table, ds, **keys):
                 pass
 
-        check = _median_ms(lambda name=name, stage=stage: require_fresh(wh, stage, [name]),
-                           repeats)  # fmt: skip
+        check = _median_ms(lambda name=name, stage=stage: require_fresh(wh, stage, [name]), repeats)
         pinned = _median_ms(pin, repeats)
         out[f"lineage.check_ms.{stage}"] = check
         out[f"lineage.pin_ms.{stage}"] = pinned
@@ -59,8 +62,11 @@ def lineage_costs(wh: Warehouse, ds: str, logs: Path, stage_seconds: dict[str, f
 def lineage_markdown(r: dict) -> list[str]:
     if "lineage.check_ms.ingest" not in r:
         return []
-    rows = ["", "| lineage, before a stage reads (medians of 20) | check | pin | the stage | share |",
-            "|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        "",
+        "| lineage, before a stage reads (medians of 20) | check | pin | the stage | share |",
+        "|---|---|---|---|---|",
+    ]
     secs = r.get("lineage.stage_seconds", {})
     for stage in ("ingest", "generate", "preprocess", "train"):
         check = r.get(f"lineage.check_ms.{stage}")
@@ -68,7 +74,9 @@ def lineage_markdown(r: dict) -> list[str]:
             continue
         pin = r.get(f"lineage.pin_ms.{stage}")
         share = r.get(f"lineage.share.{stage}")
-        rows.append(f"| {stage} | {check:.2f} ms | {'-' if pin is None else f'{pin:.2f} ms'} | "
-                    f"{'-' if stage not in secs else f'{secs[stage]:.2f} s'} | "
-                    f"{'-' if share is None else f'{share:.2%}'} |")  # fmt: skip
+        rows.append(
+            f"| {stage} | {check:.2f} ms | {'-' if pin is None else f'{pin:.2f} ms'} | "
+            f"{'-' if stage not in secs else f'{secs[stage]:.2f} s'} | "
+            f"{'-' if share is None else f'{share:.2%}'} |"
+        )
     return rows

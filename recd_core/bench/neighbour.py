@@ -32,8 +32,9 @@ def neighbour_figures(warehouse: str, ds: str, batch_size: int, repeats: int = 3
     for name, policy in POLICIES.items():
         env = os.environ | {"OMP_WAIT_POLICY": policy}
         args = [sys.executable, "-m", __name__, warehouse, ds, str(batch_size), str(repeats)]
-        out = subprocess.run(args, env=env, capture_output=True, text=True, check=False,
-                             **owned_child())  # fmt: skip
+        out = subprocess.run(
+            args, env=env, capture_output=True, text=True, check=False, **owned_child()
+        )
         if out.returncode != 0:
             raise RuntimeError(f"neighbour timing ({name}) failed: {out.stderr.strip()[-500:]}")
         r = json.loads(out.stdout.strip().splitlines()[-1])

@@ -82,9 +82,13 @@ SPLITS = {
     "user": ("bench.quality.movielens.", True, 0.8, "split by time per user (80/20)"),
     # what daily retraining meets: everything before a moment trains, everyone's next
     # ratings test
-    "global": ("bench.quality.movielens_global.", False, 0.9,
-               "split globally by time (the latest tenth tests)"),
-}  # fmt: skip
+    "global": (
+        "bench.quality.movielens_global.",
+        False,
+        0.9,
+        "split globally by time (the latest tenth tests)",
+    ),
+}
 
 
 def movielens_quality(
@@ -164,11 +168,23 @@ def movielens_quality(
     runs[best] = [refs[best]]
     for seed in range(1, seeds):
         again = _reseeded(cfg, seed)
-        runs["ours"].append(kept.figures(f"ours.seed{seed}", ours_key(again),
-                                         partial(fit_ours, again)))  # fmt: skip
+        runs["ours"].append(
+            kept.figures(f"ours.seed{seed}", ours_key(again), partial(fit_ours, again))
+        )
         if best in SEQUENTIAL:  # the others fit the same model from the same rows each time
-            runs[best].append(reference_again(best, refs[best], seed, train_rows, test_rows,
-                                              pipeline.features, per_user, kept, rows))  # fmt: skip
+            runs[best].append(
+                reference_again(
+                    best,
+                    refs[best],
+                    seed,
+                    train_rows,
+                    test_rows,
+                    pipeline.features,
+                    per_user,
+                    kept,
+                    rows,
+                )
+            )
     h = ours["logloss"] / ours["ne"]  # the test rows' click entropy
     best_ne = refs[best]["ne"]
     best_auc = max(r["auc"] for r in refs.values())
@@ -186,28 +202,30 @@ def movielens_quality(
     for name, ref in refs.items():  # lr_ne, lr_auc, lr_c, ..., din_ne, din_lr, ...
         ref.setdefault("logloss", ref["ne"] * h)
         result.update({f"{q}{name}_{k}": v for k, v in ref.items()})
-    result.update({
-        # ours against the best reference of any kind, figure by figure
-        q + "best_ne_gain": best_ne - ours["ne"],
-        q + "best_auc_gain": ours["auc"] - best_auc,
-        q + "train_minutes": ours["seconds"] / 60,
-        q + "train_samples_per_s": ours["samples_per_s"],
-        q + "batch_size": ours["batch_size"],
-        q + "members": ours["members"],
-        **(seed_spread(q, runs, best) if seeds > 1 else {}),
-        # the models an earlier run measured on these rows with this code (bench.md says when)
-        q + "kept": ", ".join(k["model"] for k in kept.reused) or "none",
-        f"movielens_quality_{split}": {
-            "train_rows": train_rows.num_rows,
-            "test_rows": test_rows.num_rows,
-            "test_ctr": ours["ctr"],
-            "epochs_trained": ours["epochs_trained"],
-            "best_step": ours["best_step"],
-            "val_ne": ours["val_ne"],
-            # models whose figures an earlier run on the same rows and code measured
-            "kept": kept.reused,
-        },
-    })  # fmt: skip
+    result.update(
+        {
+            # ours against the best reference of any kind, figure by figure
+            q + "best_ne_gain": best_ne - ours["ne"],
+            q + "best_auc_gain": ours["auc"] - best_auc,
+            q + "train_minutes": ours["seconds"] / 60,
+            q + "train_samples_per_s": ours["samples_per_s"],
+            q + "batch_size": ours["batch_size"],
+            q + "members": ours["members"],
+            **(seed_spread(q, runs, best) if seeds > 1 else {}),
+            # the models an earlier run measured on these rows with this code (bench.md says when)
+            q + "kept": ", ".join(k["model"] for k in kept.reused) or "none",
+            f"movielens_quality_{split}": {
+                "train_rows": train_rows.num_rows,
+                "test_rows": test_rows.num_rows,
+                "test_ctr": ours["ctr"],
+                "epochs_trained": ours["epochs_trained"],
+                "best_step": ours["best_step"],
+                "val_ne": ours["val_ne"],
+                # models whose figures an earlier run on the same rows and code measured
+                "kept": kept.reused,
+            },
+        }
+    )
     return result
 
 
@@ -259,11 +277,16 @@ def _timed(fit, *args, **kwargs) -> dict:
     return {**figures, "minutes": (time.perf_counter() - started) / 60}
 
 
-def _reference_key(train, test, features: FeatureSet, per_user: bool, batch: int,
-                   rows: str | None) -> dict:  # fmt: skip
+def _reference_key(
+    train, test, features: FeatureSet, per_user: bool, batch: int, rows: str | None
+) -> dict:
     """What every reference's kept figures depend on besides its code and its seed."""
-    return {"rows": rows or rows_digest(train, test), "per_user": per_user, "batch": batch,
-            "features": features.model_dump(mode="json")}  # fmt: skip
+    return {
+        "rows": rows or rows_digest(train, test),
+        "per_user": per_user,
+        "batch": batch,
+        "features": features.model_dump(mode="json"),
+    }
 
 
 def _reseeded(cfg: TrainConfig, seed: int) -> TrainConfig:
@@ -273,18 +296,38 @@ def _reseeded(cfg: TrainConfig, seed: int) -> TrainConfig:
 
 
 def reference_again(
-    name: str, tuned: dict, seed: int, train: pa.Table, test: pa.Table, features: FeatureSet,
-    per_user: bool, kept: Kept, rows: str,
-) -> dict:  # fmt: skip
+    name: str,
+    tuned: dict,
+    seed: int,
+    train: pa.Table,
+    test: pa.Table,
+    features: FeatureSet,
+    per_user: bool,
+    kept: Kept,
+    rows: str,
+) -> dict:
     """A sequential reference fitted again with another `seed` at the learning rate its
     tuning chose (the steps chosen again on the latest tenth, as the first fit chose
     them): the spread of one fit of the same reference, kept like its first figures."""
-    key = {**_reference_key(train, test, features, per_user, tuned["batch"], rows),
-           "code": source_digest(sequential_reference.__module__), "seed": seed,
-           "lr": tuned["lr"]}  # fmt: skip
+    key = {
+        **_reference_key(train, test, features, per_user, tuned["batch"], rows),
+        "code": source_digest(sequential_reference.__module__),
+        "seed": seed,
+        "lr": tuned["lr"],
+    }
 
-    fit = partial(_timed, sequential_reference, name, train, test, features, per_user,
-                  batch=tuned["batch"], learning_rates=(tuned["lr"],), seed=seed)  # fmt: skip
+    fit = partial(
+        _timed,
+        sequential_reference,
+        name,
+        train,
+        test,
+        features,
+        per_user,
+        batch=tuned["batch"],
+        learning_rates=(tuned["lr"],),
+        seed=seed,
+    )
     return kept.figures(f"{name}.seed{seed}", key, fit)
 
 
@@ -298,16 +341,22 @@ def seed_spread(q: str, runs: dict[str, list[dict]], best: str) -> dict:
     for model, fits in runs.items():
         for k in ("ne", "logloss", "auc"):
             values = [f[k] for f in fits]
-            out.update({f"{q}{model}_seeds_{k}_mean": sum(values) / len(values),
-                        f"{q}{model}_seeds_{k}_min": min(values),
-                        f"{q}{model}_seeds_{k}_max": max(values)})  # fmt: skip
+            out.update(
+                {
+                    f"{q}{model}_seeds_{k}_mean": sum(values) / len(values),
+                    f"{q}{model}_seeds_{k}_min": min(values),
+                    f"{q}{model}_seeds_{k}_max": max(values),
+                }
+            )
         out[f"{q}{model}_seeds_fitted"] = len(fits)
         out[f"{q}{model}_seeds_minutes"] = sum(
-            f.get("minutes", f.get("seconds", 0) / 60) for f in fits[1:])  # fmt: skip
+            f.get("minutes", f.get("seconds", 0) / 60) for f in fits[1:]
+        )
     theirs = f"{q}{best}_seeds_"
     out[q + "worst_seed_ne_gain"] = out[theirs + "ne_min"] - out[q + "ours_seeds_ne_max"]
     out[q + "worst_seed_logloss_gain"] = (
-        out[theirs + "logloss_min"] - out[q + "ours_seeds_logloss_max"])  # fmt: skip
+        out[theirs + "logloss_min"] - out[q + "ours_seeds_logloss_max"]
+    )
     out[q + "worst_seed_auc_gain"] = out[q + "ours_seeds_auc_min"] - out[theirs + "auc_max"]
     return out
 
@@ -358,7 +407,10 @@ def synthetic_week(
     bounds = learnable_bounds(pipeline.features, pipeline.synth, all_days[:-1], all_days[1:])
     for row, bound in zip(rows, bounds, strict=True):
         row["bound_ne"], row["features_ne"], row["learned_ne"] = (
-            bound["bound"], bound["features"], bound["learned"])  # fmt: skip
+            bound["bound"],
+            bound["features"],
+            bound["learned"],
+        )
     result = {
         "bench.quality.week.first_ne": rows[0]["ne"],
         "bench.quality.week.first_gap": rows[0]["gap"],

@@ -303,8 +303,12 @@ def factorization_machine(
         FactorizationMachine.parts(design(train)), _labels(train), l2, passes, lr
     )
     p, y = fm.predict(FactorizationMachine.tensors(design(test))), _labels(test)
-    return {"ne": metrics.normalized_entropy(y, p), "auc": metrics.auc(y, p), "l2": l2,
-            "passes": passes}  # fmt: skip
+    return {
+        "ne": metrics.normalized_entropy(y, p),
+        "auc": metrics.auc(y, p),
+        "l2": l2,
+        "passes": passes,
+    }
 
 
 def time_split(samples: pa.Table, train_share: float, per_user: bool) -> pa.Array:
@@ -379,9 +383,18 @@ def gradient_boosted_trees(
     x_fit, y_fit, x_val, y_val = x_all[~late], y_all[~late], x_all[late], y_all[late]
 
     def params(num_leaves: int) -> dict:
-        return {"objective": "binary", "learning_rate": learning_rate, "num_leaves": num_leaves,
-                "min_data_in_leaf": 100, "feature_fraction": 0.8, "bagging_fraction": 0.8,
-                "bagging_freq": 1, "cat_smooth": 10, "verbose": -1, "seed": 0}  # fmt: skip
+        return {
+            "objective": "binary",
+            "learning_rate": learning_rate,
+            "num_leaves": num_leaves,
+            "min_data_in_leaf": 100,
+            "feature_fraction": 0.8,
+            "bagging_fraction": 0.8,
+            "bagging_freq": 1,
+            "cat_smooth": 10,
+            "verbose": -1,
+            "seed": 0,
+        }
 
     fit_set = lgb.Dataset(x_fit, y_fit, categorical_feature=cats, free_raw_data=False)
     val_set = lgb.Dataset(x_val, y_val, reference=fit_set, free_raw_data=False)
@@ -389,9 +402,12 @@ def gradient_boosted_trees(
 
     def score(num_leaves: int) -> float:
         booster = lgb.train(
-            params(num_leaves), fit_set, max_rounds, valid_sets=[val_set],
+            params(num_leaves),
+            fit_set,
+            max_rounds,
+            valid_sets=[val_set],
             callbacks=[lgb.early_stopping(patience, verbose=False)],
-        )  # fmt: skip
+        )
         best_rounds[num_leaves] = booster.best_iteration
         p_val = booster.predict(x_val, num_iteration=booster.best_iteration)
         return metrics.normalized_entropy(y_val, p_val)
@@ -402,5 +418,9 @@ def gradient_boosted_trees(
         params(num_leaves), lgb.Dataset(x_all, y_all, categorical_feature=cats), rounds
     )
     p, y = booster.predict(tree_design(test, features)[0]), _labels(test)
-    return {"ne": metrics.normalized_entropy(y, p), "auc": metrics.auc(y, p),
-            "leaves": num_leaves, "rounds": rounds}  # fmt: skip
+    return {
+        "ne": metrics.normalized_entropy(y, p),
+        "auc": metrics.auc(y, p),
+        "leaves": num_leaves,
+        "rounds": rounds,
+    }

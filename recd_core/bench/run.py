@@ -126,14 +126,24 @@ def run_bench(
     from recd_core.bench.lineage_cost import lineage_costs
 
     rows = result["synthetic"]["rows"]
-    seconds = {"ingest": ing["ingest.seconds"], "generate": storage["generate_seconds"],
-               "preprocess": rows / result["dpp.samples_per_s.dedup"]}  # fmt: skip
+    seconds = {
+        "ingest": ing["ingest.seconds"],
+        "generate": storage["generate_seconds"],
+        "preprocess": rows / result["dpp.samples_per_s.dedup"],
+    }
     if "train.samples_per_s.dedup" in result:
         seconds["train"] = rows / result["train.samples_per_s.dedup"]  # a pass over the day
     result.update(lineage_costs(wh, DS, logs / f"ds={DS}", seconds))
     if movielens is not None:
-        ml_ing = run_stage("ingest", {"warehouse": wh.uri, "ds": "2026-10-01",
-                                      "source": str(movielens), "format": "movielens"})  # fmt: skip
+        ml_ing = run_stage(
+            "ingest",
+            {
+                "warehouse": wh.uri,
+                "ds": "2026-10-01",
+                "source": str(movielens),
+                "format": "movielens",
+            },
+        )
         ml = _storage(wh, "2026-10-01", str(PACKAGE_CONFIGS / "movielens.yaml"))
         result["bench.movielens.storage_ratio"] = ml["storage_ratio"]
         result["bench.movielens.storage_over_lower_bound"] = ml["clustered_over_lower_bound"]
@@ -148,8 +158,9 @@ def run_bench(
 
         if movielens is not None:
             for split in SPLITS:  # per user, and globally by time
-                result.update(movielens_quality(movielens, out, split=split, seeds=seeds,
-                                                kept=kept))  # fmt: skip
+                result.update(
+                    movielens_quality(movielens, out, split=split, seeds=seeds, kept=kept)
+                )
         if quality_days:
             result.update(synthetic_week(out, preset, days=quality_days))
             from recd_core.bench.serving import ranking_figures, serving_figures
@@ -181,8 +192,9 @@ def chart(r: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     x = range(len(names))
     mine = ax.bar([i - 0.2 for i in x], [ours[n] for n in names], 0.4, label="recd (this run)")
-    paper = ax.bar([i + 0.2 for i in x], [PAPER[n] for n in names], 0.4, label="RecD paper",
-                   color="#bbbbbb")  # fmt: skip
+    paper = ax.bar(
+        [i + 0.2 for i in x], [PAPER[n] for n in names], 0.4, label="RecD paper", color="#bbbbbb"
+    )
     ax.bar_label(mine, fmt="%.2fx")
     ax.bar_label(paper, fmt="%.2fx")
     ax.axhline(1.0, color="grey", lw=1, ls="--")
@@ -283,8 +295,12 @@ def markdown(r: dict) -> str:
     if serving := serving_markdown(r):
         rows += ["", *serving]
     if ranking := ranking_markdown(r):
-        rows += ["", "One user, many candidates: a ranking request against the same samples as rows",
-                 "", *ranking]  # fmt: skip
+        rows += [
+            "",
+            "One user, many candidates: a ranking request against the same samples as rows",
+            "",
+            *ranking,
+        ]
     if "embedding.step_ms.ours_dedup" in r:
         rows += ["", "| embedding bags only (fwd+bwd+sparse Adagrad) | step |", "|---|---|"]
         for k in ("torchrec_kjt", "torchrec_vbe", "ours_all_rows", "ours_dedup"):
@@ -312,10 +328,14 @@ def sharded_markdown(r: dict) -> list[str]:
                 f"{human_bytes(r[f'{k}.{mode}.vector_bytes_per_step'])} | "
                 f"{r[f'{k}.{mode}.step_ms']:,.0f} ms |"
             )
-        ratio = [r[f"{k}.baseline.{x}"] / r[f"{k}.dedup.{x}"]
-                 for x in ("id_bytes_per_step", "vector_bytes_per_step", "step_ms")]  # fmt: skip
-        rows.append(f"| {sharding}, baseline / dedup | {ratio[0]:.2f}x | **{ratio[1]:.2f}x** | "
-                    f"{ratio[2]:.2f}x |")  # fmt: skip
+        ratio = [
+            r[f"{k}.baseline.{x}"] / r[f"{k}.dedup.{x}"]
+            for x in ("id_bytes_per_step", "vector_bytes_per_step", "step_ms")
+        ]
+        rows.append(
+            f"| {sharding}, baseline / dedup | {ratio[0]:.2f}x | **{ratio[1]:.2f}x** | "
+            f"{ratio[2]:.2f}x |"
+        )
     rows.append(
         f"| dedup factor of a rank's slice (samples a unique user row) | "
         f"{r['sharded.dedup_factor_per_rank']:.1f} | | |"
@@ -364,12 +384,16 @@ def pipeline_markdown(r: dict) -> list[str]:
         def mbs(values) -> str:
             return ", ".join(f"{v / mb:,.0f}" for v in values)
 
-        rows += ["", f"The daily pipeline with a table past the budget (`recd run`, two days: "
-                 f"items table {r[p + 'table_bytes'] / mb:,.0f} MB, budget "
-                 f"{r[p + 'budget_mb']} MB a process, 2 processes row-wise):", "",
-                 "| day | started from | saved | shards a rank, MB | rank runtime, MB | rank peak above it, MB "
-                 "| evaluate / register peak above start, MB | largest file, MB | decision |",
-                 "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        rows += [
+            "",
+            f"The daily pipeline with a table past the budget (`recd run`, two days: "
+            f"items table {r[p + 'table_bytes'] / mb:,.0f} MB, budget "
+            f"{r[p + 'budget_mb']} MB a process, 2 processes row-wise):",
+            "",
+            "| day | started from | saved | shards a rank, MB | rank runtime, MB | rank peak above it, MB "
+            "| evaluate / register peak above start, MB | largest file, MB | decision |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for k in (1, 2):
             d = f"{p}day{k}."
             rows.append(
@@ -377,11 +401,14 @@ def pipeline_markdown(r: dict) -> list[str]:
                 f"| {mbs(r[d + 'rank_runtime_bytes'])} | {mbs(r[d + 'rank_grown_bytes'])} "
                 f"| {r[d + 'evaluate_grown_bytes'] / mb:,.0f} / {r[d + 'register_grown_bytes'] / mb:,.0f} "
                 f"| {r[d + 'largest_file_bytes'] / mb:,.0f} | {r[d + 'decision']} |"
-            )  # fmt: skip
-        rows += ["", f"The champion served (`recd serve --model models:/recd-dlrm@champion`, "
-                 f"{r[p + 'serve_rows']} rows a request): {r[p + 'serve_idle_bytes'] / mb:,.0f} MB "
-                 f"idle, {r[p + 'serve_peak_bytes'] / mb:,.0f} MB at its peak, "
-                 f"{r[p + 'serve_p50_ms']:,.1f} ms a request (p50)."]  # fmt: skip
+            )
+        rows += [
+            "",
+            f"The champion served (`recd serve --model models:/recd-dlrm@champion`, "
+            f"{r[p + 'serve_rows']} rows a request): {r[p + 'serve_idle_bytes'] / mb:,.0f} MB "
+            f"idle, {r[p + 'serve_peak_bytes'] / mb:,.0f} MB at its peak, "
+            f"{r[p + 'serve_p50_ms']:,.1f} ms a request (p50).",
+        ]
     return rows
 
 
@@ -410,8 +437,10 @@ def movielens_markdown(r: dict, q: str, words: str, kept: list[dict] = ()) -> li
     from recd_core.bench.quality import REFERENCES
 
     def row(name: str, p: str, minutes: float) -> str:
-        return (f"| {name} | {r[p + 'ne']:.4f} | {r[p + 'logloss']:.4f} | {r[p + 'auc']:.4f} "
-                f"| {minutes:.1f} |")  # fmt: skip
+        return (
+            f"| {name} | {r[p + 'ne']:.4f} | {r[p + 'logloss']:.4f} | {r[p + 'auc']:.4f} "
+            f"| {minutes:.1f} |"
+        )
 
     h = r[q + "test_entropy"]  # log loss = NE x the test rows' entropy
     rows = [
@@ -425,8 +454,10 @@ def movielens_markdown(r: dict, q: str, words: str, kept: list[dict] = ()) -> li
         if f"{q}{n}_auc" in r
     ]
     members = r[q + "members"]
-    ours = (f"**recd DLRM** (batch {r[q + 'batch_size']}, {members} "
-            f"model{'s' if members > 1 else ''}, {r[q + 'train_samples_per_s']:,.0f} samples/s)")  # fmt: skip
+    ours = (
+        f"**recd DLRM** (batch {r[q + 'batch_size']}, {members} "
+        f"model{'s' if members > 1 else ''}, {r[q + 'train_samples_per_s']:,.0f} samples/s)"
+    )
     rows += [
         row(ours, q, r[q + "train_minutes"]),
         f"| recd DLRM over the best reference, figure by figure | {r[q + 'best_ne_gain']:+.4f} "
@@ -437,14 +468,24 @@ def movielens_markdown(r: dict, q: str, words: str, kept: list[dict] = ()) -> li
     ]
     rows += seed_rows(r, q)
     if kept:  # figures an earlier run measured on the same rows with the same code
-        rows += ["", "Kept from an earlier run on the same rows and code (minutes are that "
-                 "run's): " + "; ".join(f"{k['model']} (measured {k['measured']}, {k['machine']})"
-                                       for k in kept) + "."]  # fmt: skip
+        rows += [
+            "",
+            "Kept from an earlier run on the same rows and code (minutes are that "
+            "run's): "
+            + "; ".join(f"{k['model']} (measured {k['measured']}, {k['machine']})" for k in kept)
+            + ".",
+        ]
     return rows
 
 
-SHORT_NAMES = {"lr": "the logistic regression", "fm": "the factorization machine",
-               "gbdt": "LightGBM", "din": "DIN", "dcn_v2": "DCN-v2", "sim": "SIM"}  # fmt: skip
+SHORT_NAMES = {
+    "lr": "the logistic regression",
+    "fm": "the factorization machine",
+    "gbdt": "LightGBM",
+    "din": "DIN",
+    "dcn_v2": "DCN-v2",
+    "sim": "SIM",
+}
 
 
 def seed_rows(r: dict, q: str) -> list[str]:
@@ -456,13 +497,18 @@ def seed_rows(r: dict, q: str) -> list[str]:
 
     def row(words: str, model: str) -> str:
         p = f"{q}{model}_seeds_"
-        cells = [f"{r[p + k + '_mean']:.4f} ({r[p + k + '_min']:.4f}-{r[p + k + '_max']:.4f})"
-                 for k in ("ne", "logloss", "auc")]  # fmt: skip
+        cells = [
+            f"{r[p + k + '_mean']:.4f} ({r[p + k + '_min']:.4f}-{r[p + k + '_max']:.4f})"
+            for k in ("ne", "logloss", "auc")
+        ]
         return f"| {words} | " + " | ".join(cells) + f" | {r[p + 'minutes']:.1f} |"
 
     n, fitted = r[q + "seeds"], r[f"{q}{best}_seeds_fitted"]
-    theirs = (f"{SHORT_NAMES[best]}, {fitted} seeds at its tuned learning rate" if fitted > 1
-              else f"{SHORT_NAMES[best]}, one fit (the same from the same rows every time)")  # fmt: skip
+    theirs = (
+        f"{SHORT_NAMES[best]}, {fitted} seeds at its tuned learning rate"
+        if fitted > 1
+        else f"{SHORT_NAMES[best]}, one fit (the same from the same rows every time)"
+    )
     return [
         row(f"recd DLRM, {n} seeds: mean (lowest-highest)", "ours"),
         row(theirs, best),
@@ -530,9 +576,12 @@ def dpp_figures(wh: Warehouse, ds: str, repeats: int = 3) -> dict:
     and 1 vs 2 workers in dedup mode."""
     import statistics
 
-    arms = {"dedup": {"mode": "dedup"}, "baseline": {"mode": "baseline"},
-            "dedup_2w": {"mode": "dedup", "workers": 2},
-            "dedup_2t": {"mode": "dedup", "workers": 2, "threads": True}}  # fmt: skip
+    arms = {
+        "dedup": {"mode": "dedup"},
+        "baseline": {"mode": "baseline"},
+        "dedup_2w": {"mode": "dedup", "workers": 2},
+        "dedup_2t": {"mode": "dedup", "workers": 2, "threads": True},
+    }
     runs: dict[str, list[dict]] = {k: [] for k in arms}
     for _ in range(repeats):  # the preprocess stage, as the pipelines run it
         for k, args in arms.items():

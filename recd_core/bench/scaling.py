@@ -60,8 +60,11 @@ def run_stage(args: list, summary: Path) -> dict:
     err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
-    return {"seconds": seconds, "peak_rss_bytes": usage.ru_maxrss * 1024,
-            "summary": json.loads(summary.read_text())}  # fmt: skip
+    return {
+        "seconds": seconds,
+        "peak_rss_bytes": usage.ru_maxrss * 1024,
+        "summary": json.loads(summary.read_text()),
+    }
 
 
 def dpp_ratio(root: Path, n: int, repeats: int) -> dict:
@@ -76,11 +79,19 @@ def dpp_ratio(root: Path, n: int, repeats: int) -> dict:
             runs[mode].append(run_stage(args, root / f"dpp-{mode}-{i}.json"))
     med = {m: statistics.median(r["summary"]["dpp.seconds"] for r in v) for m, v in runs.items()}
     wall = {m: statistics.median(r["seconds"] for r in v) for m, v in runs.items()}
-    out = {"samples_per_day": n, "repeats": repeats, "seconds": med, "wall_seconds": wall,
-           "speedup": med["baseline"] / med["dedup"],
-           "wall_speedup": wall["baseline"] / wall["dedup"]}  # fmt: skip
-    print(f"{n:>9,} dpp        dedup {med['dedup']:.2f} s, baseline {med['baseline']:.2f} s: "
-          f"{out['speedup']:.2f}x ({out['wall_speedup']:.2f}x wall)", flush=True)  # fmt: skip
+    out = {
+        "samples_per_day": n,
+        "repeats": repeats,
+        "seconds": med,
+        "wall_seconds": wall,
+        "speedup": med["baseline"] / med["dedup"],
+        "wall_speedup": wall["baseline"] / wall["dedup"],
+    }
+    print(
+        f"{n:>9,} dpp        dedup {med['dedup']:.2f} s, baseline {med['baseline']:.2f} s: "
+        f"{out['speedup']:.2f}x ({out['wall_speedup']:.2f}x wall)",
+        flush=True,
+    )
     return out
 
 
@@ -101,8 +112,11 @@ def scaling(
             s = r["summary"]
             samples = s.get("synth.rows") or s.get("ingest.rows_in") or samples
             rows.append({"samples_per_day": n, "stage": stage, "samples": samples, **r})
-            print(f"{n:>9,} {stage:<10} {r['seconds']:7.1f} s  "
-                  f"{r['peak_rss_bytes'] / 2**30:5.2f} GiB", flush=True)  # fmt: skip
+            print(
+                f"{n:>9,} {stage:<10} {r['seconds']:7.1f} s  "
+                f"{r['peak_rss_bytes'] / 2**30:5.2f} GiB",
+                flush=True,
+            )
             if stage == "generate" and "dpp" in stages:
                 dpp.append(dpp_ratio(root, n, repeats))
         shutil.rmtree(root / "logs", ignore_errors=True)
@@ -140,10 +154,10 @@ def dpp_markdown(dpp: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default="200000,1000000,2000000",
-                   help="samples per day, comma-separated")  # fmt: skip
-    p.add_argument("--stages", default=",".join(STAGES),
-                   help=f"of {', '.join(STAGES + EXTRA)}")  # fmt: skip
+    p.add_argument(
+        "--sizes", default="200000,1000000,2000000", help="samples per day, comma-separated"
+    )
+    p.add_argument("--stages", default=",".join(STAGES), help=f"of {', '.join(STAGES + EXTRA)}")
     p.add_argument("--repeats", type=int, default=3, help="DPP ratio repeats per mode")
     p.add_argument("--out", type=Path, default=Path("build/bench"))
     args = p.parse_args(argv)

@@ -285,8 +285,16 @@ def _scores(model: nn.Module, x: Inputs, batch: int = 8192) -> np.ndarray:
     return torch.cat(out).double().cpu().numpy()
 
 
-def _fit(model: nn.Module, x: Inputs, lr: float, steps: int, batch: int, seed: int,
-         each=None, every: int = 0) -> nn.Module:  # fmt: skip
+def _fit(
+    model: nn.Module,
+    x: Inputs,
+    lr: float,
+    steps: int,
+    batch: int,
+    seed: int,
+    each=None,
+    every: int = 0,
+) -> nn.Module:
     """`steps` Adam steps over shuffled passes of `x`; `each(step)` every `every` steps
     (False stops)."""
     gen = torch.Generator().manual_seed(seed)
@@ -343,8 +351,16 @@ def sequential_reference(
 
     def fit(lr: float, each) -> None:
         model = build()
-        _fit(model, x_fit, lr, max_passes * 2 * every, batch, seed,
-             lambda step: each(step, model), every)  # fmt: skip
+        _fit(
+            model,
+            x_fit,
+            lr,
+            max_passes * 2 * every,
+            batch,
+            seed,
+            lambda step: each(step, model),
+            every,
+        )
 
     def validate(model) -> float:
         return metrics.normalized_entropy(y_val, _scores(model, x_val))

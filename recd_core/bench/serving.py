@@ -83,8 +83,11 @@ def _reset_peak(pid: int) -> None:
 
 
 def _post(port: int, body: bytes) -> float:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/invocations",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
     t0 = time.perf_counter()
     with urllib.request.urlopen(request, timeout=600) as r:
         r.read()
@@ -101,22 +104,33 @@ def measure(server: subprocess.Popen, port: int, bodies: dict, requests: dict) -
             _post(port, body)
         times = np.array([_post(port, body) for _ in range(requests[size])]) * 1e3
         rows = size[1] if isinstance(size, tuple) else size
-        out[size] = {"p50_ms": float(np.percentile(times, 50)),
-                     "p99_ms": float(np.percentile(times, 99)),
-                     "rows_per_s": rows / float(np.median(times)) * 1e3,
-                     "requests_per_s": len(times) / float(times.sum()) * 1e3,
-                     "peak_rss": _peak_rss(server.pid), "requests": requests[size]}  # fmt: skip
+        out[size] = {
+            "p50_ms": float(np.percentile(times, 50)),
+            "p99_ms": float(np.percentile(times, 99)),
+            "rows_per_s": rows / float(np.median(times)) * 1e3,
+            "requests_per_s": len(times) / float(times.sum()) * 1e3,
+            "peak_rss": _peak_rss(server.pid),
+            "requests": requests[size],
+        }
     return out
 
 
-def run_server(cmd: list[str], port: int, requests: dict, bodies: dict,
-               env: dict | None = None) -> dict:  # fmt: skip
+def run_server(
+    cmd: list[str], port: int, requests: dict, bodies: dict, env: dict | None = None
+) -> dict:
     """`cmd` (a server on `port`) measured (`measure`), then stopped with what it started;
     a bench killed meanwhile takes the server with it (`runtime.owned_child`)."""
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env={**os.environ, **(env or {}),
-                                   "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
-                              **owned_child())  # fmt: skip
+    server = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={
+            **os.environ,
+            **(env or {}),
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        },
+        **owned_child(),
+    )
     try:
         return measure(server, port, bodies, requests)
     finally:
@@ -132,26 +146,66 @@ def serving_figures(model_uri: str, warehouse: str, ds: str, reference: bool = T
     rows = Warehouse(warehouse).read_range("samples", ds, 0, max(SIZES), layout="clustered")
     keep = [c for c in rows.column_names if c not in NON_FEATURE_COLUMNS]
     records = rows.select(keep).to_pylist()
-    bodies = {n: json.dumps({"dataframe_split": {"columns": keep, "data": [
-        [r[c] for c in keep] for r in records[:n]]}}).encode() for n in SIZES}  # fmt: skip
+    bodies = {
+        n: json.dumps(
+            {
+                "dataframe_split": {
+                    "columns": keep,
+                    "data": [[r[c] for c in keep] for r in records[:n]],
+                }
+            }
+        ).encode()
+        for n in SIZES
+    }
     port = free_port()
-    ours = run_server([sys.executable, "-m", "recd_core.cli", "serve", "--model", model_uri,
-                        "--port", str(port), "--max-rows", str(max(SIZES))], port,
-                       REQUESTS, bodies)  # fmt: skip
+    ours = run_server(
+        [
+            sys.executable,
+            "-m",
+            "recd_core.cli",
+            "serve",
+            "--model",
+            model_uri,
+            "--port",
+            str(port),
+            "--max-rows",
+            str(max(SIZES)),
+        ],
+        port,
+        REQUESTS,
+        bodies,
+    )
     out = {"serving.rss_idle_bytes": ours["rss_idle"]}
     for n in SIZES:
         for k, v in ours[n].items():
             out[f"serving.rows_{n}.{k}"] = v
         out[f"serving.rows_{n}.body_bytes"] = len(bodies[n])
     if reference:
-        with tempfile.TemporaryDirectory(prefix="recd-bench-pyfunc-") as tmp, \
-                model_dir(model_uri) as local:  # fmt: skip
+        with (
+            tempfile.TemporaryDirectory(prefix="recd-bench-pyfunc-") as tmp,
+            model_dir(model_uri) as local,
+        ):
             save_pyfunc(local, rows, Path(tmp) / "model")
             port = free_port()
             mlflow_bin = str(Path(sys.executable).parent / "mlflow")
-            theirs = run_server([mlflow_bin, "models", "serve", "-m", str(Path(tmp) / "model"),
-                                  "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
-                                 port, REFERENCE_REQUESTS, bodies)  # fmt: skip
+            theirs = run_server(
+                [
+                    mlflow_bin,
+                    "models",
+                    "serve",
+                    "-m",
+                    str(Path(tmp) / "model"),
+                    "--env-manager",
+                    "local",
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    str(port),
+                ],
+                port,
+                REFERENCE_REQUESTS,
+                bodies,
+            )
         out["serving.mlflow.rss_idle_bytes"] = theirs["rss_idle"]
         for n in SIZES:
             for k, v in theirs[n].items():
@@ -173,8 +227,9 @@ def ranking_bodies(rows, features, sizes=CANDIDATES) -> dict:
         out[("request", n)] = json.dumps(
             {"dataframe_records": [{**user, "candidates": records[:n]}]}
         ).encode()
-        out[("rows", n)] = json.dumps({"dataframe_records": [
-            {**user, **cand} for cand in records[:n]]}).encode()  # fmt: skip
+        out[("rows", n)] = json.dumps(
+            {"dataframe_records": [{**user, **cand} for cand in records[:n]]}
+        ).encode()
     return out
 
 
@@ -188,12 +243,28 @@ def ranking_figures(model_uri: str, warehouse: str, ds: str) -> dict:
     bodies = ranking_bodies(rows, features_of(saved_meta(model_uri)))
     requests = {k: RANKING_REQUESTS[k[1]] for k in bodies}
     out = {}
-    for server, flag, kinds in (("dedup", "--dedup", ("request", "rows")),
-                                ("no_dedup", "--no-dedup", ("request",))):  # fmt: skip
+    for server, flag, kinds in (
+        ("dedup", "--dedup", ("request", "rows")),
+        ("no_dedup", "--no-dedup", ("request",)),
+    ):
         port = free_port()
         sent = {k: b for k, b in bodies.items() if k[0] in kinds}
-        got = run_server([sys.executable, "-m", "recd_core.cli", "serve", "--model", model_uri,
-                          "--port", str(port), flag], port, requests, sent)  # fmt: skip
+        got = run_server(
+            [
+                sys.executable,
+                "-m",
+                "recd_core.cli",
+                "serve",
+                "--model",
+                model_uri,
+                "--port",
+                str(port),
+                flag,
+            ],
+            port,
+            requests,
+            sent,
+        )
         for (kind, n), figures in ((k, v) for k, v in got.items() if isinstance(k, tuple)):
             name = "no_dedup" if server == "no_dedup" else kind
             for key, v in figures.items():
@@ -211,35 +282,52 @@ def ranking_figures(model_uri: str, warehouse: str, ds: str) -> dict:
 def ranking_markdown(r: dict) -> list[str]:
     if "serving.ranking.request_1.p50_ms" not in r:
         return []
-    lines = ["| candidates | sent as | p50 | p99 | requests/s | peak RSS | body | p50 vs the ranking request |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| candidates | sent as | p50 | p99 | requests/s | peak RSS | body | p50 vs the ranking request |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for n in CANDIDATES:
-        for name, what in (("request", "ranking request"), ("rows", "sample rows"),
-                           ("no_dedup", "ranking request, --no-dedup")):  # fmt: skip
+        for name, what in (
+            ("request", "ranking request"),
+            ("rows", "sample rows"),
+            ("no_dedup", "ranking request, --no-dedup"),
+        ):
             a = f"serving.ranking.{name}_{n}"
             ratio = (
                 "1.0x"
                 if name == "request"
                 else f"**{r[f'serving.ranking.{name}_ratio_{n}']:.1f}x** slower"
             )
-            lines.append(f"| {n:,} | {what} | {r[a + '.p50_ms']:,.1f} ms | {r[a + '.p99_ms']:,.1f} ms | "
-                         f"{r[a + '.requests_per_s']:,.1f} | {r[a + '.peak_rss'] / 2**20:,.0f} MiB | "
-                         f"{r[a + '.body_bytes'] / 1024:,.1f} KiB | {ratio} |")  # fmt: skip
+            lines.append(
+                f"| {n:,} | {what} | {r[a + '.p50_ms']:,.1f} ms | {r[a + '.p99_ms']:,.1f} ms | "
+                f"{r[a + '.requests_per_s']:,.1f} | {r[a + '.peak_rss'] / 2**20:,.0f} MiB | "
+                f"{r[a + '.body_bytes'] / 1024:,.1f} KiB | {ratio} |"
+            )
     return lines
 
 
 def serving_markdown(r: dict) -> list[str]:
     if "serving.rows_1.p50_ms" not in r:
         return []
-    lines = ["| rows a request | recd serve p50 | p99 | peak RSS | mlflow models serve p50 | p99 | peak RSS | p50 ratio |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| rows a request | recd serve p50 | p99 | peak RSS | mlflow models serve p50 | p99 | peak RSS | p50 ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for n in SIZES:
         a = f"serving.rows_{n}"
         b = f"serving.mlflow.rows_{n}"
-        ref = (f"{r[b + '.p50_ms']:,.1f} ms | {r[b + '.p99_ms']:,.1f} ms | {r[b + '.peak_rss'] / 2**20:,.0f} MiB | "
-               f"**{r[f'serving.speedup.rows_{n}']:.1f}x**") if b + ".p50_ms" in r else "- | - | - | -"  # fmt: skip
-        lines.append(f"| {n:,} | {r[a + '.p50_ms']:,.1f} ms | {r[a + '.p99_ms']:,.1f} ms | "
-                     f"{r[a + '.peak_rss'] / 2**20:,.0f} MiB | {ref} |")  # fmt: skip
+        ref = (
+            (
+                f"{r[b + '.p50_ms']:,.1f} ms | {r[b + '.p99_ms']:,.1f} ms | {r[b + '.peak_rss'] / 2**20:,.0f} MiB | "
+                f"**{r[f'serving.speedup.rows_{n}']:.1f}x**"
+            )
+            if b + ".p50_ms" in r
+            else "- | - | - | -"
+        )
+        lines.append(
+            f"| {n:,} | {r[a + '.p50_ms']:,.1f} ms | {r[a + '.p99_ms']:,.1f} ms | "
+            f"{r[a + '.peak_rss'] / 2**20:,.0f} MiB | {ref} |"
+        )
     return lines
 
 

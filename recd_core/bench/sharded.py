@@ -76,9 +76,14 @@ def big_table_config(rows: int = PIPELINE_ITEMS_ROWS, budget_mb: int = PIPELINE_
         "features": features,
         "synth": {"users": 400, "items": 2000, "samples_per_day": 4000},
         "preprocess": {"validation_fraction": 0.0},
-        "train": {"nproc": 2, "sharding": "row_wise", "memory_budget_mb": budget_mb,
-                  "restart_tables": False, "epochs": 2},
-    }  # fmt: skip
+        "train": {
+            "nproc": 2,
+            "sharding": "row_wise",
+            "memory_budget_mb": budget_mb,
+            "restart_tables": False,
+            "epochs": 2,
+        },
+    }
 
 
 def pipeline_days(root: str, days: tuple[str, str] = ("2026-11-01", "2026-11-02")) -> list[dict]:
@@ -94,9 +99,24 @@ def pipeline_days(root: str, days: tuple[str, str] = ("2026-11-01", "2026-11-02"
     out = []
     for ds in days:
         summary = Path(root, f"{ds}.json")
-        cmd = [exe, "--tracking-uri", f"sqlite:///{root}/mlflow.db", "run", "--warehouse",
-               f"{root}/wh", "--logs", f"{root}/logs", "--out", f"{root}/out", "--config",
-               config, "--ds", ds, "--summary", summary]  # fmt: skip
+        cmd = [
+            exe,
+            "--tracking-uri",
+            f"sqlite:///{root}/mlflow.db",
+            "run",
+            "--warehouse",
+            f"{root}/wh",
+            "--logs",
+            f"{root}/logs",
+            "--out",
+            f"{root}/out",
+            "--config",
+            config,
+            "--ds",
+            ds,
+            "--summary",
+            summary,
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if r.returncode != 0:
             raise RuntimeError(f"recd run {ds} (big table) failed: {r.stderr.strip()[-800:]}")
@@ -115,16 +135,37 @@ def serve_champion(root: str, ds: str, rows: int = 100) -> dict:
 
     table = Warehouse(f"{root}/wh").read_range("samples", ds, 0, rows, layout="clustered")
     keep = [c for c in table.column_names if c not in NON_FEATURE_COLUMNS]
-    body = json.dumps({"dataframe_split": {"columns": keep, "data": [
-        [r[c] for c in keep] for r in table.select(keep).to_pylist()]}}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "dataframe_split": {
+                "columns": keep,
+                "data": [[r[c] for c in keep] for r in table.select(keep).to_pylist()],
+            }
+        }
+    ).encode()
     port = free_port()
-    served = run_server([sys.executable, "-m", "recd_core.cli", "serve", "--model",
-                         "models:/recd-dlrm@champion", "--port", str(port)], port, {rows: 5},
-                        {rows: body}, {"MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db"})  # fmt: skip
-    return {"sharded.pipeline.serve_idle_bytes": served["rss_idle"],
-            "sharded.pipeline.serve_peak_bytes": served[rows]["peak_rss"],
-            "sharded.pipeline.serve_p50_ms": served[rows]["p50_ms"],
-            "sharded.pipeline.serve_rows": rows}  # fmt: skip
+    served = run_server(
+        [
+            sys.executable,
+            "-m",
+            "recd_core.cli",
+            "serve",
+            "--model",
+            "models:/recd-dlrm@champion",
+            "--port",
+            str(port),
+        ],
+        port,
+        {rows: 5},
+        {rows: body},
+        {"MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db"},
+    )
+    return {
+        "sharded.pipeline.serve_idle_bytes": served["rss_idle"],
+        "sharded.pipeline.serve_peak_bytes": served[rows]["peak_rss"],
+        "sharded.pipeline.serve_p50_ms": served[rows]["p50_ms"],
+        "sharded.pipeline.serve_rows": rows,
+    }
 
 
 def pipeline_figures() -> dict:
@@ -133,28 +174,39 @@ def pipeline_figures() -> dict:
 
     with tempfile.TemporaryDirectory() as root:
         days = pipeline_days(root)
-        figures = {"sharded.pipeline.budget_mb": PIPELINE_BUDGET_MB,
-                   "sharded.pipeline.table_bytes": PIPELINE_ITEMS_ROWS * 32 * 4}  # fmt: skip
+        figures = {
+            "sharded.pipeline.budget_mb": PIPELINE_BUDGET_MB,
+            "sharded.pipeline.table_bytes": PIPELINE_ITEMS_ROWS * 32 * 4,
+        }
         figures |= serve_champion(root, days[-1]["eval.ds"])
         for k, day in enumerate(days, 1):
             files = [
                 p.stat().st_size for p in Path(day["train.model_uri"]).rglob("*") if p.is_file()
             ]
-            grown = [peak - before for before, peak in zip(
-                day["train.rss_before_model_bytes_per_rank"], day["train.peak_mem_bytes_per_rank"],
-                strict=True)]  # fmt: skip
+            grown = [
+                peak - before
+                for before, peak in zip(
+                    day["train.rss_before_model_bytes_per_rank"],
+                    day["train.peak_mem_bytes_per_rank"],
+                    strict=True,
+                )
+            ]
             figures |= {
                 f"sharded.pipeline.day{k}.saved_layout": day["train.saved_layout"],
                 f"sharded.pipeline.day{k}.init": day["train.init_from"] or "scratch",
                 f"sharded.pipeline.day{k}.decision": day["registry.decision"],
                 f"sharded.pipeline.day{k}.shard_bytes_per_rank": day["train.shard_bytes_per_rank"],
-                f"sharded.pipeline.day{k}.rank_runtime_bytes": day["train.rss_before_model_bytes_per_rank"],
+                f"sharded.pipeline.day{k}.rank_runtime_bytes": day[
+                    "train.rss_before_model_bytes_per_rank"
+                ],
                 f"sharded.pipeline.day{k}.rank_grown_bytes": grown,
                 f"sharded.pipeline.day{k}.largest_file_bytes": max(files),
-                **{f"sharded.pipeline.day{k}.{st}_grown_bytes":
-                   day[f"{st}.peak_rss_bytes"] - day[f"{st}.start_rss_bytes"]
-                   for st in ("evaluate", "register")},
-            }  # fmt: skip
+                **{
+                    f"sharded.pipeline.day{k}.{st}_grown_bytes": day[f"{st}.peak_rss_bytes"]
+                    - day[f"{st}.start_rss_bytes"]
+                    for st in ("evaluate", "register")
+                },
+            }
     return figures
 
 
@@ -262,8 +314,9 @@ def _rank_setup(rank: int, world: int):
     return device, Sharded(rank, world, device)
 
 
-def _comm_rank(rank: int, world: int, out: str, table_path: str, cfg_json: str,
-               steps: int = 5) -> None:  # fmt: skip
+def _comm_rank(
+    rank: int, world: int, out: str, table_path: str, cfg_json: str, steps: int = 5
+) -> None:
     import pyarrow.parquet as pq
     import torch
     import torch.distributed as dist
@@ -281,17 +334,21 @@ def _comm_rank(rank: int, world: int, out: str, table_path: str, cfg_json: str,
         "baseline": [b.part(rank, world).to(device) for b in base],
     }
     factors = [b.size / ik.num_unique for b in parts["dedup"] for ik in b.groups.values()]
-    figures: dict = {"sharded.world": world, "sharded.device": str(device),
-                     "sharded.batch_size": cfg.batch_size,
-                     "sharded.dedup_factor_per_rank": statistics.mean(factors)}  # fmt: skip
+    figures: dict = {
+        "sharded.world": world,
+        "sharded.device": str(device),
+        "sharded.batch_size": cfg.batch_size,
+        "sharded.dedup_factor_per_rank": statistics.mean(factors),
+    }
     for sharding in SHARDINGS:
         c = cfg.model_copy(update={"sharding": sharding})
         for mode, batches in parts.items():
             model = strategy.placed(features, c)
             net = strategy.net
             opt_dense, fused = strategy.optimizers(model, c, warm=False)
-            train_step(net, batches[0], opt_dense, fused, False,
-                       cooccurrence_term(model, c, 0))  # warm-up  # fmt: skip
+            train_step(
+                net, batches[0], opt_dense, fused, False, cooccurrence_term(model, c, 0)
+            )  # warm-up
             times, sent = [], []
             for k, b in enumerate(batches[1:], 1):
                 aux = cooccurrence_term(model, c, k)
@@ -306,8 +363,10 @@ def _comm_rank(rank: int, world: int, out: str, table_path: str, cfg_json: str,
             key = f"sharded.{sharding}.{mode}"
             ids = [sum(v for k, v in s.items() if k.startswith("int")) for s in sent]
             vectors = [sum(v for k, v in s.items() if not k.startswith("int")) for s in sent]
-            mine = torch.tensor([statistics.mean(ids), statistics.mean(vectors),
-                                 statistics.median(times)], dtype=torch.float64)  # fmt: skip
+            mine = torch.tensor(
+                [statistics.mean(ids), statistics.mean(vectors), statistics.median(times)],
+                dtype=torch.float64,
+            )
             total = mine.clone()
             dist.all_reduce(total)  # bytes: every rank's sum; time: the ranks' mean
             figures[f"{key}.id_bytes_per_step"] = float(total[0])
@@ -321,8 +380,9 @@ def _comm_rank(rank: int, world: int, out: str, table_path: str, cfg_json: str,
     dist.destroy_process_group()
 
 
-def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
-                 steps: int = 3) -> None:  # fmt: skip
+def _budget_rank(
+    rank: int, world: int, out: str, table_path: str, budget: str, steps: int = 3
+) -> None:
     import pyarrow.parquet as pq
     import torch
     import torch.distributed as dist
@@ -343,10 +403,16 @@ def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
     # the items table alone past the budget: 1.25 x the budget's bytes (weights, fp32)
     big = int(1.25 * (budget_mb << 20) / (4 * cfg.model.embedding_dim))
     item_table = features.table_of(features.item_key)
-    features = features.model_copy(update={"features": [
-        f.model_copy(update={"table_size": big})
-        if f.kind != "dense" and features.table_of(f.name) == item_table else f
-        for f in features.features]})  # fmt: skip
+    features = features.model_copy(
+        update={
+            "features": [
+                f.model_copy(update={"table_size": big})
+                if f.kind != "dense" and features.table_of(f.name) == item_table
+                else f
+                for f in features.features
+            ]
+        }
+    )
     before = rss()  # the runtime (python, torch, torchrec), the batches
     model = strategy.placed(features, cfg)  # the tables placed: each rank's shards only
     net = strategy.net
@@ -361,22 +427,29 @@ def _budget_rank(rank: int, world: int, out: str, table_path: str, budget: str,
     plan = plan_table(net)[f"t_{item_table}"]
     refused = ""
     try:
-        shard(ShardedDLRM(features, cfg.model),
-              cfg.model_copy(update={"memory_budget_mb": budget_mb // 2}), world, device)  # fmt: skip
+        shard(
+            ShardedDLRM(features, cfg.model),
+            cfg.model_copy(update={"memory_budget_mb": budget_mb // 2}),
+            world,
+            device,
+        )
     except ShardingRefused as e:
         refused = str(e)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({
-                "sharded.budget_mb": budget_mb,
-                "sharded.big_table_rows": big,
-                "sharded.big_table_bytes": big * 4 * cfg.model.embedding_dim,
-                "sharded.big_table_plan": plan,
-                "sharded.table_bytes_per_rank": held,
-                "sharded.peak_rss_per_rank": [int(p) for p in peaks],
-                "sharded.rss_before_tables": before,
-                "sharded.half_budget_refusal": refused,
-            }, f)  # fmt: skip
+            json.dump(
+                {
+                    "sharded.budget_mb": budget_mb,
+                    "sharded.big_table_rows": big,
+                    "sharded.big_table_bytes": big * 4 * cfg.model.embedding_dim,
+                    "sharded.big_table_plan": plan,
+                    "sharded.table_bytes_per_rank": held,
+                    "sharded.peak_rss_per_rank": [int(p) for p in peaks],
+                    "sharded.rss_before_tables": before,
+                    "sharded.half_budget_refusal": refused,
+                },
+                f,
+            )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -392,8 +465,9 @@ def counted_all_to_all():
     original = dist.all_to_all_single
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    def counting(output, input, output_split_sizes=None, input_split_sizes=None,
-                 group=None, async_op=False):  # fmt: skip
+    def counting(
+        output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False
+    ):
         rows = input.shape[0] if input.dim() else 0
         row_bytes = input[0].numel() * input.element_size() if rows else 0
         splits = input_split_sizes or [rows // world] * world

@@ -43,8 +43,11 @@ def small_files_figures(logs_day: Path, ds: str, files: int = 4_000, repeats: in
                 assert s["ingest.rows_ok"] == len(lines), s
                 events_files[name] = len(list((wh / "events" / f"ds={ds}").glob("*.parquet")))
     many_s, one_s = float(np.median(seconds["many"])), float(np.median(seconds["one"]))
-    return {"bench.small_files.files": len(lines),
-            "bench.small_files.seconds_many": many_s, "bench.small_files.seconds_one": one_s,
-            "bench.small_files.ratio": many_s / one_s,
-            "bench.small_files.events_files_many": events_files["many"],
-            "bench.small_files.events_files_one": events_files["one"]}  # fmt: skip
+    return {
+        "bench.small_files.files": len(lines),
+        "bench.small_files.seconds_many": many_s,
+        "bench.small_files.seconds_one": one_s,
+        "bench.small_files.ratio": many_s / one_s,
+        "bench.small_files.events_files_many": events_files["many"],
+        "bench.small_files.events_files_one": events_files["one"],
+    }

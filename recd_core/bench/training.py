@@ -89,8 +89,11 @@ def dedupable_share(
             p.grad = None
         outs = [model._encode(n, jt)[0].sum() for n, jt in jts.items()]
         if aux is not None:  # the list co-occurrence loss is the group's work too
-            rows = [(n, jt, torch.ones(jt.lengths.numel(), device=jt.values.device))
-                    for n, jt in sorted(jts.items()) if n in lists]  # fmt: skip
+            rows = [
+                (n, jt, torch.ones(jt.lengths.numel(), device=jt.values.device))
+                for n, jt in sorted(jts.items())
+                if n in lists
+            ]
             gen = torch.Generator().manual_seed(cfg.seed)
             loss = rows_loss(model, rows, cfg.cooccurrence_negatives, gen)
             if loss is not None:

@@ -83,8 +83,9 @@ def semantic_checks(table: pa.Table, features: FeatureSet) -> list[Check]:
         spec = specs.get(name)
         required = spec is None or spec.required
         if required and col.null_count:
-            checks.append(Check(name, np.asarray(col.is_null(), bool),
-                                f"missing required field {name!r}"))  # fmt: skip
+            checks.append(
+                Check(name, np.asarray(col.is_null(), bool), f"missing required field {name!r}")
+            )
         if spec is None and name in ENVELOPE_COLUMNS:
             if name == "label":
                 if _below(col, 0) or _above(col, 1):
@@ -210,8 +211,13 @@ class DayWindow:
     @classmethod
     def of(cls, ds: str, cfg: IngestConfig) -> DayWindow:
         start = int(np.datetime64(ds, "ms").astype(np.int64))
-        return cls(ds, start, start + DAY_MS, start - cfg.ts_before_day_s * 1000,
-                   start + DAY_MS + cfg.ts_after_day_s * 1000)  # fmt: skip
+        return cls(
+            ds,
+            start,
+            start + DAY_MS,
+            start - cfg.ts_before_day_s * 1000,
+            start + DAY_MS + cfg.ts_after_day_s * 1000,
+        )
 
 
 def day_check(table: pa.Table, window: DayWindow) -> tuple[list[Check], int]:
@@ -229,8 +235,10 @@ def day_check(table: pa.Table, window: DayWindow) -> tuple[list[Check], int]:
     words = np.full(ts.size, None, object)
     for i in np.flatnonzero(bad):  # a loop over the rejected rows only
         h = (ts[i] - (window.start if ts[i] < window.start else window.end)) / 3_600_000
-        words[i] = (f"field 'ts': {abs(h):.1f} h {'before' if h < 0 else 'after'} ds={window.ds}, "
-                    "beyond the tolerance (ingest.ts_before_day_s / ts_after_day_s)")  # fmt: skip
+        words[i] = (
+            f"field 'ts': {abs(h):.1f} h {'before' if h < 0 else 'after'} ds={window.ds}, "
+            "beyond the tolerance (ingest.ts_before_day_s / ts_after_day_s)"
+        )
     return [Check("ts", bad, pa.array(words, pa.string()))], off
 
 

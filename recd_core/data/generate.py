@@ -95,11 +95,15 @@ class _Bound:
         self.user_cols, self.cfg, self.last_session = user_cols, cfg, None
         self.pending: list[list[pa.Table]] = [[], []]
         meta = schema.metadata  # the feature set travels in the footer, as in the samples
-        sessions = pa.schema([schema.field("session_id"), *(schema.field(c) for c in user_cols)],
-                             metadata=meta)  # fmt: skip
+        sessions = pa.schema(
+            [schema.field("session_id"), *(schema.field(c) for c in user_cols)], metadata=meta
+        )
         per_sample = pa.schema([f for f in schema if f.name not in user_cols], metadata=meta)
         self.sinks = [pa.MockOutputStream(), pa.MockOutputStream()]
-        self.writers = [self._writer(sink, sch) for sink, sch in zip(self.sinks, (sessions, per_sample), strict=True)]  # fmt: skip
+        self.writers = [
+            self._writer(sink, sch)
+            for sink, sch in zip(self.sinks, (sessions, per_sample), strict=True)
+        ]
 
     def _writer(self, sink, schema: pa.Schema) -> pq.ParquetWriter:
         opts = parquet_options(self.cfg, schema, "clustered")
@@ -265,10 +269,20 @@ def _bucket(spill: str, file: int, bucket: int, sources: int) -> pa.Table | None
 
 
 def write_file(
-    uri: str, path: str | None, spill: str, file: int, start: int, rows: int, bucket: int,
-    sources: int, schema: pa.Schema, cfg: GenerateConfig, layout: str, bound: bool,
+    uri: str,
+    path: str | None,
+    spill: str,
+    file: int,
+    start: int,
+    rows: int,
+    bucket: int,
+    sources: int,
+    schema: pa.Schema,
+    cfg: GenerateConfig,
+    layout: str,
+    bound: bool,
     side_path: str | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     """One output file of a layout: its rows from the spill pieces, a bucket at a time, written
     to `path` (None: not written, only measured; with `side_path`, session-normalized), the
     file's dedup-profile piece and, for the clustered order (`bound`), the file's storage
@@ -319,11 +333,21 @@ class _NormalizedWriter:
     per-sample columns and `_side_row` in the data file, the user-side values of each session
     run in it (a run cut by the row group starts anew) as the side file's row group."""
 
-    def __init__(self, fs, path: str, side_path: str, schema: pa.Schema, user_cols: list[str],
-                 cfg: GenerateConfig, layout: str):  # fmt: skip
+    def __init__(
+        self,
+        fs,
+        path: str,
+        side_path: str,
+        schema: pa.Schema,
+        user_cols: list[str],
+        cfg: GenerateConfig,
+        layout: str,
+    ):
         self.user_cols, meta = user_cols, schema.metadata
-        rows = pa.schema([*(f for f in schema if f.name not in user_cols),
-                          pa.field(SIDE_ROW, pa.int32())], metadata=meta)  # fmt: skip
+        rows = pa.schema(
+            [*(f for f in schema if f.name not in user_cols), pa.field(SIDE_ROW, pa.int32())],
+            metadata=meta,
+        )
         side = pa.schema([schema.field(c) for c in user_cols], metadata=meta)
         self.rows_schema, self.side_schema = rows, side
         opts = parquet_options(cfg, schema, layout)
@@ -357,9 +381,18 @@ def parquet_options_for(opts: dict, schema: pa.Schema) -> dict:
 
 
 def _write_layout(
-    warehouse: Warehouse, ds: str, order: np.ndarray, layout: str, w, cfg: GenerateConfig,
-    schema: pa.Schema, bucket: int, spill: Path, bound: bool, normalize: bool = False,
-) -> list[dict]:  # fmt: skip
+    warehouse: Warehouse,
+    ds: str,
+    order: np.ndarray,
+    layout: str,
+    w,
+    cfg: GenerateConfig,
+    schema: pa.Schema,
+    bucket: int,
+    spill: Path,
+    bound: bool,
+    normalize: bool = False,
+) -> list[dict]:
     """The events partition's rows in `order`, written as the layout's files (into `w`, a
     partition writer; None: measured only), in bounded memory: one pass distributes every
     events file's rows to spill pieces, then each output file is written from its pieces a
@@ -372,8 +405,18 @@ def _write_layout(
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
     file_rows = min(cfg.max_rows_per_file, max(n, 1))
     bucket = min(bucket, file_rows)
-    spills = [(warehouse.uri, src, position[offsets[i] : offsets[i + 1]], file_rows, bucket,
-               str(spill), i) for i, src in enumerate(sources)]  # fmt: skip
+    spills = [
+        (
+            warehouse.uri,
+            src,
+            position[offsets[i] : offsets[i + 1]],
+            file_rows,
+            bucket,
+            str(spill),
+            i,
+        )
+        for i, src in enumerate(sources)
+    ]
     files = []
     normalize = normalize and w is not None
     if normalize:
@@ -384,8 +427,23 @@ def _write_layout(
         name = f"part-{f:05d}-{w.write_id}.parquet" if w is not None else None
         path = w.add_file(name, rows) if w is not None else None
         side = w.add_side_file(name) if normalize else None
-        files.append((warehouse.uri, path, str(spill), f, lo, rows, bucket, len(sources),
-                      schema, cfg, layout, bound, side))  # fmt: skip
+        files.append(
+            (
+                warehouse.uri,
+                path,
+                str(spill),
+                f,
+                lo,
+                rows,
+                bucket,
+                len(sources),
+                schema,
+                cfg,
+                layout,
+                bound,
+                side,
+            )
+        )
     if cfg.engine == "ray":
         from recd_core.ray_cluster import ordered_map
 
@@ -411,8 +469,10 @@ def generate(
     spill = cfg.spill_dir
     if spill and not (Path(spill).is_dir() and os.access(spill, os.W_OK | os.X_OK)):
         why = "not a directory" if not Path(spill).is_dir() else "not writable"
-        raise BadInput(f"generate.spill_dir {spill}: {why} (create it, or leave spill_dir "
-                       "unset for the system's temporary directory)")  # fmt: skip
+        raise BadInput(
+            f"generate.spill_dir {spill}: {why} (create it, or leave spill_dir "
+            "unset for the system's temporary directory)"
+        )
     name = warehouse.partition_name("events", ds)
     with warehouse.pinned("events", ds):
         inputs, stored = check_reads(warehouse, "generate", [name], features)
@@ -453,18 +513,34 @@ def _generate(
     # a spill directory of its own; a killed generate's are removed first (leftovers.py)
     with ray, owned_tempdir("recd-generate-", cfg.spill_dir) as tmp:
         for layout in (*layouts, *(() if "clustered" in layouts else ("bound",))):
-            order = layout_order(keys, features, "clustered" if layout == "bound" else layout,
-                                 cfg.shuffle_seed)  # fmt: skip
+            order = layout_order(
+                keys, features, "clustered" if layout == "bound" else layout, cfg.shuffle_seed
+            )
             measure = layout in ("clustered", "bound")
-            writing = (contextlib.nullcontext() if layout == "bound"  # measured, not written
-                       else warehouse.writing("samples", ds, layout=layout))  # fmt: skip
+            writing = (
+                contextlib.nullcontext()
+                if layout == "bound"  # measured, not written
+                else warehouse.writing("samples", ds, layout=layout)
+            )
             with writing as w:
                 if w is not None:
                     w.extra["lineage"] = lineage
-                normalize = (layout == "clustered" and cfg.normalize_sessions
-                             and sessions_checked(schema))  # fmt: skip
-                files = _write_layout(warehouse, ds, order, layout, w, cfg, schema, bucket,
-                                      Path(tmp), measure, normalize)  # fmt: skip
+                normalize = (
+                    layout == "clustered" and cfg.normalize_sessions and sessions_checked(schema)
+                )
+                files = _write_layout(
+                    warehouse,
+                    ds,
+                    order,
+                    layout,
+                    w,
+                    cfg,
+                    schema,
+                    bucket,
+                    Path(tmp),
+                    measure,
+                    normalize,
+                )
             if measure:
                 bound = sum(f["bound"] for f in files)
             if w is None:

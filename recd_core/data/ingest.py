@@ -85,8 +85,16 @@ class _Part:
     def of(cls, parsed: Parsed, user: np.ndarray, raw) -> _Part:
         t = parsed.table
         key = lambda c: np.asarray(t[c], np.int64)  # noqa: E731
-        return cls(parsed.source, parsed.lines, key("event_id"), key("session_id"), key("ts"),
-                   user, raw, parsed.where)  # fmt: skip
+        return cls(
+            parsed.source,
+            parsed.lines,
+            key("event_id"),
+            key("session_id"),
+            key("ts"),
+            user,
+            raw,
+            parsed.where,
+        )
 
     def place(self, row: int) -> str:
         """`file:line` of one clean row."""
@@ -137,8 +145,9 @@ def duplicate_events(parts: list[_Part]) -> dict[int, _Drop]:
     return drops
 
 
-def redelivered_events(parts: list[_Part], drops: dict[int, _Drop],
-                       published: dict[str, np.ndarray]) -> int:  # fmt: skip
+def redelivered_events(
+    parts: list[_Part], drops: dict[int, _Drop], published: dict[str, np.ndarray]
+) -> int:
     """Add to `drops` every event already published on another day of the window
     (`published`: each such day's event ids, sorted); how many there were."""
     found = 0
@@ -156,16 +165,18 @@ def redelivered_events(parts: list[_Part], drops: dict[int, _Drop],
                     continue
                 d.rows.append(r)
                 d.fields.append("event_id")
-                d.reasons.append(f"redelivered: event_id {part.event_id[r]} was published "
-                                 f"on ds={day}")  # fmt: skip
+                d.reasons.append(
+                    f"redelivered: event_id {part.event_id[r]} was published on ds={day}"
+                )
                 found += 1
             if not d.rows:
                 del drops[k]
     return found
 
 
-def published_ids(warehouse: Warehouse, ds: str, days: int) -> tuple[dict[str, np.ndarray],
-                                                                    dict[str, str]]:  # fmt: skip
+def published_ids(
+    warehouse: Warehouse, ds: str, days: int
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """The event ids published on each of the `days` days before `ds`, and after it, that
     has events (sorted), and the days before's write ids (the events partition's peers).
 
@@ -207,8 +218,10 @@ def inconsistent_sessions(
     for k, d in dropped.items():
         keep[offsets[k] + np.asarray(d.rows, np.int64)] = False
     idx = np.flatnonzero(keep)
-    sid, ts, eid, user = (np.concatenate([getattr(p, c) for p in parts])[idx]
-                          for c in ("session_id", "ts", "event_id", "user"))  # fmt: skip
+    sid, ts, eid, user = (
+        np.concatenate([getattr(p, c) for p in parts])[idx]
+        for c in ("session_id", "ts", "event_id", "user")
+    )
     n = idx.size
     order = np.lexsort((eid, ts, sid))
     first = np.concatenate([[True], sid[order][1:] != sid[order][:-1]])
@@ -273,15 +286,22 @@ def list_source_files(source: Path) -> tuple[dict[Path, str], dict[str, str], di
             else:
                 files[p] = kind
     if not files and not refused:
-        raise SourceError(f"no input files (JSON lines, gzip or zstd of them, or Parquet) "
-                          f"under {source}")  # fmt: skip
+        raise SourceError(
+            f"no input files (JSON lines, gzip or zstd of them, or Parquet) under {source}"
+        )
     return files, refused, ignored
 
 
 def _parse(
-    paths: list[Path], kind: str, schema: pa.Schema, features: FeatureSet, user_cols: list[str],
-    limits: ReadLimits, window: DayWindow | None, sink=None,
-) -> list[tuple[Parsed, Rejects, np.ndarray, str | None, list[Path]]]:  # fmt: skip
+    paths: list[Path],
+    kind: str,
+    schema: pa.Schema,
+    features: FeatureSet,
+    user_cols: list[str],
+    limits: ReadLimits,
+    window: DayWindow | None,
+    sink=None,
+) -> list[tuple[Parsed, Rejects, np.ndarray, str | None, list[Path]]]:
     """One parse unit's work (a source file, or a run of small JSON-lines files read as one
     text), in a parsing thread (or a Ray task): read, validate, hash the user-side values
     for the session check, and with a `sink` write the clean rows as the unit's events file
@@ -306,8 +326,9 @@ def _parse(
             else:
                 parsed, rejects = read_json_lines(files[0], schema, shared, limits)
         except FileRefused as e:
-            out.append((*refused_file(path_text(files[0]), str(e), schema), _no_rows(), None,
-                        files))  # fmt: skip
+            out.append(
+                (*refused_file(path_text(files[0]), str(e), schema), _no_rows(), None, files)
+            )
             continue
         parsed, bad = validate(parsed, features, window)
         rejects.extend(bad)
@@ -362,8 +383,10 @@ def refused_file(source: str, reason: str, schema: pa.Schema) -> tuple[Parsed, R
 def _parse_columns(*args) -> list[tuple[Parsed, Rejects, np.ndarray, None, list[Path]]]:
     """`_parse` as a Ray task: the rows without the raw-line lookup (the driver re-attaches
     it), so the result travels as Arrow tables and arrays; the driver writes the rows."""
-    return [(dataclasses.replace(parsed, raw=None), rejects, user, None, files)
-            for parsed, rejects, user, _, files in _parse(*args)]  # fmt: skip
+    return [
+        (dataclasses.replace(parsed, raw=None), rejects, user, None, files)
+        for parsed, rejects, user, _, files in _parse(*args)
+    ]
 
 
 def _write_events(
@@ -390,8 +413,16 @@ def _ordered(fn, items: list, threads: int) -> Iterator:
             yield pending.popleft().result()
 
 
-def _sources(source: Path, features: FeatureSet, cfg: IngestConfig, schema: pa.Schema,
-             user_cols: list[str], window: DayWindow, progress, sink=None):  # fmt: skip
+def _sources(
+    source: Path,
+    features: FeatureSet,
+    cfg: IngestConfig,
+    schema: pa.Schema,
+    user_cols: list[str],
+    window: DayWindow,
+    progress,
+    sink=None,
+):
     """The file count, the bytes to read, and an iterator of (parsed and validated rows,
     their rejects, their user-side hashes, a re-reader of raw lines, the events file the
     parsing thread wrote them to with `sink(index, table)`, if given) per source file, in
@@ -472,8 +503,9 @@ def ingest(
         w.extra["lineage"] = lineage
         sink = functools.partial(_write_events, w, schema, file_options)
         window = DayWindow.of(ds, cfg) if cfg.format == "events" else None
-        nfiles, bytes_in, stream, ignored = _sources(source, features, cfg, base_schema, user_cols,
-                                            window, progress, sink)  # fmt: skip
+        nfiles, bytes_in, stream, ignored = _sources(
+            source, features, cfg, base_schema, user_cols, window, progress, sink
+        )
         try:
             for parsed, bad, user, raw, file in stream:
                 rejects.extend(bad)
@@ -536,8 +568,9 @@ def ingest(
             "ingest.top_reasons": top_reasons(quarantine),
         }
         if rows_in == 0:
-            raise QuarantineExceeded(f"no rows in {source}: nothing to publish for ds={ds}",
-                                     summary)  # fmt: skip
+            raise QuarantineExceeded(
+                f"no rows in {source}: nothing to publish for ds={ds}", summary
+            )
         if fraction > cfg.max_quarantine_fraction:
             raise QuarantineExceeded(
                 f"{rows_q} of {rows_in} rows ({fraction:.1%}) quarantined, above the limit of "
@@ -554,8 +587,10 @@ def _shaping(cfg: IngestConfig, write: ParquetWrite | None) -> dict:
     """The ingest settings that shape the events (lineage's config digest)."""
     from recd_core.lineage import EXECUTION_FIELDS
 
-    return {"ingest": cfg.model_dump(mode="json", exclude=EXECUTION_FIELDS),
-            "write": (write or ParquetWrite()).model_dump(mode="json")}  # fmt: skip
+    return {
+        "ingest": cfg.model_dump(mode="json", exclude=EXECUTION_FIELDS),
+        "write": (write or ParquetWrite()).model_dump(mode="json"),
+    }
 
 
 def _scalar_columns(schema: pa.Schema) -> list[str]:
@@ -585,8 +620,10 @@ def _blame(parts, bad_rows, refs, drops, w, user_cols) -> None:
         d = drops.setdefault(int(part_of[g]), _Drop([], [], []))
         d.rows.append(int(row_of[g]))
         d.fields.append(field)
-        d.reasons.append(f"field {field!r}: differs from the first event of session "
-                         f"{part.session_id[row_of[g]]} (event_id {parts[part_of[r]].event_id[row_of[r]]})")  # fmt: skip
+        d.reasons.append(
+            f"field {field!r}: differs from the first event of session "
+            f"{part.session_id[row_of[g]]} (event_id {parts[part_of[r]].event_id[row_of[r]]})"
+        )
 
 
 def _drop_rows(part: _Part, drop: _Drop, w, rejects: Rejects, **parquet_options) -> None:
@@ -596,8 +633,12 @@ def _drop_rows(part: _Part, drop: _Drop, w, rejects: Rejects, **parquet_options)
     rows = np.asarray(drop.rows, np.int64)[order]
     table = w.read_file(part.file)
     raw = part.raw(part.lines[rows]) if part.raw else rows_as_json(table, rows)
-    rejects.add(*part.where(part.lines[rows]), [drop.fields[i] for i in order],
-                [drop.reasons[i] for i in order], raw)  # fmt: skip
+    rejects.add(
+        *part.where(part.lines[rows]),
+        [drop.fields[i] for i in order],
+        [drop.reasons[i] for i in order],
+        raw,
+    )
     keep = np.ones(table.num_rows, bool)
     keep[rows] = False
     w.rewrite(part.file, table.filter(pa.array(keep)), **parquet_options)

@@ -48,10 +48,26 @@ from recd_core.dedup.unique import list_array
 from recd_core.schema import events_schema
 
 GENRES = (
-    "unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
-    "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery",
-    "Romance", "Sci-Fi", "Thriller", "War", "Western",
-)  # fmt: skip
+    "unknown",
+    "Action",
+    "Adventure",
+    "Animation",
+    "Children's",
+    "Comedy",
+    "Crime",
+    "Documentary",
+    "Drama",
+    "Fantasy",
+    "Film-Noir",
+    "Horror",
+    "Musical",
+    "Mystery",
+    "Romance",
+    "Sci-Fi",
+    "Thriller",
+    "War",
+    "Western",
+)
 GENRE_ID = {g.lower(): i for i, g in enumerate(GENRES)}
 MID_RATING = 3.5  # the middle of the 1..5 scale
 RECENT = 10  # `recent_ratings` summarizes the user's last this many ratings

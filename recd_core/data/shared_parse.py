@@ -148,8 +148,10 @@ def parse_shared(
     ]
     if _shares_little(len(index), starts.size):
         return None
-    rests = [data[ls:a] + data[b:le] for ls, a, b, le
-             in zip(starts.tolist(), cut_a, cut_b, ends.tolist(), strict=True)]  # fmt: skip
+    rests = [
+        data[ls:a] + data[b:le]
+        for ls, a, b, le in zip(starts.tolist(), cut_a, cut_b, ends.tolist(), strict=True)
+    ]
     uniques = b"\n".join(b"{" + span + b"}" for span in index)
     own = pa.schema([f for f in schema if f.name not in shared], metadata=schema.metadata)
     mine = pa.schema([schema.field(c) for c in shared])

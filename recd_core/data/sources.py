@@ -134,8 +134,9 @@ class Parsed:
         return (self.source, lines) if self.origin is None else self.origin.locate(lines)
 
     def subset(self, keep: np.ndarray) -> Parsed:
-        return dataclasses.replace(self, table=self.table.take(pa.array(keep)),
-                                   lines=self.lines[keep])  # fmt: skip
+        return dataclasses.replace(
+            self, table=self.table.take(pa.array(keep)), lines=self.lines[keep]
+        )
 
     def raw_rows(self, rows: np.ndarray) -> pa.Array:
         """The original bytes of table rows `rows`."""
@@ -209,8 +210,10 @@ class ReadLimits:
 
     def check(self, out: int, consumed: int) -> None:
         if out > self.max_bytes:
-            raise FileRefused(f"expands past the limit of {self.max_bytes >> 20} MiB "
-                              "(ingest.max_file_mb): split the file or raise the limit")  # fmt: skip
+            raise FileRefused(
+                f"expands past the limit of {self.max_bytes >> 20} MiB "
+                "(ingest.max_file_mb): split the file or raise the limit"
+            )
         if out > self.ratio_floor and out > self.max_ratio * max(consumed, 1):
             raise FileRefused(
                 f"expands more than {self.max_ratio:g}x ({out >> 20} MiB from "
@@ -325,8 +328,10 @@ def sniff(path: Path) -> tuple[str | None, str]:
         return "parquet", ""
     if JSON_NAME.search(path.name):
         return "jsonl", ""
-    return None, (f"not a recognized format (neither JSON lines, gzip, zstd nor Parquet: "
-                  f"starts with {text[:16]!r})")  # fmt: skip
+    return None, (
+        f"not a recognized format (neither JSON lines, gzip, zstd nor Parquet: "
+        f"starts with {text[:16]!r})"
+    )
 
 
 def _bad_utf8_lines(lines: Lines) -> np.ndarray:
@@ -406,9 +411,11 @@ def _files_text(paths: list[Path], limits: ReadLimits) -> tuple[bytes, np.ndarra
 
 
 def read_json_files(
-    paths: list[Path], schema: pa.Schema, shared: list[str] | tuple = (),
+    paths: list[Path],
+    schema: pa.Schema,
+    shared: list[str] | tuple = (),
     limits: ReadLimits = ReadLimits(),
-) -> tuple[Parsed, Rejects, list[Path], list[Path]]:  # fmt: skip
+) -> tuple[Parsed, Rejects, list[Path], list[Path]]:
     """Several small JSON-lines files parsed as one text (`Origin` maps its lines back to
     the files: quarantine records name each file and line), the files in it, and the files
     left to be read alone (`_files_text`)."""
@@ -480,9 +487,13 @@ def parse_json_text(
     # down to the damaged lines, which never retry the shared parse)
     for chunk in (cand[i : i + CHUNK_LINES] for i in range(0, cand.size, CHUNK_LINES)):
         run = lines.run(chunk, clean) if shared else None
-        t = None if run is None else parse_shared(
-            data, lines.starts[run], lines.ends[run], schema, list(shared), read_opts
-        )  # fmt: skip
+        t = (
+            None
+            if run is None
+            else parse_shared(
+                data, lines.starts[run], lines.ends[run], schema, list(shared), read_opts
+            )
+        )
         if t is None:
             stack.append(chunk)
         else:
@@ -636,8 +647,13 @@ def read_parquet_events(
             cols.append(col)
             continue
         if not _same_kind(col.type, f.type):
-            problems.append((f.name, f"field {f.name!r}: column type {col.type} cannot be read "
-                                     f"as {f.type} (the JSON rule: {_kind_words(f.type)})"))  # fmt: skip
+            problems.append(
+                (
+                    f.name,
+                    f"field {f.name!r}: column type {col.type} cannot be read "
+                    f"as {f.type} (the JSON rule: {_kind_words(f.type)})",
+                )
+            )
             cols.append(pa.nulls(n, f.type))
             continue
         for row, value in _out_of_range(col, f.type):
@@ -660,8 +676,13 @@ def read_parquet_events(
     if bad.any():
         idx = np.flatnonzero(bad)
         reasons = [row_reason[i] for i in idx]
-        rejects.add(source, lines[idx], [r[0] for r in reasons], [r[1] for r in reasons],
-                    rows_as_json(table, idx))  # fmt: skip
+        rejects.add(
+            source,
+            lines[idx],
+            [r[0] for r in reasons],
+            [r[1] for r in reasons],
+            rows_as_json(table, idx),
+        )
         keep = pa.array(~bad)
         typed, lines = typed.filter(keep), lines[~bad]
     return Parsed(typed, source, lines, None), rejects

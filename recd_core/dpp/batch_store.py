@@ -49,8 +49,9 @@ class Batch:
         groups = {}
         for g, ik in self.groups.items():
             used, inverse = torch.unique(ik.inverse_indices[lo:hi], return_inverse=True)
-            groups[g] = InverseKeyedJaggedTensor(ik.unique.select_rows(used), inverse,
-                                                 validate=False)  # fmt: skip
+            groups[g] = InverseKeyedJaggedTensor(
+                ik.unique.select_rows(used), inverse, validate=False
+            )
         return Batch(self.dense[lo:hi], kjt, self.labels[lo:hi], groups)
 
     def to(self, device, non_blocking: bool = False) -> Batch:

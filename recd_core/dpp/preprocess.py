@@ -287,9 +287,13 @@ def _encode(
 
 
 def _unique_per_batch(
-    chunk: pa.Table, rows: pa.Table, pos: np.ndarray, bounds: np.ndarray, keys: list[str],
+    chunk: pa.Table,
+    rows: pa.Table,
+    pos: np.ndarray,
+    bounds: np.ndarray,
+    keys: list[str],
     prep: Prepared,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each batch's unique rows of the group: their positions in the chunk (batch by batch),
     every row's index among its batch's unique rows, and the batches' bounds in the unique
     rows. `chunk` holds rows `pos` of `rows` (without the group's columns)."""
@@ -335,8 +339,9 @@ def _add_ids(cols: dict, name: str, values: np.ndarray, lengths: np.ndarray, bou
 def transformed_dense(col, spec, prep: Prepared):
     """A dense feature's column transformed as the run's DPP does: [rows, dim] floats, or
     (bucketized) an id list's values and lengths."""
-    return transform_dense(dense_matrix(col, spec.dim), prep.cfg.transform_for(spec),
-                           prep.stats.get(spec.name))  # fmt: skip
+    return transform_dense(
+        dense_matrix(col, spec.dim), prep.cfg.transform_for(spec), prep.stats.get(spec.name)
+    )
 
 
 def feature_ids(col, prep: Prepared, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -430,9 +435,13 @@ def read_split(
 
 
 def _write_batches(
-    wh: Warehouse, path: str, rows: pa.Table, keep: np.ndarray, prep: Prepared,
+    wh: Warehouse,
+    path: str,
+    rows: pa.Table,
+    keep: np.ndarray,
+    prep: Prepared,
     side: pa.Table | None = None,
-) -> int:  # fmt: skip
+) -> int:
     """Encode the kept rows into one Arrow IPC file, a record batch per batch; the number
     of batches."""
     opts = ipc.IpcWriteOptions(
@@ -496,9 +505,13 @@ def preprocess(
 
 
 def _preprocess(
-    warehouse: Warehouse, ds: str, cfg: PreprocessConfig, stats_from: str | None, progress,
+    warehouse: Warehouse,
+    ds: str,
+    cfg: PreprocessConfig,
+    stats_from: str | None,
+    progress,
     lineage: dict,
-) -> dict:  # fmt: skip
+) -> dict:
     t0 = time.perf_counter()
     info = warehouse.info("samples", ds, layout="clustered")
     raw = check_samples_schema(warehouse, ds)
@@ -613,7 +626,7 @@ def run_splits(args: list[tuple], cfg: PreprocessConfig, progress=None) -> list[
             mp_context=mp.get_context("spawn"),
             initializer=die_with_parent,
             initargs=(os.getpid(),),
-        )  # fmt: skip
+        )
     )
     with pool:
         futures = [pool.submit(process_split, *a) for a in args]

@@ -90,8 +90,12 @@ def print_table(summary: dict, console) -> None:
 def markdown(summary: dict) -> str:
     """The table of `print_table` as Markdown (a Kubeflow visualization, an MLflow note):
     NE and AUC to four decimals, so a gap the quality gate cares about shows."""
-    lines = [f"### dedup vs baseline, trained {summary['run.ds']}, scored {summary['run.eval_ds']}",
-             "", "| | dedup | baseline | dedup gain |", "|---|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        f"### dedup vs baseline, trained {summary['run.ds']}, scored {summary['run.eval_ds']}",
+        "",
+        "| | dedup | baseline | dedup gain |",
+        "|---|---:|---:|---:|",
+    ]
     lines += [f"| {' | '.join(cells)} |" for cells in _cells(summary)]
     return "\n".join(lines) + "\n"
 

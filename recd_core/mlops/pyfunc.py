@@ -104,8 +104,9 @@ def ranking_example(samples: pa.Table, features) -> pd.DataFrame:
     rows = scoring_example(samples)
     request = {c: [_plain(rows[c].iloc[0])] for c in user_side(features)}
     cands = rows[candidate_side(features)]
-    request[CANDIDATES] = [[{c: _plain(v) for c, v in rec.items()}
-                            for rec in cands.to_dict("records")]]  # fmt: skip
+    request[CANDIDATES] = [
+        [{c: _plain(v) for c, v in rec.items()} for rec in cands.to_dict("records")]
+    ]
     return pd.DataFrame(request)
 
 

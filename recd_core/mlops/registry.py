@@ -131,29 +131,34 @@ def register_and_promote(
     model_id = logged_model_of(tracker, model_uri)  # the train stage logged it, normally
     if model_id is None:
         with model_dir(model_uri) as local:
-            model_id = log_model(tracker, run_id, local, example_rows(warehouse, eval_ds),
-                                 model_uri)  # fmt: skip
+            model_id = log_model(
+                tracker, run_id, local, example_rows(warehouse, eval_ds), model_uri
+            )
     new = register(tracker, run_id, model_id, cfg.model_name)
     current = champion(tracker, cfg.model_name)
     champion_ne, reason = None, undecidable(scored, eval_ds)
     seen = last_day_trained(current) if current is not None else ""
     if reason is None and seen >= eval_ds:  # a backfilled day: the champion learned from it
-        reason = (f"the champion (version {current.version}) was trained on days up to {seen}: "
-                  f"it cannot be judged on {eval_ds}")  # fmt: skip
+        reason = (
+            f"the champion (version {current.version}) was trained on days up to {seen}: "
+            f"it cannot be judged on {eval_ds}"
+        )
     if reason is not None:  # the champion stays
         decision, promoted = "no decision", False
     else:
         if current is not None:
             try:
-                champion_ne = score_version(tracker, current, warehouse, eval_ds,
-                                            cfg.eval_batch_size)["eval.ne"]  # fmt: skip
+                champion_ne = score_version(
+                    tracker, current, warehouse, eval_ds, cfg.eval_batch_size
+                )["eval.ne"]
             except Unreadable as e:
                 mark_unreadable(tracker, current, str(e))
                 reason = f"the champion cannot be read, so it cannot serve: {e}"
         promoted = decide(challenger_ne, champion_ne, cfg.ne_tolerance)
         decision = "promoted" if promoted else "kept champion"
-    record_decision(tracker, new, promoted, eval_ds, challenger_ne, champion_ne, lineage,
-                    decision, reason or "")  # fmt: skip
+    record_decision(
+        tracker, new, promoted, eval_ds, challenger_ne, champion_ne, lineage, decision, reason or ""
+    )
     log_model_metrics(tracker, run_id, new.model_id, scored)
     return {
         "registry.model": cfg.model_name,

@@ -215,8 +215,10 @@ class Tracker:
                 span = " → ".join(
                     str(summary[k]) for k in ("run.ds", "run.eval_ds") if summary.get(k)
                 )
-                tags += [RunTag("mode", "+".join(arms)),
-                         RunTag("mlflow.runName", f"{' vs '.join(arms)} {span}".strip())]  # fmt: skip
+                tags += [
+                    RunTag("mode", "+".join(arms)),
+                    RunTag("mlflow.runName", f"{' vs '.join(arms)} {span}".strip()),
+                ]
             days = sorted({d for k, v in summary.items() for d in _days_of(k, v)})
             if days:
                 tags.append(RunTag("recd.days", ",".join(days)))
@@ -227,8 +229,12 @@ class Tracker:
             first = [k for k in figures if headline_rank(k) is not None]
             order = sorted(first, key=headline_rank) + [k for k in figures if k not in first]
             if len(arms) > 1:  # the comparison: the answer alone; the rest in its stage runs
-                order = [k for k in order if (k in first or k.startswith(COMPARISON_KEYS))
-                         and not _duplicate_of_arm(k, figures, arms)]  # fmt: skip
+                order = [
+                    k
+                    for k in order
+                    if (k in first or k.startswith(COMPARISON_KEYS))
+                    and not _duplicate_of_arm(k, figures, arms)
+                ]
                 tags.append(RunTag("mlflow.note.content", comparison_note(summary)))
             tags.append(RunTag("sys.load_1m_end", load_1m()))
             known_params = client.get_run(run_id).data.params
@@ -261,13 +267,18 @@ class Tracker:
 
         datasets = [
             DatasetInput(
-                Dataset(name=i["name"], digest=i["digest"], source_type="recd-warehouse",
-                        source=json.dumps({"uri": i["uri"]}), schema=i.get("schema"),
-                        profile=json.dumps({"num_rows": i["rows"]})),
+                Dataset(
+                    name=i["name"],
+                    digest=i["digest"],
+                    source_type="recd-warehouse",
+                    source=json.dumps({"uri": i["uri"]}),
+                    schema=i.get("schema"),
+                    profile=json.dumps({"num_rows": i["rows"]}),
+                ),
                 tags=[InputTag("mlflow.data.context", i["context"])],
             )
             for i in inputs
-        ]  # fmt: skip
+        ]
         with self._errors():
             self.client().log_inputs(run_id, datasets=datasets)
 
@@ -291,8 +302,11 @@ class Tracker:
                 if owner_alive(owner):
                     continue
                 client.set_tag(run.info.run_id, "recd.status", "abandoned")
-                client.set_tag(run.info.run_id, "recd.error",
-                               f"abandoned: its process ({owner}) ended without closing it")  # fmt: skip
+                client.set_tag(
+                    run.info.run_id,
+                    "recd.error",
+                    f"abandoned: its process ({owner}) ended without closing it",
+                )
                 client.set_terminated(run.info.run_id, "FAILED")
                 closed += 1
             return closed
@@ -349,8 +363,9 @@ class RunRecord:
         try:  # the record of the work, never a reason for the work to fail
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            monitor = SystemMetricsMonitor(self.run_id, sampling_interval=every_s,
-                                           tracking_uri=self.tracker.uri)  # fmt: skip
+            monitor = SystemMetricsMonitor(
+                self.run_id, sampling_interval=every_s, tracking_uri=self.tracker.uri
+            )
             monitor.start()
         except Exception as e:  # noqa: BLE001 - e.g. psutil missing
             logging.getLogger(__name__).warning("no system metrics for this run: %s", e)
@@ -366,8 +381,9 @@ class RunRecord:
         raised: the work's own failure is the one to report."""
         for run_id in (self.run_id, *also):
             with contextlib.suppress(TrackingError):
-                self.tracker.finish(run_id, {**(summary or {}), "status": "failed",
-                                             "error": reason})  # fmt: skip
+                self.tracker.finish(
+                    run_id, {**(summary or {}), "status": "failed", "error": reason}
+                )
 
     def close(self, summary: dict) -> dict:
         """Close FINISHED with `summary`; returns it with `mlflow.run_id`. If the server
@@ -474,9 +490,19 @@ def by_day(summary: dict) -> list[tuple[str, int, float]]:
 
 
 # the figures that answer "what did this run find?", in the order a reader wants them
-HEADLINE = ("storage.ratio", "dpp.speedup", "train.speedup", "eval.ne", "eval.auc",
-            "eval.ne_gap", "eval.auc_gap", "eval.oracle_ne", "eval.calibration",
-            "dpp.samples_per_s", "train.samples_per_s")  # fmt: skip
+HEADLINE = (
+    "storage.ratio",
+    "dpp.speedup",
+    "train.speedup",
+    "eval.ne",
+    "eval.auc",
+    "eval.ne_gap",
+    "eval.auc_gap",
+    "eval.oracle_ne",
+    "eval.calibration",
+    "dpp.samples_per_s",
+    "train.samples_per_s",
+)
 
 
 def headline_rank(key: str) -> tuple[int, str] | None:
@@ -490,9 +516,11 @@ def headline_rank(key: str) -> tuple[int, str] | None:
 # a command's arguments that say where its record goes, not what it did: not params
 PLUMBING = ("tracking_uri", "experiment", "parent_run_id", "summary")
 # summary figures that are settings the run used (the UI's Parameters), not measurements
-SETTING = re.compile(r"\.(batch_size|batch_size_asked|epochs|lr_dense|lr_sparse|lr|members|"
-                     r"world_size|steps_per_epoch|workers|repeats|nproc|threads|bucket_rows|"
-                     r"row_group_size|dedup_window_days)(\.|$)")  # fmt: skip
+SETTING = re.compile(
+    r"\.(batch_size|batch_size_asked|epochs|lr_dense|lr_sparse|lr|members|"
+    r"world_size|steps_per_epoch|workers|repeats|nproc|threads|bucket_rows|"
+    r"row_group_size|dedup_window_days)(\.|$)"
+)
 # what a comparison's own run keeps besides the headline figures (its stage runs keep all)
 COMPARISON_KEYS = ("compare.", "registry.", "bench.")
 
@@ -554,9 +582,11 @@ def comparison_note(summary: dict) -> str:
         f"with **{r['storage.ratio']:.2f}x** less storage, **{r['dpp.speedup']:.2f}x** DPP and "
         f"**{r['train.speedup']:.2f}x** training throughput."
     )
-    where = (f"Measured on {os.cpu_count()} CPUs, load {load_1m()} at the end (a load above the CPUs "
-             "means a busy neighbour: the throughput ratios move with it). The chart: "
-             "Artifacts → the comparison PNG; every stage's figures: its child run.")  # fmt: skip
+    where = (
+        f"Measured on {os.cpu_count()} CPUs, load {load_1m()} at the end (a load above the CPUs "
+        "means a busy neighbour: the throughput ratios move with it). The chart: "
+        "Artifacts → the comparison PNG; every stage's figures: its child run."
+    )
     return f"{verdict}\n\n{table}\n{where}\n"
 
 

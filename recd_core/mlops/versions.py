@@ -42,9 +42,12 @@ def log_model(tracker, run_id: str, model_dir: Path, samples: pa.Table, model_ur
         # named for the arm and the day: the Models tab lists a comparison's two models apart
         name = "-".join(["dlrm", *(v for k in ("mode", "ds") if (v := run.data.tags.get(k)))])
         logged = client.create_logged_model(
-            run.info.experiment_id, name=name, source_run_id=run_id,
-            model_type="recd-dlrm", tags={MODEL_URI_TAG: model_uri},
-        )  # fmt: skip
+            run.info.experiment_id,
+            name=name,
+            source_run_id=run_id,
+            model_type="recd-dlrm",
+            tags={MODEL_URI_TAG: model_uri},
+        )
         try:
             client.log_model_artifacts(logged.model_id, str(target))
         except Exception:
@@ -152,8 +155,9 @@ def fetch_version(tracker, version, tmp: str) -> tuple[Path, tuple]:
 def mark_unreadable(tracker, version, reason: str) -> None:
     """Tag a version as unreadable (the registry UI shows why), best effort."""
     with contextlib.suppress(Exception):
-        tracker.client().set_model_version_tag(version.name, version.version,
-                                               "recd.unreadable", reason[:500])  # fmt: skip
+        tracker.client().set_model_version_tag(
+            version.name, version.version, "recd.unreadable", reason[:500]
+        )
 
 
 def registry_version(tracker, uri: str):

@@ -46,8 +46,9 @@ from recd_core.modeling.model import members_of
 
 def list_features(features: FeatureSet) -> set[str]:
     """The features the loss runs on: the user-side id lists and histories."""
-    return {f.name for f in features.features
-            if f.side == "user" and f.kind in ("id_list", "sequence")}  # fmt: skip
+    return {
+        f.name for f in features.features if f.side == "user" and f.kind in ("id_list", "sequence")
+    }
 
 
 def list_rows(model, batch: Batch) -> list[tuple[str, JaggedTensor, torch.Tensor]]:

@@ -80,8 +80,10 @@ class EarlyStopping:
         live = on_cpu(model.state_dict())
         self.window = [*self.window, live][-self.average :]
         n = len(self.window)
-        mean = {k: (sum(s[k] for s in self.window) / n if v.is_floating_point() else v)
-                for k, v in live.items()}  # fmt: skip
+        mean = {
+            k: (sum(s[k] for s in self.window) / n if v.is_floating_point() else v)
+            for k, v in live.items()
+        }
         model.load_state_dict(mean)
         try:
             yield
@@ -114,8 +116,9 @@ class EarlyStopping:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in fixed}
 
     @classmethod
-    def from_state(cls, patience: int, state: dict | None, per_pass: bool = False,
-                   average: int = 1) -> EarlyStopping:  # fmt: skip
+    def from_state(
+        cls, patience: int, state: dict | None, per_pass: bool = False, average: int = 1
+    ) -> EarlyStopping:
         return cls(patience, per_pass, average, **(state or {}))
 
     def summary(self) -> dict:

@@ -61,9 +61,12 @@ class EvaluationLeak(BadInput):
 
 
 def evaluate(
-    warehouse: Warehouse, model_uri: str, ds: str, batch_size: int = 4096,
+    warehouse: Warehouse,
+    model_uri: str,
+    ds: str,
+    batch_size: int = 4096,
     trained_on: str | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     """Score `samples/layout=clustered/ds=D` with the model saved at `model_uri`. Refused
     (exit 2, one line): a day not after the model's last training day (its warm starts'
     included); a `trained_on` day the model did not train on; stale samples (lineage.py).
@@ -76,8 +79,10 @@ def evaluate(
     model, meta = load_model(model_uri)
     days = trained_days(meta)
     if trained_on is not None and days and trained_on not in days:
-        raise EvaluationLeak(f"evaluate: {model_uri} was not trained on --ds {trained_on} "
-                             f"(it trained on {_span(days)}): name the model of that day")  # fmt: skip
+        raise EvaluationLeak(
+            f"evaluate: {model_uri} was not trained on --ds {trained_on} "
+            f"(it trained on {_span(days)}): name the model of that day"
+        )
     if days and ds <= days[-1]:
         raise EvaluationLeak(
             f"evaluate: {model_uri} trained on {_span(days)}; scoring it on {ds}, not after "
@@ -94,8 +99,13 @@ def evaluate(
     elif not lineage:
         state = "unknown (no lineage recorded)"
     out = score_day(warehouse, model, meta, ds, batch_size)
-    return {**out, "eval.model_uri": model_uri, "eval.seconds": time.perf_counter() - t0,
-            "eval.trained_days": _span(days), "eval.model_lineage": state}  # fmt: skip
+    return {
+        **out,
+        "eval.model_uri": model_uri,
+        "eval.seconds": time.perf_counter() - t0,
+        "eval.trained_days": _span(days),
+        "eval.model_lineage": state,
+    }
 
 
 def _span(days: list[str]) -> str:

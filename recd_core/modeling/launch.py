@@ -80,9 +80,14 @@ def peak_mem(device: torch.device) -> int:
 
 
 def launch(
-    worker: Worker, nproc: int, wh_uri: str, ds: str, cfg: TrainConfig,
-    init_from: str | None, init_label: str | None,
-) -> dict:  # fmt: skip
+    worker: Worker,
+    nproc: int,
+    wh_uri: str,
+    ds: str,
+    cfg: TrainConfig,
+    init_from: str | None,
+    init_label: str | None,
+) -> dict:
     """Run `worker` in this process (one process, or a rank `torchrun` started) or in
     `nproc` spawned ones; returns rank 0's summary."""
     if launched_rank() is not None:  # launched by torchrun
@@ -120,16 +125,31 @@ def launch(
 
 
 def _spawned(
-    rank: int, world: int, worker: Worker, result: str, wh_uri: str, ds: str, cfg_json: str,
-    init_from: str | None, init_label: str | None, parent: int,
-) -> None:  # fmt: skip
+    rank: int,
+    world: int,
+    worker: Worker,
+    result: str,
+    wh_uri: str,
+    ds: str,
+    cfg_json: str,
+    init_from: str | None,
+    init_label: str | None,
+    parent: int,
+) -> None:
     """A rank; it ends with the process that spawned it (a SIGTERM to `recd train` stops
     every rank: `runtime.die_with_parent`); a bad input (`BadInput`) comes back as its one
     line, not a traceback."""
     die_with_parent(parent)
     try:
-        summary = worker(rank, world, wh_uri, ds, TrainConfig.model_validate_json(cfg_json),
-                         init_from, init_label)  # fmt: skip
+        summary = worker(
+            rank,
+            world,
+            wh_uri,
+            ds,
+            TrainConfig.model_validate_json(cfg_json),
+            init_from,
+            init_label,
+        )
     except BadInput as e:
         summary = {"refused": str(e)}
     if rank == 0:

@@ -24,8 +24,11 @@ class MappedDLRM(DLRM):
         super().__init__(features, cfg, tables=False)
         specs = table_specs(self)
         missing = [s.key for s in specs if s.key not in tables]
-        wrong = [s.key for s in specs if s.key in tables and tables[s.key].shape
-                 != (s.rows, cfg.embedding_dim)]  # fmt: skip
+        wrong = [
+            s.key
+            for s in specs
+            if s.key in tables and tables[s.key].shape != (s.rows, cfg.embedding_dim)
+        ]
         if missing or wrong:
             raise RuntimeError(f"the shard files lack tables {missing} or differ in shape {wrong}")
         self.mapped = tables
@@ -34,5 +37,7 @@ class MappedDLRM(DLRM):
     def lookup(self, batch: Batch) -> dict[str, torch.Tensor]:
         ids = list(batch.kjt.to_dict().items()) if batch.kjt is not None else []
         ids += [item for ik in batch.groups.values() for item in ik.unique.to_dict().items()]
-        return {name: self.mapped[self.key_of[name]].rows(jt.values).to(jt.values.device)
-                for name, jt in ids}  # fmt: skip
+        return {
+            name: self.mapped[self.key_of[name]].rows(jt.values).to(jt.values.device)
+            for name, jt in ids
+        }

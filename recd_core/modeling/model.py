@@ -113,9 +113,11 @@ class HistoryEncoder(nn.Module):
         self.pool = nn.MultiheadAttention(d, cfg.history_heads, dropout=0.0, batch_first=True)
 
     def forward(
-        self, jt: JaggedTensor, table: torch.Tensor | None = None,
+        self,
+        jt: JaggedTensor,
+        table: torch.Tensor | None = None,
         vectors: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (pooled [N, d], tokens [N, 1 + L, d], valid [N, 1 + L]); token 0 is the null.
         `vectors`: the ids' vectors already looked up ([nnz, d], a sharded table's)."""
         ids, mask, idx = padded(jt, self.max_len)
@@ -140,9 +142,11 @@ class HistoryEncoder(nn.Module):
 
 
 def target_attention(
-    tokens: torch.Tensor, valid: torch.Tensor, query: torch.Tensor,
+    tokens: torch.Tensor,
+    valid: torch.Tensor,
+    query: torch.Tensor,
     inverse: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Each sample's candidate (query [B, d]) attends over its user's history tokens: the
     history summarized by what is relevant to this item (DIN's idea). -> [B, d].
 
@@ -366,8 +370,11 @@ class DLRM(Calibrated):
         # a history's tokens and mask, per sample (inverse None) or per unique row
         tokens: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         per_sample = list(batch.kjt.to_dict().items()) if batch.kjt is not None else []
-        unique = [(n, jt, ik.inverse_indices) for ik in batch.groups.values()
-                  for n, jt in ik.unique.to_dict().items()]  # fmt: skip
+        unique = [
+            (n, jt, ik.inverse_indices)
+            for ik in batch.groups.values()
+            for n, jt in ik.unique.to_dict().items()
+        ]
         done = batch.shared if batch.shared is not None else {}
         todo = [(n, jt) for n, jt, _ in unique if (self, n) not in done]
         self._check_ids(per_sample + todo)

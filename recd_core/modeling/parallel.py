@@ -52,8 +52,9 @@ class Parallelism(Protocol):
     world: int
     device: torch.device
 
-    def build(self, features: FeatureSet, cfg: TrainConfig, init: Init,
-              click_rate: float) -> tuple[Model, nn.Module, Init]: ...  # fmt: skip
+    def build(
+        self, features: FeatureSet, cfg: TrainConfig, init: Init, click_rate: float
+    ) -> tuple[Model, nn.Module, Init]: ...
 
     def optimizers(self, model: Model, cfg: TrainConfig, warm: bool) -> tuple: ...
 
@@ -68,8 +69,16 @@ class Parallelism(Protocol):
 
     def cross_check(self, model: Model, valid: BatchStore) -> dict[str, float]: ...
 
-    def saved_state(self, model: Model, net: nn.Module, optimizer: dict, opt_sparse,
-                    cfg: TrainConfig, fs, base: str) -> Saved: ...  # fmt: skip
+    def saved_state(
+        self,
+        model: Model,
+        net: nn.Module,
+        optimizer: dict,
+        opt_sparse,
+        cfg: TrainConfig,
+        fs,
+        base: str,
+    ) -> Saved: ...
 
 
 @dataclass
@@ -80,12 +89,12 @@ class Replicated:
     world: int
     device: torch.device
 
-    def build(self, features: FeatureSet, cfg: TrainConfig, init: Init,
-              click_rate: float) -> tuple[Model, nn.Module, Init]:  # fmt: skip
+    def build(
+        self, features: FeatureSet, cfg: TrainConfig, init: Init, click_rate: float
+    ) -> tuple[Model, nn.Module, Init]:
         """(the model, what a step runs: the model or its DDP wrapper, the start taken). A
         warm start saved as shard files is read whole: this process holds the tables."""
-        init = replace(init, state=materialized(init.state),
-                       optimizer=materialized(init.optimizer))  # fmt: skip
+        init = replace(init, state=materialized(init.state), optimizer=materialized(init.optimizer))
         model, init = starting_model(lambda: build_model(features, cfg.model), init, click_rate)
         model = model.to(self.device)
         return model, DistributedDataParallel(model) if self.world > 1 else model, init
@@ -114,8 +123,16 @@ class Replicated:
     def cross_check(self, model: Model, valid: BatchStore) -> dict[str, float]:
         return {}
 
-    def saved_state(self, model: Model, net: nn.Module, optimizer: dict, opt_sparse,
-                    cfg: TrainConfig, fs, base: str) -> Saved:  # fmt: skip
+    def saved_state(
+        self,
+        model: Model,
+        net: nn.Module,
+        optimizer: dict,
+        opt_sparse,
+        cfg: TrainConfig,
+        fs,
+        base: str,
+    ) -> Saved:
         """The model's own state, or with `saved_layout: shards` its tables written by rank
         0 as one shard each under `base` (on filesystem `fs`); an ensemble (a day past
         `members_up_to_samples`) is saved as one file."""
@@ -123,9 +140,20 @@ class Replicated:
             return Saved({}, None, optimizer)
         specs, state = table_specs(model), model.state_dict()
         accs = optimizer["sparse"]["state"]
-        entries = [(s.key, write_shard(fs, base, s.name, (0, 0, s.rows, cfg.model.embedding_dim),
-                                       state[s.key], accs.get(i, {}).get("sum")))
-                   for i, s in enumerate(specs)]  # fmt: skip
+        entries = [
+            (
+                s.key,
+                write_shard(
+                    fs,
+                    base,
+                    s.name,
+                    (0, 0, s.rows, cfg.model.embedding_dim),
+                    state[s.key],
+                    accs.get(i, {}).get("sum"),
+                ),
+            )
+            for i, s in enumerate(specs)
+        ]
         dense, rest = without_tables(state, optimizer, specs)
         return Saved({}, dense, rest, layout(cfg.model.embedding_dim, 1, specs, entries))
 
@@ -140,8 +168,9 @@ def check(cfg: TrainConfig, world: int) -> None:
         check_config(cfg, world)
 
 
-def parallelism(cfg: TrainConfig, rank: int, world: int, device: torch.device,
-                validating: bool = False) -> Parallelism:  # fmt: skip
+def parallelism(
+    cfg: TrainConfig, rank: int, world: int, device: torch.device, validating: bool = False
+) -> Parallelism:
     """The strategy `cfg` asks for (`train.sharding`); `validating`: the run keeps its best
     validated state (another copy of the tables, which a sharded run's budget holds)."""
     if cfg.sharding == "none":

@@ -78,8 +78,10 @@ def without_tables(state: dict, optimizer: dict, specs) -> tuple[dict, dict]:
     everything but the tables and their accumulators (those are in the shard files)."""
     keys = {s.key for s in specs}
     dense = {k: v.detach().cpu() for k, v in state.items() if k not in keys}
-    return dense, {"dense": optimizer["dense"],
-                   "sparse": {"param_groups": optimizer["sparse"]["param_groups"]}}  # fmt: skip
+    return dense, {
+        "dense": optimizer["dense"],
+        "sparse": {"param_groups": optimizer["sparse"]["param_groups"]},
+    }
 
 
 def write_bytes(wh: Warehouse, path: str, data: bytes) -> None:
@@ -108,8 +110,9 @@ def torch_load(data: bytes, where: str, what: str = "checkpoint"):
         if first.startswith("Weights only load failed"):
             first = "it holds Python objects, not only tensors: refused, nothing was run"
         if what != "checkpoint":
-            raise ModelError(f"{where} is corrupt or not a recd {what} "
-                             f"({type(e).__name__}: {first})") from None  # fmt: skip
+            raise ModelError(
+                f"{where} is corrupt or not a recd {what} ({type(e).__name__}: {first})"
+            ) from None
         raise CheckpointError(
             f"{where} is corrupt or not a recd checkpoint ({type(e).__name__}: {first}); "
             "delete it to resume from the previous checkpoint"

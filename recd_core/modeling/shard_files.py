@@ -88,13 +88,24 @@ def write_array(fs, path: str, tensor: torch.Tensor) -> int:
     return crc
 
 
-def write_shard(fs, base: str, table: str, box, weights: torch.Tensor,
-                accumulators: torch.Tensor | None, folder: str = "tables") -> dict:  # fmt: skip
+def write_shard(
+    fs,
+    base: str,
+    table: str,
+    box,
+    weights: torch.Tensor,
+    accumulators: torch.Tensor | None,
+    folder: str = "tables",
+) -> dict:
     """One shard of one table (its weights, its rows' accumulators) in `base`/`folder`; its
     model.json entry (its files named relative to `base`)."""
     name = shard_name(table, box, folder)
-    entry = {"box": list(box), "dtype": DTYPE, "weights": f"{name}.f32",
-             "crc32": write_array(fs, f"{base}/{name}.f32", weights)}  # fmt: skip
+    entry = {
+        "box": list(box),
+        "dtype": DTYPE,
+        "weights": f"{name}.f32",
+        "crc32": write_array(fs, f"{base}/{name}.f32", weights),
+    }
     if accumulators is not None:
         acc = accumulators.reshape(-1)[: box[2]]
         entry["accumulators"] = f"{name}.acc.f32"

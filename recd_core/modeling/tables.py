@@ -30,6 +30,9 @@ def table_specs(model) -> list[TableSpec]:
         specs.append(TableSpec(table, rows, tuple(feats), f"bags.{table}.weight", 0.05))
     for n in model.sequence_names:
         if model.history_table[n] is None:  # N(0, 1) in one process: the same variance
-            specs.append(TableSpec(f"h_{n}", model.table_sizes[n], (n,),
-                                   f"history.{n}.embedding.weight", 3**0.5))  # fmt: skip
+            specs.append(
+                TableSpec(
+                    f"h_{n}", model.table_sizes[n], (n,), f"history.{n}.embedding.weight", 3**0.5
+                )
+            )
     return specs

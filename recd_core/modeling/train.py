@@ -88,8 +88,9 @@ def train(
     into `train.init_reason`). Stale batches, or batches built with another feature set
     than the config's `features`, are refused (lineage.py)."""
     warehouse.info("batches", ds, mode=cfg.mode)  # fail early, naming the partition
-    check_reads(warehouse, "train", [warehouse.partition_name("batches", ds, mode=cfg.mode)],
-                features)  # fmt: skip
+    check_reads(
+        warehouse, "train", [warehouse.partition_name("batches", ds, mode=cfg.mode)], features
+    )
     nproc = cfg.nproc if nproc is None else nproc
     if launched_rank() is not None:  # torchrun's processes, on this machine or on several
         nproc = int(os.environ["WORLD_SIZE"])
@@ -105,9 +106,14 @@ def train(
 
 
 def train_worker(
-    rank: int, world: int, wh_uri: str, ds: str, cfg: TrainConfig,
-    init_from: str | None = None, init_label: str | None = None,
-) -> dict:  # fmt: skip
+    rank: int,
+    world: int,
+    wh_uri: str,
+    ds: str,
+    cfg: TrainConfig,
+    init_from: str | None = None,
+    init_label: str | None = None,
+) -> dict:
     """One process of a run (the only one, or a rank of a data-parallel run)."""
     run = setup(rank, world, wh_uri, ds, cfg, init_from, init_label)
     fit(run)
@@ -188,8 +194,9 @@ def fit(run: Run) -> None:
         early.losses.append([run.step, loss])
         step, pass_end = run.step, run.step % run.per_epoch == 0
         scores = None
-        if run.validating and (step % every == 0 or step == run.total
-                               or (early.per_pass and pass_end)):  # fmt: skip
+        if run.validating and (
+            step % every == 0 or step == run.total or (early.per_pass and pass_end)
+        ):
             with early.averaged(model):  # the state validated and kept
                 scores = validate(model, valid, run.device)
                 early.update(step, scores, model, run.optimizer_states())
@@ -209,15 +216,23 @@ def report_progress(run: Run, scores: dict | None) -> None:
     recent = run.losses[-50:]
     val = f", validation NE {scores['eval.ne']:.4f}" if scores else ""
     rate = run.samples / run.seconds if run.seconds else 0.0
-    print(f"train {run.days[-1]} {run.cfg.mode}: step {run.step:,}/{run.total:,} "
-          f"({run.step / run.total:.0%}), pass {(run.step - 1) // run.per_epoch + 1}, "
-          f"loss {sum(recent) / len(recent):.4f}{val}, {rate:,.0f} samples/s", flush=True)  # fmt: skip
+    print(
+        f"train {run.days[-1]} {run.cfg.mode}: step {run.step:,}/{run.total:,} "
+        f"({run.step / run.total:.0%}), pass {(run.step - 1) // run.per_epoch + 1}, "
+        f"loss {sum(recent) / len(recent):.4f}{val}, {rate:,.0f} samples/s",
+        flush=True,
+    )
 
 
 def setup(
-    rank: int, world: int, wh_uri: str, ds: str, cfg: TrainConfig,
-    init_from: str | None, init_label: str | None,
-) -> Run:  # fmt: skip
+    rank: int,
+    world: int,
+    wh_uri: str,
+    ds: str,
+    cfg: TrainConfig,
+    init_from: str | None,
+    init_label: str | None,
+) -> Run:
     """The run as `fit` takes it: batches checked against the config, the model (warm
     start or scratch), its optimizers, and the position of the run's latest checkpoint."""
     device = join_process_group(rank, world, resolve_device(cfg.device))
@@ -265,8 +280,9 @@ def setup(
         opt_dense.load_state_dict(state["optimizer"]["dense"])
         opt_sparse.load_state_dict(state["optimizer"]["sparse"])
         step = int(state["step"])
-        early = EarlyStopping.from_state(patience, state.get("early"), restart is not None,
-                                         cfg.average_states)  # fmt: skip
+        early = EarlyStopping.from_state(
+            patience, state.get("early"), restart is not None, cfg.average_states
+        )
     per_epoch = parallel.steps_per_epoch(len(store))
     if per_epoch == 0:
         raise BatchMismatch(
@@ -278,10 +294,31 @@ def setup(
     lineage = record("train", inputs, cfg, (manifest.get("lineage") or {}).get("features"))
     lineage["trained_days"] = sorted({*init.trained_days, *days})
     return Run(
-        cfg, rank, world, device, wh, store, valid, days, model, parallel, net, opt_dense,
-        opt_sparse, init, restart, early, checkpoints, per_epoch, total, step=step,
-        resumed_at=step, lineage=lineage, validation=validation, rss_before_model=rss_before_model,
-    )  # fmt: skip
+        cfg,
+        rank,
+        world,
+        device,
+        wh,
+        store,
+        valid,
+        days,
+        model,
+        parallel,
+        net,
+        opt_dense,
+        opt_sparse,
+        init,
+        restart,
+        early,
+        checkpoints,
+        per_epoch,
+        total,
+        step=step,
+        resumed_at=step,
+        lineage=lineage,
+        validation=validation,
+        rss_before_model=rss_before_model,
+    )
 
 
 def validation_use(valid: BatchStore) -> str:
@@ -296,8 +333,10 @@ def validation_use(valid: BatchStore) -> str:
         return "ok"
     rows = sum(valid.record(i).num_rows for i in range(len(valid)))
     what = "no clicks" if rate == 0 else "only clicks"
-    return (f"one class ({what} in its {rows} rows): no state chosen, not calibrated; "
-            "the configured passes trained")  # fmt: skip
+    return (
+        f"one class ({what} in its {rows} rows): no state chosen, not calibrated; "
+        "the configured passes trained"
+    )
 
 
 def finish(run: Run) -> dict:
@@ -348,15 +387,30 @@ def finish(run: Run) -> dict:
         **checked,
         **calibration,
     }
-    saved = run.parallel.saved_state(model, run.net, optimizer, run.opt_sparse, cfg, run.wh.fs,
-                                     model_base(run.wh, run.checkpoints.run))  # fmt: skip
+    saved = run.parallel.saved_state(
+        model,
+        run.net,
+        optimizer,
+        run.opt_sparse,
+        cfg,
+        run.wh.fs,
+        model_base(run.wh, run.checkpoints.run),
+    )
     summary.update(saved.figures)
     summary["train.saved_layout"] = "single" if saved.tables is None else "shards"
     if run.rank == 0:
         summary["train.model_uri"] = save_model(
-            run.wh, run.checkpoints.run, model, cfg, run.store.manifest["prepared"], summary,
-            saved.optimizer, saved.state, run.lineage, saved.tables,
-        )  # fmt: skip
+            run.wh,
+            run.checkpoints.run,
+            model,
+            cfg,
+            run.store.manifest["prepared"],
+            summary,
+            saved.optimizer,
+            saved.state,
+            run.lineage,
+            saved.tables,
+        )
     return summary
 
 

@@ -89,12 +89,14 @@ class StageArgs(BaseModel):
     )
     batch_size: int | None = arg(
         "the batch size of generate's dedup profile, DPP and training (they must agree)",
-        config=("generate.batch_size", "preprocess.batch_size", "train.batch_size"), gt=0,
-    )  # fmt: skip
+        config=("generate.batch_size", "preprocess.batch_size", "train.batch_size"),
+        gt=0,
+    )
     mode: Literal["dedup", "baseline"] = arg(
-        "the training arm: dedup (IKJT) or baseline (KJT)", default="dedup",
+        "the training arm: dedup (IKJT) or baseline (KJT)",
+        default="dedup",
         config=("preprocess.mode", "train.mode"),
-    )  # fmt: skip
+    )
     tracking_uri: str | None = arg("MLflow tracking URI; off if unset")
     experiment: str = arg("MLflow experiment", default="recd")
     parent_run_id: str | None = arg("the pipeline's MLflow run (start's mlflow.run_id)")
@@ -104,54 +106,68 @@ class StageArgs(BaseModel):
         "the run's training days (--ds and --days), its evaluation days that are not "
         "training days (the day after each, or --eval-ds), or both; generate writes "
         "evaluation days clustered, the layout every arm is scored on",
-        stages=("synth", "ingest", "generate"), default="training",
-    )  # fmt: skip
+        stages=("synth", "ingest", "generate"),
+        default="training",
+    )
     samples_per_day: int | None = arg(
         "impressions a day", stages=("synth",), config=("synth.samples_per_day",), ge=1
     )
     users: int | None = arg("users", stages=("synth",), config=("synth.users",), ge=1)
     items: int | None = arg("items", stages=("synth",), config=("synth.items",), ge=2)
     mean_session_length: float | None = arg(
-        "mean impressions a session", stages=("synth",), config=("synth.mean_session_length",),
+        "mean impressions a session",
+        stages=("synth",),
+        config=("synth.mean_session_length",),
         ge=1.0,
-    )  # fmt: skip
+    )
     seed: int | None = arg("the workload's seed", stages=("synth",), config=("synth.seed",))
     features: str | None = arg(
         "a feature set (name or YAML) in place of the config's", stages=("synth",)
     )
     source: str | None = arg(
         "a log file or a directory of them, ingested as the one day --ds (instead of "
-        "<logs>/ds=<day>/)", stages=("ingest",),
-    )  # fmt: skip
+        "<logs>/ds=<day>/)",
+        stages=("ingest",),
+    )
     # not a config override of a whole run: it also picks the built-in config (MovieLens'
     # features), which a run's other stages take from --config (pipeline_config)
     format: Literal["events", "movielens"] | None = arg(
         "the raw logs' format (movielens: ml-100k's files)", stages=("ingest",)
     )
     max_quarantine_fraction: float | None = arg(
-        "the share of bad rows that fails the day", stages=("ingest",),
-        config=("ingest.max_quarantine_fraction",), ge=0.0, le=1.0,
-    )  # fmt: skip
+        "the share of bad rows that fails the day",
+        stages=("ingest",),
+        config=("ingest.max_quarantine_fraction",),
+        ge=0.0,
+        le=1.0,
+    )
     engine: Literal["local", "ray"] | None = arg(
         "work here, or on Ray (RAY_ADDRESS's cluster): Ray Data tasks, train's --nproc "
-        "processes as Ray Train workers", stages=("ingest", "generate", "preprocess", "train"),
+        "processes as Ray Train workers",
+        stages=("ingest", "generate", "preprocess", "train"),
         config=("ingest.engine", "generate.engine", "preprocess.engine", "train.engine"),
-    )  # fmt: skip
+    )
     workers: int | None = arg(
-        "parallel workers", stages=("ingest", "generate", "preprocess"),
-        config=("ingest.workers", "generate.workers", "preprocess.workers"), ge=1,
-    )  # fmt: skip
+        "parallel workers",
+        stages=("ingest", "generate", "preprocess"),
+        config=("ingest.workers", "generate.workers", "preprocess.workers"),
+        ge=1,
+    )
     layout: Literal["clustered", "shuffled", "both"] | None = arg(
         "the samples layout(s) written (default: both for training days, clustered for "
-        "evaluation days)", stages=("generate",),
-    )  # fmt: skip
+        "evaluation days)",
+        stages=("generate",),
+    )
     row_group_size: int | None = arg(
         "Parquet rows", stages=("generate",), config=("generate.row_group_size",), ge=1
     )
     threads: bool = arg(
-        "local workers as threads instead of processes", stages=("preprocess",),
-        config=("preprocess.executor",), when_set="thread", default=False,
-    )  # fmt: skip
+        "local workers as threads instead of processes",
+        stages=("preprocess",),
+        config=("preprocess.executor",),
+        when_set="thread",
+        default=False,
+    )
     stats_from: str | None = arg(
         "the standardization statistics of this preprocessed day", stages=("preprocess",)
     )
@@ -159,7 +175,7 @@ class StageArgs(BaseModel):
         "the model to start from (a model directory, <warehouse>/models/<run> or "
         "models:/<name>@<alias>); default: the champion when the config's train.warm_start",
         stages=("train",),
-    )  # fmt: skip
+    )
     device: Literal["auto", "cpu", "cuda"] | None = arg(
         "where to train (auto: CUDA where there is one)",
         stages=("train",),
@@ -170,12 +186,15 @@ class StageArgs(BaseModel):
     )
     sharding: Sharding | None = arg(
         "shard the tables across the --nproc processes (TorchRec) instead of a copy in each",
-        stages=("train",), config=("train.sharding",),
-    )  # fmt: skip
+        stages=("train",),
+        config=("train.sharding",),
+    )
     memory_budget_mb: int | None = arg(
-        "MB a process may hold of the sharded tables", stages=("train",),
-        config=("train.memory_budget_mb",), ge=1,
-    )  # fmt: skip
+        "MB a process may hold of the sharded tables",
+        stages=("train",),
+        config=("train.memory_budget_mb",),
+        ge=1,
+    )
     epochs: int | None = arg("passes at most", stages=("train",), config=("train.epochs",), ge=1)
     max_steps: int | None = arg(
         "steps at most", stages=("train",), config=("train.max_steps",), ge=1
@@ -304,9 +323,11 @@ def stage_options(stage: str, wiring: bool = True) -> list[Option]:
     """The arguments `stage` takes, in declaration order: the common ones and its own (and,
     with `wiring`, what orchestrators wire)."""
     own, options = set(own_options(stage)), stages_options()
-    return [field_option(name, stage) for name in StageArgs.model_fields
-            if not (name in options and name not in own)
-            and not (not wiring and name in WIRING)]  # fmt: skip
+    return [
+        field_option(name, stage)
+        for name in StageArgs.model_fields
+        if not (name in options and name not in own) and not (not wiring and name in WIRING)
+    ]
 
 
 def field_option(name: str, stage: str | None = None) -> Option:

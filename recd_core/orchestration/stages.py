@@ -65,8 +65,9 @@ def _start(args: StageArgs, advance: Advance) -> dict:
     if tracker is None:
         return {"mlflow.run_id": None}
     tracker.check()
-    run_id = tracker.start("pipeline", {**args.model_dump(exclude_none=True), "mode": ""},
-                           pipeline=args.pipeline)  # fmt: skip
+    run_id = tracker.start(
+        "pipeline", {**args.model_dump(exclude_none=True), "mode": ""}, pipeline=args.pipeline
+    )
     tracker.log_config(run_id, pipeline_config(args))
     return {"mlflow.run_id": run_id}
 
@@ -76,8 +77,10 @@ def _logs(args: StageArgs) -> str:
     if not args.logs:
         raise BadInput("no --logs root given")
     if "://" in args.logs:
-        raise BadInput(f"--logs {args.logs}: raw logs are read as files; mount them (a volume) "
-                       "and give the path")  # fmt: skip
+        raise BadInput(
+            f"--logs {args.logs}: raw logs are read as files; mount them (a volume) "
+            "and give the path"
+        )
     return args.logs
 
 
@@ -102,8 +105,10 @@ def _ingest(args: StageArgs, advance: Advance) -> dict:
 
     days = args.data_days()
     if args.source and (len(days) != 1 or args.days_of != "training"):
-        raise BadInput("--source holds one day's logs: give --ds of that day, no --days or "
-                       "--days-of (or --logs, the root of every day's logs)")  # fmt: skip
+        raise BadInput(
+            "--source holds one day's logs: give --ds of that day, no --days or "
+            "--days-of (or --logs, the root of every day's logs)"
+        )
     if args.source:
         sources = {days[0]: args.source}
     else:
@@ -170,8 +175,12 @@ def _train(args: StageArgs, advance: Advance) -> dict:
     cfg, wh = pipeline_config(args), open_warehouse(args)
     resolved = starting_model(tracker_of(args), wh, cfg, args.ds, args.mode, args.init_from)
     with resolved as (init_dir, label):
-        out = _per_day(args, lambda day: train(wh, day, cfg.train, init_from=init_dir, init_label=label,
-                                               features=cfg.features))  # fmt: skip
+        out = _per_day(
+            args,
+            lambda day: train(
+                wh, day, cfg.train, init_from=init_dir, init_label=label, features=cfg.features
+            ),
+        )
     days = out["days"].values() if "days" in out else [out]
     uris = [s["train.model_uri"] for s in days if "train.model_uri" in s]  # rank 0 saves
     return {**out, "train.model_uris": ";".join(uris)} if uris else out
@@ -220,8 +229,9 @@ def _register(args: StageArgs, advance: Advance) -> dict:
     scored = evaluate(
         wh, uri, eval_ds, cfg.registry.eval_batch_size, trained_on=args.training_days()[-1]
     )
-    return register_and_promote(tracker, wh, uri, args.register_run_id, eval_ds, scored,
-                                cfg.registry)  # fmt: skip
+    return register_and_promote(
+        tracker, wh, uri, args.register_run_id, eval_ds, scored, cfg.registry
+    )
 
 
 def _compare(args: StageArgs, upstream: list[dict]) -> dict:
@@ -269,9 +279,16 @@ def _finish(args: StageArgs, upstream: list[dict]) -> dict:
     from recd_core.mlops.compare import ratios
 
     last = args.training_days()[-1]
-    summary = merge(upstream, {"pipeline.ds": args.ds, "pipeline.days": args.days,
-                               "run.ds": args.ds, "run.eval_ds": args.eval_day(last),
-                               "run.warehouse": args.warehouse})  # fmt: skip
+    summary = merge(
+        upstream,
+        {
+            "pipeline.ds": args.ds,
+            "pipeline.days": args.days,
+            "run.ds": args.ds,
+            "run.eval_ds": args.eval_day(last),
+            "run.warehouse": args.warehouse,
+        },
+    )
     if all(f"eval.ne.{arm}" in summary for arm in ARM_LAYOUT):
         summary.update(ratios(summary))
     return summary
@@ -353,8 +370,11 @@ def run_stage(
             raise err from None
         raise
     if start_rss is not None:  # the process's memory: the stage's and what it holds before
-        summary = {**summary, f"{name}.start_rss_bytes": start_rss,
-                   f"{name}.peak_rss_bytes": peak_rss()}  # fmt: skip
+        summary = {
+            **summary,
+            f"{name}.start_rss_bytes": start_rss,
+            f"{name}.peak_rss_bytes": peak_rss(),
+        }
     summary = {"status": "ok", "stage": name, **_json_safe(summary)}
     if record is not None and stage.per_arm:
         record.tracker.log_inputs(record.run_id, stage_inputs(args, stage))
@@ -395,16 +415,27 @@ def stage_inputs(args: StageArgs, stage) -> list[dict]:
     scoring = "models" in stage.reads
     days = [args.eval_day(d) for d in args.training_days()] if scoring else args.training_days()
     table = "samples" if scoring or "samples" in stage.reads else "batches"
-    keys = ({"layout": "clustered"} if scoring else {"layout": ARM_LAYOUT[args.mode]}
-            if table == "samples" else {"mode": args.mode})  # fmt: skip
+    keys = (
+        {"layout": "clustered"}
+        if scoring
+        else {"layout": ARM_LAYOUT[args.mode]}
+        if table == "samples"
+        else {"mode": args.mode}
+    )
     out = []
     for day in days:
         if not wh.exists(table, day, **keys):
             continue
         m = wh.manifest(table, day, **keys)
-        out.append({"name": wh.partition_name(table, day, **keys), "uri": wh.partition_uri(table, day, **keys),
-                    "digest": str(m.get("write_id")), "rows": m["rows"],
-                    "context": "evaluation" if scoring else "training"})  # fmt: skip
+        out.append(
+            {
+                "name": wh.partition_name(table, day, **keys),
+                "uri": wh.partition_uri(table, day, **keys),
+                "digest": str(m.get("write_id")),
+                "rows": m["rows"],
+                "context": "evaluation" if scoring else "training",
+            }
+        )
     return out
 
 

@@ -73,8 +73,9 @@ class Ranking:
         return self.candidates.num_rows
 
 
-def ranking_requests(columns: dict[str, list], n: int, schema: pa.Schema,
-                     features: FeatureSet, max_rows: int) -> list[Ranking]:  # fmt: skip
+def ranking_requests(
+    columns: dict[str, list], n: int, schema: pa.Schema, features: FeatureSet, max_rows: int
+) -> list[Ranking]:
     """The requests of a body's columns (one per row; `candidates` a list of objects per
     row), typed as the warehouse types them and checked as ingest checks events; more than
     `max_rows` candidates in all is a 413. A refusal names the request, the candidate and
@@ -91,14 +92,21 @@ def ranking_requests(columns: dict[str, list], n: int, schema: pa.Schema,
             raise RequestError(f"{where}'candidates' must be a non-empty list of objects")
         total += len(cl)
     if total > max_rows:
-        raise RequestError(f"{total:,} candidates in one body, more than the server's limit of "
-                           f"{max_rows:,} (serve.max_rows): split the request", 413)  # fmt: skip
+        raise RequestError(
+            f"{total:,} candidates in one body, more than the server's limit of "
+            f"{max_rows:,} (serve.max_rows): split the request",
+            413,
+        )
     fields = {f.name: f for f in schema}
     out = []
     for r in range(n):
         where = f"request {r}: " if n > 1 else ""
-        user = _table({c: [columns[c][r] if c in columns else None] for c in users}, fields,
-                      features, where + "user ")  # fmt: skip
+        user = _table(
+            {c: [columns[c][r] if c in columns else None] for c in users},
+            fields,
+            features,
+            where + "user ",
+        )
         rows: dict[str, list] = {c: [] for c in cands}
         for i, cand in enumerate(lists[r]):
             if not isinstance(cand, dict):
@@ -112,8 +120,9 @@ def ranking_requests(columns: dict[str, list], n: int, schema: pa.Schema,
     return out
 
 
-def _table(columns: dict[str, list], fields: dict[str, pa.Field], features: FeatureSet,
-           where: str) -> pa.Table:  # fmt: skip
+def _table(
+    columns: dict[str, list], fields: dict[str, pa.Field], features: FeatureSet, where: str
+) -> pa.Table:
     """Typed columns, checked: the first failing row named (`where` + its index; the user
     side has one row, so it is named by the field alone)."""
     typed = {}
@@ -174,12 +183,20 @@ def ranking_batch(ranking: Ranking, prep: Prepared, dedup: bool = True) -> Batch
     groups = {}
     for g, gkeys in prep.groups.items():
         parts = [feature_ids(user[k], prep, k) for k in gkeys]
-        unique = KeyedJaggedTensor(gkeys, torch.cat([_int64(v) for v, _ in parts]),
-                                   torch.cat([_int64(ln) for _, ln in parts]))  # fmt: skip
-        groups[g] = InverseKeyedJaggedTensor(unique, torch.zeros(n, dtype=torch.int64),
-                                             validate=False)  # fmt: skip
-    batch = Batch(torch.from_numpy(np.ascontiguousarray(dense, np.float32)), kjt,
-                  torch.zeros(n, dtype=torch.float32), groups)  # fmt: skip
+        unique = KeyedJaggedTensor(
+            gkeys,
+            torch.cat([_int64(v) for v, _ in parts]),
+            torch.cat([_int64(ln) for _, ln in parts]),
+        )
+        groups[g] = InverseKeyedJaggedTensor(
+            unique, torch.zeros(n, dtype=torch.int64), validate=False
+        )
+    batch = Batch(
+        torch.from_numpy(np.ascontiguousarray(dense, np.float32)),
+        kjt,
+        torch.zeros(n, dtype=torch.float32),
+        groups,
+    )
     return batch if dedup else expand(batch)
 
 
@@ -209,8 +226,14 @@ def probe_request(schema: pa.Schema, features: FeatureSet) -> dict:
     return {"dataframe_records": [{**request, CANDIDATES: [candidate]}]}
 
 
-def score_ranking(model, prep: Prepared, ranking: Ranking, batch_rows: int = 1024,
-                  dedup: bool = True, deadline: float | None = None) -> np.ndarray:  # fmt: skip
+def score_ranking(
+    model,
+    prep: Prepared,
+    ranking: Ranking,
+    batch_rows: int = 1024,
+    dedup: bool = True,
+    deadline: float | None = None,
+) -> np.ndarray:
     """Click probabilities of a request's candidates, `batch_rows` candidates at a time, the
     user row's embeddings and history encoded for the first batch and kept for the rest
     (`Batch.shared`); past `deadline` (monotonic) it stops between batches (TimeoutError)."""
@@ -226,8 +249,14 @@ def score_ranking(model, prep: Prepared, ranking: Ranking, batch_rows: int = 102
     return np.concatenate(out) if out else np.zeros(0, np.float32)
 
 
-def score_rankings(model, prep: Prepared, requests: list[Ranking], batch_rows: int = 1024,
-                   dedup: bool = True, deadline: float | None = None) -> np.ndarray:  # fmt: skip
+def score_rankings(
+    model,
+    prep: Prepared,
+    requests: list[Ranking],
+    batch_rows: int = 1024,
+    dedup: bool = True,
+    deadline: float | None = None,
+) -> np.ndarray:
     """Every request's candidates scored (`score_ranking`), one request after the other: the
     answer of a body of ranking requests, float64 as the servers send it."""
     scores = [score_ranking(model, prep, r, batch_rows, dedup, deadline) for r in requests]

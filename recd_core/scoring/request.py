@@ -74,8 +74,9 @@ def _check_rows(n: int, max_rows: int) -> None:
     if n > max_rows:
         raise RequestError(
             f"{n:,} rows in one request, more than the server's limit of {max_rows:,} "
-            "(serve.max_rows): split the request", 413
-        )  # fmt: skip
+            "(serve.max_rows): split the request",
+            413,
+        )
 
 
 def typed_column(name: str, values: list, field: pa.Field) -> pa.Array:

@@ -58,10 +58,16 @@ class ShardedCheckpoints:
             return []
         mine = re.compile(r"step-(\d{8})")
         infos = self.wh.fs.get_file_info(pafs.FileSelector(self.dir))
-        found = [(mine.fullmatch(i.base_name), i.path) for i in infos
-                 if i.type == pafs.FileType.Directory]  # fmt: skip
-        return sorted(int(m.group(1)) for m, path in found
-                      if m and self.wh.exists_file(f"{path}/{LAYOUT_FILE}") == complete)  # fmt: skip
+        found = [
+            (mine.fullmatch(i.base_name), i.path)
+            for i in infos
+            if i.type == pafs.FileType.Directory
+        ]
+        return sorted(
+            int(m.group(1))
+            for m, path in found
+            if m and self.wh.exists_file(f"{path}/{LAYOUT_FILE}") == complete
+        )
 
     def path(self, step: int) -> str:
         return f"{self.dir}/step-{step:08d}"
@@ -70,8 +76,14 @@ class ShardedCheckpoints:
         """This rank's shards of `state` (`sharded.<k>`, the loop's layout) and their
         accumulators, as shard files in `path`/`part`."""
         n, accs = len(self.tables.boxes()), sparse["state"]
-        return rank_shards(self.tables, self.wh.fs, path, [state[f"sharded.{k}"] for k in range(n)],
-                           [accs.get(k, {}).get("sum") for k in range(n)], part)  # fmt: skip
+        return rank_shards(
+            self.tables,
+            self.wh.fs,
+            path,
+            [state[f"sharded.{k}"] for k in range(n)],
+            [accs.get(k, {}).get("sum") for k in range(n)],
+            part,
+        )
 
     def save(self, state: dict) -> str:
         path = self.path(state["step"])
@@ -89,13 +101,24 @@ class ShardedCheckpoints:
                     k: v for k, v in best.items() if not k.startswith("sharded.")
                 }
                 early["best_optimizer_dense"] = best_opt["dense"]
-            rest = {"model": {k: v for k, v in model.items() if not k.startswith("sharded.")},
-                    "optimizer_dense": optimizer["dense"],
-                    "sparse_groups": optimizer["sparse"]["param_groups"],
-                    "step": state["step"], "config": state["config"], "early": early}  # fmt: skip
+            rest = {
+                "model": {k: v for k, v in model.items() if not k.startswith("sharded.")},
+                "optimizer_dense": optimizer["dense"],
+                "sparse_groups": optimizer["sparse"]["param_groups"],
+                "step": state["step"],
+                "config": state["config"],
+                "early": early,
+            }
             write_bytes(self.wh, f"{path}/rest.pt", torch_bytes(rest))
-            layouts = {part: layout(self.tables.dim, len(parts), self.tables.specs,
-                                    [e for p in parts for e in p[part]]) for part in mine}  # fmt: skip
+            layouts = {
+                part: layout(
+                    self.tables.dim,
+                    len(parts),
+                    self.tables.specs,
+                    [e for p in parts for e in p[part]],
+                )
+                for part in mine
+            }
             write_bytes(self.wh, f"{path}/{LAYOUT_FILE}", json.dumps(layouts).encode())
             for step in self.steps()[: -self.keep] + self.steps(complete=False):
                 if step != state["step"]:
@@ -136,19 +159,25 @@ class ShardedCheckpoints:
         early = dict(rest["early"])
         if "best" in parts:  # kept as the loop keeps it: this rank's shards, a copy
             best, boxes = parts["best"], self.tables.boxes()
-            shards = {f"sharded.{k}": best[self.tables.specs[i].key][r0 : r0 + nr, c0 : c0 + nc]
-                      for k, (i, (r0, c0), (nr, nc)) in enumerate(boxes)}  # fmt: skip
-            accs = {k: {"sum": LazyAccumulator(best[self.tables.specs[i].key])[r0 : r0 + nr]}
-                    for k, (i, (r0, _), (nr, _)) in enumerate(boxes)}  # fmt: skip
+            shards = {
+                f"sharded.{k}": best[self.tables.specs[i].key][r0 : r0 + nr, c0 : c0 + nc]
+                for k, (i, (r0, c0), (nr, nc)) in enumerate(boxes)
+            }
+            accs = {
+                k: {"sum": LazyAccumulator(best[self.tables.specs[i].key])[r0 : r0 + nr]}
+                for k, (i, (r0, _), (nr, _)) in enumerate(boxes)
+            }
             early["best_state"] = {**early.pop("best_dense"), **shards}
-            early["best_optimizer"] = {"dense": early.pop("best_optimizer_dense"),
-                                       "sparse": {"state": accs, "param_groups": rest["sparse_groups"]}}  # fmt: skip
+            early["best_optimizer"] = {
+                "dense": early.pop("best_optimizer_dense"),
+                "sparse": {"state": accs, "param_groups": rest["sparse_groups"]},
+            }
         return {
             "model": {**rest["model"], **live},
             "optimizer": {
                 "dense": rest["optimizer_dense"],
                 "sparse": {"state": accumulators(live), "param_groups": rest["sparse_groups"]},
-            },  # fmt: skip
+            },
             "step": rest["step"],
             "config": rest["config"],
             "early": early,

@@ -19,9 +19,17 @@ def torchrec_validation(model, valid, device: torch.device) -> dict[str, float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     task = RecTaskInfo(name="click", label_name="label", prediction_name="p", weight_name="w")
     samples = max(valid.samples(), 1)  # the AUC's window: all of them
-    metrics = [m(world_size=world, my_rank=rank, batch_size=1, tasks=[task],
-                 compute_mode=RecComputeMode.UNFUSED_TASKS_COMPUTATION, window_size=samples)
-               for m in (NEMetric, AUCMetric)]  # fmt: skip
+    metrics = [
+        m(
+            world_size=world,
+            my_rank=rank,
+            batch_size=1,
+            tasks=[task],
+            compute_mode=RecComputeMode.UNFUSED_TASKS_COMPUTATION,
+            window_size=samples,
+        )
+        for m in (NEMetric, AUCMetric)
+    ]
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -30,13 +38,18 @@ def torchrec_validation(model, valid, device: torch.device) -> dict[str, float]:
             probs = torch.sigmoid(model(batch)).float().cpu()
             labels = batch.labels.float().cpu()
             for m in metrics:
-                m.update(predictions={"click": probs}, labels={"click": labels},
-                         weights={"click": torch.ones_like(labels)})  # fmt: skip
+                m.update(
+                    predictions={"click": probs},
+                    labels={"click": labels},
+                    weights={"click": torch.ones_like(labels)},
+                )
     model.train(was_training)
     out = {}
     for m in metrics:  # gathered onto rank 0; the others get nothing back
         out |= {k: float(v) for k, v in m.compute().items()}
     if not out:
         return {}
-    return {"train.val_ne_torchrec": out["ne-click|lifetime_ne"],
-            "train.val_auc_torchrec": out["auc-click|window_auc"]}  # fmt: skip
+    return {
+        "train.val_ne_torchrec": out["ne-click|lifetime_ne"],
+        "train.val_auc_torchrec": out["auc-click|window_auc"],
+    }

@@ -47,16 +47,18 @@ class ShardedDLRM(DLRM):
         children = dict(self.named_children())
         children.pop("sharded")
         own = dict(self.named_parameters(recurse=False)) | {
-            k: b for k, b in self.named_buffers(recurse=False)
+            k: b
+            for k, b in self.named_buffers(recurse=False)
             if k not in self._non_persistent_buffers_set
-        }  # fmt: skip
+        }
         unexpected = [k for k in state if k.split(".")[0] not in children and k not in own]
         missing = [k for k in own if k not in state]
         if missing or unexpected:
             raise RuntimeError(f"missing keys {missing[:4]}, unexpected keys {unexpected[:4]}")
         for name, child in children.items():
-            child.load_state_dict({k[len(name) + 1 :]: v for k, v in state.items()
-                                   if k.startswith(name + ".")})  # fmt: skip
+            child.load_state_dict(
+                {k[len(name) + 1 :]: v for k, v in state.items() if k.startswith(name + ".")}
+            )
         with torch.no_grad():
             for k, t in own.items():
                 t.copy_(state[k])

@@ -36,8 +36,10 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     if cfg.model.members > 1:
         raise ShardingRefused("sharded training trains one model: set train.model.members: 1")
     if cfg.average_states > 1:
-        raise ShardingRefused("sharded training keeps the live tables, not a mean of states: "
-                              "set train.average_states: 1")  # fmt: skip
+        raise ShardingRefused(
+            "sharded training keeps the live tables, not a mean of states: "
+            "set train.average_states: 1"
+        )
     if cfg.adagrad_initial_accumulator:
         raise ShardingRefused(
             "sharded tables' fused Adagrad starts from a zero accumulator: "
@@ -45,8 +47,13 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         )
 
 
-def shard(model, cfg: TrainConfig, world: int, device: torch.device,
-          kept: tuple[str, ...] = ("the live tables",)):  # fmt: skip
+def shard(
+    model,
+    cfg: TrainConfig,
+    world: int,
+    device: torch.device,
+    kept: tuple[str, ...] = ("the live tables",),
+):
     """`model` (a `ShardedDLRM`) under DistributedModelParallel: its
     tables placed by TorchRec's planner within `memory_budget_mb` per process (`auto`) or
     as `cfg.sharding` asks; refuses in one line when no plan fits. `kept`: the copies of a
@@ -68,9 +75,15 @@ def shard(model, cfg: TrainConfig, world: int, device: torch.device,
         TrainerConfig,
     )
 
-    sharders = [EmbeddingCollectionSharder(fused_params={
-        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": cfg.lr_sparse,
-        "eps": 1e-10})]  # fmt: skip
+    sharders = [
+        EmbeddingCollectionSharder(
+            fused_params={
+                "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                "learning_rate": cfg.lr_sparse,
+                "eps": 1e-10,
+            }
+        )
+    ]
     cap = {}
     if cfg.memory_budget_mb is not None:
         share = (cfg.memory_budget_mb << 20) // len(kept)
@@ -81,12 +94,16 @@ def shard(model, cfg: TrainConfig, world: int, device: torch.device,
     )
     constraints = None
     if cfg.sharding != "auto":
-        constraints = {s.name: ParameterConstraints(sharding_types=[cfg.sharding])
-                       for s in model.sharded.specs}  # fmt: skip
+        constraints = {
+            s.name: ParameterConstraints(sharding_types=[cfg.sharding]) for s in model.sharded.specs
+        }
     # the budget is the tables' (and their input and output buffers', as TorchRec estimates
     # them): nothing of it is held back for the dense part
-    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints,
-                                       storage_reservation=FixedPercentageStorageReservation(0.0))  # fmt: skip
+    planner = EmbeddingShardingPlanner(
+        topology=topology,
+        constraints=constraints,
+        storage_reservation=FixedPercentageStorageReservation(0.0),
+    )
     try:
         with _quiet_planner():  # every rank plans alike (a refusal is then every rank's)
             plan = planner.plan(model, sharders)
@@ -94,8 +111,10 @@ def shard(model, cfg: TrainConfig, world: int, device: torch.device,
         specs = model.sharded.specs
         row_bytes = 4 * (cfg.model.embedding_dim + 1)  # weights and the row's accumulator
         big = max(specs, key=lambda s: s.rows)
-        sizes = (f"{len(specs)} tables, {sum(s.rows for s in specs) * row_bytes >> 20} MB with "
-                 f"their accumulators, the largest {big.name} {big.rows * row_bytes >> 20} MB")  # fmt: skip
+        sizes = (
+            f"{len(specs)} tables, {sum(s.rows for s in specs) * row_bytes >> 20} MB with "
+            f"their accumulators, the largest {big.name} {big.rows * row_bytes >> 20} MB"
+        )
         budget = f"{cfg.memory_budget_mb} MB" if cfg.memory_budget_mb else "the device's memory"
         copies = f", {len(kept)} copies of its shards ({', '.join(kept)})" if len(kept) > 1 else ""
         raise ShardingRefused(
@@ -118,8 +137,11 @@ def _first_reason(e: Exception) -> str:
 @contextlib.contextmanager
 def _quiet_planner():
     """TorchRec's planner logs its whole search at WARNING; a refusal says it in one line."""
-    names = ["torchrec.distributed.planner", "torchrec.distributed.planner.types",
-             "torchrec.distributed.planner.storage_reservations"]  # fmt: skip
+    names = [
+        "torchrec.distributed.planner",
+        "torchrec.distributed.planner.types",
+        "torchrec.distributed.planner.storage_reservations",
+    ]
     loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
@@ -145,6 +167,8 @@ def plan_table(dmp) -> dict[str, str]:
 def shard_bytes(model) -> list[int]:
     """The bytes each rank holds of the tables (weights and accumulators). A collective."""
     tables: ShardedTables = model.sharded
-    mine = sum(t.numel() * t.element_size()
-               for t in [*tables.local_weights(), *tables.local_accumulators()])  # fmt: skip
+    mine = sum(
+        t.numel() * t.element_size()
+        for t in [*tables.local_weights(), *tables.local_accumulators()]
+    )
     return every_rank(mine, dist.get_world_size())

@@ -43,16 +43,22 @@ def full_state(model, dense_optimizer: dict, opt_sparse) -> tuple[dict, dict] | 
     return state, {"dense": dense_optimizer, "sparse": sparse}
 
 
-def rank_shards(tables: ShardedTables, fs, base: str, weights: list, accumulators: list,
-                folder: str = "tables") -> list[tuple[str, dict]]:  # fmt: skip
+def rank_shards(
+    tables: ShardedTables, fs, base: str, weights: list, accumulators: list, folder: str = "tables"
+) -> list[tuple[str, dict]]:
     """This rank's shards (`weights` and their `accumulators`, None where it has none, in
     `boxes()` order) as shard files in `base`/`folder`: `(state key, model.json entry)`."""
     from recd_core.modeling.shard_files import write_shard
 
-    return [(tables.specs[i].key, write_shard(fs, base, tables.specs[i].name, (r0, c0, nr, nc),
-                                              w, acc, folder))
-            for (i, (r0, c0), (nr, nc)), w, acc in zip(tables.boxes(), weights, accumulators,
-                                                       strict=True)]  # fmt: skip
+    return [
+        (
+            tables.specs[i].key,
+            write_shard(fs, base, tables.specs[i].name, (r0, c0, nr, nc), w, acc, folder),
+        )
+        for (i, (r0, c0), (nr, nc)), w, acc in zip(
+            tables.boxes(), weights, accumulators, strict=True
+        )
+    ]
 
 
 def write_shards(model, fs, base: str) -> list[tuple[str, dict]] | None:
@@ -77,8 +83,7 @@ def load_full_state(model, state: dict) -> None:
         raise RuntimeError(f"the state lacks tables {missing}")
     model.load_dense_state({k: v for k, v in state.items() if k not in keys})
     with torch.no_grad():
-        for (i, (r0, c0), (nr, nc)), w in zip(tables.boxes(), tables.local_weights(),
-                                               strict=True):  # fmt: skip
+        for (i, (r0, c0), (nr, nc)), w in zip(tables.boxes(), tables.local_weights(), strict=True):
             full = state[tables.specs[i].key]
             if tuple(full.shape) != (tables.specs[i].rows, model.cfg.embedding_dim):
                 raise RuntimeError(f"{tables.specs[i].key}: shape {tuple(full.shape)}")

@@ -47,8 +47,9 @@ class Sharded:
         self.net = shard(model, cfg, self.world, self.device, self.kept)
         return self.net.module
 
-    def build(self, features: FeatureSet, cfg: TrainConfig, init: Init,
-              click_rate: float) -> tuple[ShardedDLRM, nn.Module, Init]:  # fmt: skip
+    def build(
+        self, features: FeatureSet, cfg: TrainConfig, init: Init, click_rate: float
+    ) -> tuple[ShardedDLRM, nn.Module, Init]:
         """(the model, its DMP, the start taken): a warm start's single-process state,
         saved by a run of any N, scattered to the shards."""
         model, init = starting_model(lambda: self.placed(features, cfg), init, click_rate)
@@ -72,21 +73,32 @@ class Sharded:
     def writes_checkpoints(self) -> bool:
         return True  # every rank its own shards
 
-    def checkpoints(self, wh: Warehouse, run: str, keep: int,
-                    model: ShardedDLRM) -> ShardedCheckpoints:  # fmt: skip
+    def checkpoints(
+        self, wh: Warehouse, run: str, keep: int, model: ShardedDLRM
+    ) -> ShardedCheckpoints:
         return ShardedCheckpoints(wh, run, keep, model.sharded)
 
     def cross_check(self, model: ShardedDLRM, valid: BatchStore) -> dict[str, float]:
         """The chosen state by torchrec.metrics over the ranks (rank 0's figures)."""
         return torchrec_validation(model, valid, self.device)
 
-    def saved_state(self, model: ShardedDLRM, net: nn.Module, optimizer: dict,
-                    opt_sparse: FusedAdagrad, cfg: TrainConfig, fs, base: str) -> Saved:  # fmt: skip
+    def saved_state(
+        self,
+        model: ShardedDLRM,
+        net: nn.Module,
+        optimizer: dict,
+        opt_sparse: FusedAdagrad,
+        cfg: TrainConfig,
+        fs,
+        base: str,
+    ) -> Saved:
         """Where the tables went and each rank's share of them; the model as shard files
         every rank writes under `base` (`shards_saved`), or else gathered onto rank 0 in
         the single-process layout. A collective."""
-        figures = {"train.sharding": plan_table(net),
-                   "train.shard_bytes_per_rank": shard_bytes(model)}  # fmt: skip
+        figures = {
+            "train.sharding": plan_table(net),
+            "train.shard_bytes_per_rank": shard_bytes(model),
+        }
         opt_sparse.load_state_dict(optimizer["sparse"])
         if not shards_saved(cfg, model.sharded.specs):
             state, optimizer = full_state(model, optimizer["dense"], opt_sparse) or (None, None)
@@ -96,8 +108,11 @@ class Sharded:
             return Saved(figures, None, None)
         specs, dim = model.sharded.specs, cfg.model.embedding_dim
         groups = [{**opt_sparse.param_groups[0], "params": list(range(len(specs)))}]
-        dense, rest = without_tables(model.dense_state(), {"dense": optimizer["dense"],
-                                     "sparse": {"param_groups": groups}}, specs)  # fmt: skip
+        dense, rest = without_tables(
+            model.dense_state(),
+            {"dense": optimizer["dense"], "sparse": {"param_groups": groups}},
+            specs,
+        )
         return Saved(figures, dense, rest, layout(dim, self.world, specs, entries))
 
 

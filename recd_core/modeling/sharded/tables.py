@@ -31,7 +31,7 @@ class ShardedTables(nn.Module):
                     weight_init_max=s.init_bound,
                 )
                 for s in specs
-            ],  # fmt: skip
+            ],
             device=torch.device("meta"),
         )
 
