@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from recd_core.config import IngestConfig
 from recd_core.data.ingest import QuarantineExceeded, ingest
-from recd_core.data.sources import SourceError
+from recd_core.data.raw_bytes import SourceError
 
 DAY = "2026-11-01"
 

@@ -7,7 +7,7 @@ import pytest
 from recd_core.config import GenerateConfig, IngestConfig, load_feature_set
 from recd_core.data.generate import generate
 from recd_core.data.ingest import ingest
-from recd_core.data.sources import SourceError
+from recd_core.data.raw_bytes import SourceError
 
 DAY = "2026-10-01"
 GAP = 30 * 60

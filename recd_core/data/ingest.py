@@ -31,20 +31,17 @@ import pyarrow.parquet as pq
 
 from recd_core.config import FeatureSet, IngestConfig, ParquetWrite
 from recd_core.data.checks import DayWindow, validate
+from recd_core.data.parquet_events import read_parquet_events
+from recd_core.data.raw_bytes import FileRefused, ReadLimits, SourceError, path_text
 from recd_core.data.sources import (
     SMALL_FILE,
     SMALL_FILES,
-    FileRefused,
     Parsed,
-    ReadLimits,
     Rejects,
-    SourceError,
-    path_text,
     raw_files_lines,
     raw_lines,
     read_json_files,
     read_json_lines,
-    read_parquet_events,
     rows_as_json,
     sniff,
 )

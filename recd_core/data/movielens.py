@@ -43,7 +43,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from recd_core.config import FeatureSet, IngestConfig
-from recd_core.data.sources import Parsed, Rejects, SourceError, open_text
+from recd_core.data.raw_bytes import SourceError, open_text
+from recd_core.data.sources import Parsed, Rejects
 from recd_core.dedup.unique import list_array
 from recd_core.schema import events_schema
 

@@ -1,4 +1,5 @@
-"""Readers for raw event files: JSON lines (plain or gzipped) and Parquet.
+"""Readers for raw event files: JSON lines here (plain, gzip or zstd: data/raw_bytes.py),
+Parquet in data/parquet_events.py; which one a file needs, by its content (`sniff`).
 
 Readers only parse. They return the rows they could type, each tagged with its source file
 and line, and a `Rejects` of everything they could not read, with the reason. Semantic
@@ -16,23 +17,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import os
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.json as pj
-import pyarrow.parquet as pq
-from zlib_ng import zlib_ng as zlib  # zlib's API, ~2x its gunzip speed (zlib-ng)
 
+from recd_core.data.json_values import diagnose_json_line
+from recd_core.data.raw_bytes import (
+    GZIP_MAGIC,
+    ZSTD_MAGIC,
+    FileRefused,
+    ReadLimits,
+    SourceError,
+    path_text,
+    read_bytes,
+)
 from recd_core.data.shared_parse import byte_positions, parse_shared
-from recd_core.errors import BadInput, first_line
 
 QUARANTINE_SCHEMA = pa.schema(
     [
@@ -44,16 +48,6 @@ QUARANTINE_SCHEMA = pa.schema(
     ]
 )
 CHUNK_LINES = 16384
-
-
-class SourceError(BadInput):
-    """A source that cannot be read at all (missing, unreadable, not the expected format)."""
-
-
-def path_text(path: Path | str) -> str:
-    """A file name as text the quarantine (UTF-8 Parquet) can hold: bytes that are not UTF-8
-    (e.g. a Latin-1 `ev\\xe9.jsonl`) escaped as `\\xe9`, so the name is kept, not refused."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 @dataclass
@@ -188,114 +182,6 @@ class Lines:
         if run is not None:
             return pa.py_buffer(memoryview(self.data)[self.starts[run][0] : self.ends[run][-1]])
         return b"\n".join(self.get(int(i)) for i in idx)
-
-
-# -- bytes ------------------------------------------------------------------------------------
-GZIP_MAGIC, ZSTD_MAGIC = b"\x1f\x8b", b"\x28\xb5\x2f\xfd"
-_FEED = 1 << 20  # compressed bytes handed to the decompressor at a time
-_DRAIN = 16 << 20  # decompressed bytes taken out at a time
-
-
-@dataclass(frozen=True)
-class ReadLimits:
-    """How far one source file may expand (`IngestConfig.max_file_mb`, `max_expansion_ratio`).
-    A file is held whole while it is parsed, by each of `workers` threads, so these bound
-    ingest's memory whatever a file holds: a gzip or zstd "bomb" (1 MB of zeros expanding to
-    1 GiB) is refused once it passes either limit, not after it has filled memory. The ratio
-    is judged only past `ratio_floor` bytes, so a small, very repetitive file still reads."""
-
-    max_bytes: int = 512 << 20
-    max_ratio: float = 100.0
-    ratio_floor: int = 64 << 20
-
-    def check(self, out: int, consumed: int) -> None:
-        if out > self.max_bytes:
-            raise FileRefused(
-                f"expands past the limit of {self.max_bytes >> 20} MiB "
-                "(ingest.max_file_mb): split the file or raise the limit"
-            )
-        if out > self.ratio_floor and out > self.max_ratio * max(consumed, 1):
-            raise FileRefused(
-                f"expands more than {self.max_ratio:g}x ({out >> 20} MiB from "
-                f"{max(consumed, 1) >> 10} KiB; ingest.max_expansion_ratio): a decompression bomb?"
-            )
-
-
-class FileRefused(SourceError):
-    """A source file refused as a whole (too large once expanded, a link out of the source
-    directory): ingest quarantines one record for it, names it in the summary and goes on
-    with the day's other files."""
-
-
-def read_bytes(path: Path, limits: ReadLimits = ReadLimits()) -> tuple[bytes, str | None]:
-    """The file's decompressed bytes (gzip and zstd are recognized by their magic bytes, every
-    member or frame of a concatenated file read), and a problem if the stream was damaged or
-    cut short (what came out before it is kept). Raises `FileRefused` past `limits`."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            head = f.read(4)
-            if head[:2] != GZIP_MAGIC and head != ZSTD_MAGIC:
-                limits.check(size, size)
-                return head + f.read(), None
-            data = head + f.read()
-    except OSError as e:
-        raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
-    return _gunzip(data, limits) if head[:2] == GZIP_MAGIC else _unzstd(data, limits)
-
-
-def _gunzip(data: bytes, limits: ReadLimits) -> tuple[bytes, str | None]:
-    """Every member of a gzip file (`cat a.gz b.gz`, log rotation), streamed: input handed
-    over a MiB at a time, output drained in bounded pieces, the limits checked as it grows."""
-    out: list[bytes] = []
-    total = pos = 0  # pos: bytes of `data` handed to a decompressor so far
-    d = zlib.decompressobj(wbits=31)
-    pending = b""  # handed over, not yet consumed
-
-    def more(buf: bytes) -> bytes:
-        nonlocal pos
-        piece = data[pos : pos + _FEED]
-        pos += len(piece)
-        return buf + piece
-
-    while True:
-        if not pending:
-            pending = more(pending)
-        try:
-            chunk = d.decompress(pending, _DRAIN)
-        except zlib.error as e:
-            return b"".join(out), f"gzip stream corrupt: {e}"
-        out.append(chunk)
-        total += len(chunk)
-        pending = d.unused_data if d.eof else d.unconsumed_tail
-        limits.check(total, pos - len(pending))
-        if d.eof:  # a member ends: another may follow (padding of zeros is ignored)
-            while len(pending) < 2 and pos < len(data):
-                pending = more(pending)
-            if not pending.strip(b"\x00") and not data[pos:].strip(b"\x00"):
-                return b"".join(out), None
-            if pending[:2] != GZIP_MAGIC:
-                return b"".join(out), "gzip stream corrupt: bytes after the last member"
-            d = zlib.decompressobj(wbits=31)
-        elif not chunk and not pending and pos >= len(data):
-            return b"".join(out), "gzip stream truncated (file cut short)"
-
-
-def _unzstd(data: bytes, limits: ReadLimits) -> tuple[bytes, str | None]:
-    """A zstd file (every frame), streamed through Arrow's codec in bounded pieces. The
-    codec does not say how much input it consumed, so the ratio is judged against the
-    whole file: a bomb is refused after at most `max_ratio` x its size."""
-    out: list[bytes] = []
-    total = 0
-    try:
-        with pa.CompressedInputStream(pa.BufferReader(data), "zstd") as stream:
-            while chunk := stream.read(_DRAIN):
-                out.append(chunk)
-                total += len(chunk)
-                limits.check(total, len(data))
-    except (OSError, pa.ArrowException) as e:
-        return b"".join(out), f"zstd stream corrupt or truncated: {first_line(e, 120)}"
-    return b"".join(out), None
 
 
 SNIFF_BYTES = 64 << 10  # the head of a file (decompressed) that decides how it is read
@@ -531,258 +417,7 @@ def parse_json_text(
     return Parsed(table, source, rows + 1, raw, shared_lines, origin=origin), rejects
 
 
-_JSON_NAMES = {
-    list: "array",
-    str: "string",
-    int: "number",
-    float: "number",
-    bool: "boolean",
-    type(None): "null",
-}
-
-
-def diagnose_json_line(line: bytes, schema: pa.Schema, arrow_msg: str) -> tuple[str | None, str]:
-    """Name the field and the problem of one line Arrow refused (runs on bad lines only)."""
-
-    class Twice(ValueError):
-        def __init__(self, key: str):
-            super().__init__(f"field {key!r} appears twice")
-            self.key = key
-
-    def pairs_hook(pairs):
-        keys = [k for k, _ in pairs]
-        dup = next((k for k in keys if keys.count(k) > 1), None)
-        if dup is not None:
-            raise Twice(dup)
-        return dict(pairs)
-
-    try:
-        obj = json.loads(line, object_pairs_hook=pairs_hook)
-    except json.JSONDecodeError as e:
-        what = "more than one JSON value on one line" if e.msg == "Extra data" else e.msg
-        return None, f"invalid JSON: {what} (column {e.colno})"
-    except Twice as e:
-        return e.key, f"invalid JSON: {e}"
-    except ValueError:  # an integer of more digits than Python converts (4,300)
-        m = re.search(rb'"([^"\\]{1,64})"\s*:\s*\[?[^"]*?(-?\d{4000,})', line)
-        field = m.group(1).decode("utf-8", "replace") if m else None
-        digits = len(m.group(2).lstrip(b"-")) if m else sys.get_int_max_str_digits() + 1
-        where = f"field {field!r}: " if field else ""
-        return field, f"{where}an integer of {digits} digits, out of range for int64"
-    except RecursionError:  # e.g. [[[[...]]]] thousands deep: a bad line, not a crash
-        return None, "invalid JSON: nested too deeply"
-    if arrow_msg.startswith("more than one JSON value"):
-        return None, "invalid JSON: more than one JSON value on one line"
-    if not isinstance(obj, dict):
-        return None, f"not a JSON object (got {_JSON_NAMES.get(type(obj), type(obj).__name__)})"
-    for f in schema:
-        if f.name not in obj or obj[f.name] is None:
-            continue
-        problem = _type_problem(obj[f.name], f.type)
-        if problem:
-            return f.name, f"field {f.name!r}: {problem}"
-    # Arrow's own words, less its position in the one-line chunk it was given ("in row 0")
-    message = re.sub(r"^JSON parse error: |\.? in row \d+$", "", arrow_msg)
-    return None, f"invalid JSON: {message}"
-
-
-def _type_problem(value, typ: pa.DataType) -> str | None:
-    if pa.types.is_list(typ):
-        if not isinstance(value, list):
-            return f"expected a list, got {type(value).__name__}"
-        for v in value:
-            if v is not None and (p := _type_problem(v, typ.value_type)):
-                return f"list element {p}"
-        return None
-    if pa.types.is_integer(typ):
-        if isinstance(value, bool) or not isinstance(value, int):
-            return f"expected an integer, got {type(value).__name__} {value!r}"[:120]
-        info = np.iinfo(typ.to_pandas_dtype())
-        if not info.min <= value <= info.max:
-            return f"integer {value} out of range for {typ}"[:120]
-        return None
-    if pa.types.is_floating(typ):
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return f"expected a number, got {type(value).__name__} {value!r}"[:120]
-        if isinstance(value, float) and math.isinf(value):
-            return "number too large"
-        return None
-    return None
-
-
-# -- Parquet ----------------------------------------------------------------------------------
-def read_parquet_events(
-    path: Path, schema: pa.Schema, limits: ReadLimits = ReadLimits()
-) -> tuple[Parsed, Rejects]:
-    """Read a Parquet file into `schema`'s columns under JSON's type rule: an integer field
-    takes integers, a number field integers or floats, a list field lists of those; never
-    strings, booleans or dates (JSON rejects `"12"` and `true` for an id: so does this).
-
-    A column of another kind rejects every row of the file (the type is per file); a value
-    out of range for the field's type (a label of 300 in an int64 column) rejects its row,
-    as it would its line in JSON. A missing column is a null column (the required-field
-    check names it). A file that would decode past `limits` is refused before any page is
-    read (`FileRefused`): judged by `decoded_bound`, what its columns hold once decoded,
-    not the encoded sizes its footer declares (a dictionary- or run-length-encoded column
-    decodes hundreds of times larger)."""
-    source = path_text(path)
-    try:
-        pf = pq.ParquetFile(path)
-        limits.check(decoded_bound(pf.metadata), path.stat().st_size)
-        table = pf.read()
-    except OSError as e:
-        raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
-    except pa.ArrowException as e:
-        raise SourceError(f"{path} is not a readable Parquet file: {e}") from None
-    n = table.num_rows
-    problems: list[tuple[str, str]] = []
-    row_reason: list[tuple[str, str] | None] = [None] * n  # (field, reason), first one wins
-    cols = []
-    for f in schema:
-        if f.name not in table.column_names:
-            cols.append(pa.nulls(n, f.type))
-            continue
-        col = table[f.name]
-        if col.type == f.type:
-            cols.append(col)
-            continue
-        if not _same_kind(col.type, f.type):
-            problems.append(
-                (
-                    f.name,
-                    f"field {f.name!r}: column type {col.type} cannot be read "
-                    f"as {f.type} (the JSON rule: {_kind_words(f.type)})",
-                )
-            )
-            cols.append(pa.nulls(n, f.type))
-            continue
-        for row, value in _out_of_range(col, f.type):
-            if row_reason[row] is None:
-                row_reason[row] = (
-                    f.name,
-                    f"field {f.name!r}: integer {value} out of range for {f.type}",
-                )
-        cols.append(col.cast(f.type, safe=False))  # rows out of range are rejected above
-    lines = np.arange(1, n + 1, dtype=np.int64)
-    rejects = Rejects()
-    if problems:
-        fld, reason = problems[0]
-        if len(problems) > 1:
-            reason += f" (and {len(problems) - 1} more column problems)"
-        rejects.add(source, lines, [fld] * n, [reason] * n, rows_as_json(table, np.arange(n)))
-        return Parsed(schema.empty_table(), source, np.zeros(0, np.int64), None), rejects
-    typed = pa.Table.from_arrays(cols, schema=schema)
-    bad = np.array([r is not None for r in row_reason], dtype=bool)
-    if bad.any():
-        idx = np.flatnonzero(bad)
-        reasons = [row_reason[i] for i in idx]
-        rejects.add(
-            source,
-            lines[idx],
-            [r[0] for r in reasons],
-            [r[1] for r in reasons],
-            rows_as_json(table, idx),
-        )
-        keep = pa.array(~bad)
-        typed, lines = typed.filter(keep), lines[~bad]
-    return Parsed(typed, source, lines, None), rejects
-
-
-_WIDTH = {"BOOLEAN": 1, "INT32": 4, "FLOAT": 4, "INT64": 8, "DOUBLE": 8, "INT96": 12}
-
-
-def decoded_bound(meta: pq.FileMetaData) -> int:
-    """What a Parquet file's columns take once decoded, from its footer alone: each column
-    chunk's values times their width (a fixed-width type), plus an offset and a validity
-    byte per value of a nested or optional column; a byte array its declared uncompressed
-    size at least. The footer's `total_byte_size` is the *encoded* size: a 0.6 MB export of
-    long repeated lists, dictionary- and run-length-encoded, decodes to over a gigabyte."""
-    total = 0
-    for i in range(meta.num_row_groups):
-        rg = meta.row_group(i)
-        for j in range(rg.num_columns):
-            col = rg.column(j)
-            width = _WIDTH.get(col.physical_type)
-            if col.physical_type == "FIXED_LEN_BYTE_ARRAY":
-                width = meta.schema.column(j).length or 1
-            values = col.num_values
-            if width is None:  # BYTE_ARRAY: no width to multiply by
-                total += max(col.total_uncompressed_size, values * 4)
-            else:
-                total += values * width
-            if (
-                meta.schema.column(j).max_definition_level
-                or meta.schema.column(j).max_repetition_level
-            ):
-                total += values * 5  # an int32 offset and a validity byte per value
-    return total
-
-
-def _base(typ: pa.DataType) -> pa.DataType:
-    return typ.value_type if pa.types.is_dictionary(typ) else typ
-
-
-def _same_kind(src: pa.DataType, dst: pa.DataType) -> bool:
-    """Whether a column of type `src` holds what JSON would accept for a field of `dst`."""
-    src = _base(src)
-    if pa.types.is_null(src):
-        return True
-    if pa.types.is_list(dst):
-        listy = (
-            pa.types.is_list(src) or pa.types.is_large_list(src) or pa.types.is_fixed_size_list(src)
-        )
-        return listy and _same_kind(src.value_type, dst.value_type)
-    if pa.types.is_integer(dst):
-        return pa.types.is_integer(src)
-    if pa.types.is_floating(dst):
-        return pa.types.is_integer(src) or pa.types.is_floating(src)
-    return src == dst
-
-
-def _kind_words(dst: pa.DataType) -> str:
-    if pa.types.is_list(dst):
-        return f"lists of {_kind_words(dst.value_type).removesuffix(' only')}"
-    if pa.types.is_integer(dst):
-        return "integers only"
-    if pa.types.is_floating(dst):
-        return "integers or floats only"
-    return f"{dst} only"
-
-
-def _out_of_range(col: pa.ChunkedArray, dst: pa.DataType) -> list[tuple[int, int]]:
-    """(row, value) of integers that do not fit `dst`'s integer type (lists: any element)."""
-    inner = dst.value_type if pa.types.is_list(dst) else dst
-    if not pa.types.is_integer(inner):
-        return []
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    if pa.types.is_dictionary(arr.type):
-        arr = arr.dictionary_decode()
-    rows = np.arange(len(arr))
-    if pa.types.is_list(dst):
-        rows = np.asarray(pc.list_parent_indices(arr))
-        arr = pc.list_flatten(arr)
-    if not pa.types.is_integer(arr.type):
-        return []
-    info = np.iinfo(inner.to_pandas_dtype())
-    values = arr.fill_null(0).to_numpy(zero_copy_only=False)
-    if values.dtype.kind == "u":
-        bad = values > info.max
-    else:
-        bad = (values < info.min) | (values > info.max)
-    return [(int(rows[i]), int(values[i])) for i in np.flatnonzero(bad)]
-
-
 def rows_as_json(table: pa.Table, idx: np.ndarray) -> pa.Array:
     """Rows as JSON bytes (for quarantining rows that came from a columnar file)."""
     rows = table.take(pa.array(idx, pa.int64())).to_pylist() if idx.size else []
     return pa.array([json.dumps(r, default=str).encode() for r in rows], pa.binary())
-
-
-def open_text(path: Path, encoding: str) -> str:
-    data, problem = read_bytes(path)
-    if problem:
-        raise SourceError(f"{path}: {problem}")
-    try:
-        return data.decode(encoding)
-    except UnicodeDecodeError as e:
-        raise SourceError(f"{path}: not {encoding} text at byte {e.start}") from None

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from recd_core.data.checks import first_failure, semantic_checks
-from recd_core.data.sources import _type_problem
+from recd_core.data.json_values import type_problem
 from recd_core.errors import BadInput
 from recd_core.schema import ENVELOPE_COLUMNS
 
@@ -93,7 +93,7 @@ def typed_column(name: str, values: list, field: pa.Field) -> pa.Array:
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             pass
     for i, v in enumerate(values):
-        if v is not None and (problem := _type_problem(v, field.type)):
+        if v is not None and (problem := type_problem(v, field.type)):
             raise RequestError(f"row {i}, field {name!r}: {problem}")
     raise RequestError(f"field {name!r}: values of the wrong type for {field.type}")
 
