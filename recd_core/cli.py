@@ -18,7 +18,8 @@ from typing import Annotated, Literal
 
 import typer
 
-from recd_core.config import PipelineConfig, load_pipeline_config
+from recd_core.config import PipelineConfig
+from recd_core.config_files import load_pipeline_config
 from recd_core.errors import BadInput, GateFailed, RecdError, TrackingError, classify
 from recd_core.report import console, print_summary, progress, write_summary
 
@@ -563,7 +564,7 @@ def _serve_command() -> None:
         (serving/app.py). Stops on SIGTERM after the requests in flight."""
         import uvicorn
 
-        from recd_core.config import parse_config
+        from recd_core.config_files import parse_config
         from recd_core.serving.app import build_app, load_served
 
         tracker = ctx.find_root().obj

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from recd_core.config import FeatureSet, load_feature_set, synth_config
+from recd_core.config import FeatureSet
+from recd_core.config_files import load_feature_set, synth_config
 from recd_core.data.synth import synthesize
 from recd_core.warehouse import Warehouse
 

@@ -136,7 +136,7 @@ def _trigger_and_wait(airflow, dag_id: str, body: dict) -> tuple[dict, list[dict
 def test_a_scheduled_style_daily_run_waits_for_complete_logs_then_succeeds(airflow):
     """A run for 2026-11-03 00:00 (as the scheduler would create it) reads 2026-11-01 and
     2026-11-02; their logs arrive only after it has started waiting for them."""
-    from recd_core.config import load_pipeline_config
+    from recd_core.config_files import load_pipeline_config
     from recd_core.data.synth import synthesize_missing
 
     api, root, server, log = airflow

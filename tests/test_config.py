@@ -2,13 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from recd_core.config import (
-    ConfigError,
-    FeatureSpec,
-    load_feature_set,
-    load_pipeline_config,
-    synth_config,
-)
+from recd_core.config import ConfigError, FeatureSpec
+from recd_core.config_files import load_feature_set, load_pipeline_config, synth_config
 from recd_core.dpp.preprocess import scaled_batch_size
 
 
@@ -155,7 +150,7 @@ def test_synth_presets_and_overrides():
 
 def test_a_partial_config_changes_only_the_fields_it_names(tmp_path):
     """`train: {cooccurrence_weight: 0}` once replaced the whole section (batch 512 -> 4096)."""
-    from recd_core.config import load_pipeline_config
+    from recd_core.config_files import load_pipeline_config
 
     builtin = load_pipeline_config(None)
     path = tmp_path / "c.yaml"

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recd_core.config import PACKAGE_CONFIGS, load_yaml
+from recd_core.config import PACKAGE_CONFIGS
+from recd_core.config_files import load_yaml
 from recd_core.warehouse import Warehouse
 
 DAY = "2026-11-01"

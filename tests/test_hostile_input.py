@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 from event_lines import clean_lines, mutate
 
-from recd_core.config import load_feature_set
+from recd_core.config_files import load_feature_set
 from recd_core.warehouse import Warehouse
 
 RECD = str(Path(sys.executable).with_name("recd"))

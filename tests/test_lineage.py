@@ -20,8 +20,8 @@ from recd_core.config import (
     ModelConfig,
     PreprocessConfig,
     TrainConfig,
-    load_yaml,
 )
+from recd_core.config_files import load_yaml
 from recd_core.data.generate import generate
 from recd_core.data.ingest import ingest
 from recd_core.dpp.preprocess import preprocess
@@ -199,7 +199,7 @@ def test_a_config_whose_features_differ_from_the_stored_data_is_refused(
     assert proc.returncode == 2 and expected in line and "feature set" in line
     assert not fresh_warehouse.exists("batches", DAY, mode="dedup")
     with pytest.raises(FeaturesDiffer):
-        from recd_core.config import load_pipeline_config
+        from recd_core.config_files import load_pipeline_config
 
         cfg = load_pipeline_config(path)
         generate(fresh_warehouse, DAY, GenerateConfig(), ("clustered",), features=cfg.features)

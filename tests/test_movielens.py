@@ -4,7 +4,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from recd_core.config import GenerateConfig, IngestConfig, load_feature_set
+from recd_core.config import GenerateConfig, IngestConfig
+from recd_core.config_files import load_feature_set
 from recd_core.data.generate import generate
 from recd_core.data.ingest import ingest
 from recd_core.data.raw_bytes import SourceError

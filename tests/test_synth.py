@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from recd_core.config import ConfigError, load_feature_set, synth_config
+from recd_core.config import ConfigError
+from recd_core.config_files import load_feature_set, synth_config
 from recd_core.data.synth import synthesize
 
 

@@ -420,7 +420,7 @@ def default_args() -> dict:
 def _train_timeout_minutes() -> int:
     """The config's `train.timeout_minutes` (the built-in config's where the configured file
     is not readable here: a path inside the pods of the kubernetes executor)."""
-    from recd_core.config import load_pipeline_config
+    from recd_core.config_files import load_pipeline_config
 
     path = SETTINGS.config if SETTINGS.config and Path(SETTINGS.config).is_file() else None
     return load_pipeline_config(path).train.timeout_minutes

@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from recd_core.bench.training import bench_train
-    from recd_core.config import load_pipeline_config
+    from recd_core.config_files import load_pipeline_config
     from recd_core.dpp.preprocess import preprocess
     from recd_core.modeling.train import train
     from recd_core.report import print_summary

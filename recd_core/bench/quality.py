@@ -59,12 +59,8 @@ from recd_core.bench.references import (
     time_split,
 )
 from recd_core.bench.sequential import SEQUENTIAL, sequential_reference
-from recd_core.config import (
-    FeatureSet,
-    IngestConfig,
-    TrainConfig,
-    load_pipeline_config,
-)
+from recd_core.config import FeatureSet, IngestConfig, TrainConfig
+from recd_core.config_files import load_pipeline_config
 from recd_core.data.movielens import release_name
 from recd_core.warehouse import Warehouse
 

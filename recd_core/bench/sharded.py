@@ -66,7 +66,7 @@ def big_table_config(rows: int = PIPELINE_ITEMS_ROWS, budget_mb: int = PIPELINE_
     per-process budget: the small synthetic days, 2 processes, row-wise shards. No
     validation slice and no pass restarts: each would keep another copy of every rank's
     shards, and the budget would hold a third of the tables (docs/operations.md)."""
-    from recd_core.config import load_feature_set
+    from recd_core.config_files import load_feature_set
 
     features = load_feature_set("synthetic").model_dump(mode="json")
     for f in features["features"]:

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from recd_core.config import (
-    SYNTH_PRESETS,
-    PipelineConfig,
-    SynthConfig,
-    TrainConfig,
+from recd_core.config import SYNTH_PRESETS, PipelineConfig, SynthConfig, TrainConfig
+from recd_core.config_files import (
     load_feature_set,
     load_pipeline_config,
     load_yaml,
