@@ -278,8 +278,9 @@ def test_batches_encoded_a_chunk_at_a_time_equal_one_at_a_time(
     and a remainder): every record equals `encode_batch` of that batch's rows alone, dedup
     groups included."""
     from recd_core.config import DedupConfig
-    from recd_core.dpp import preprocess as dpp
-    from recd_core.dpp.preprocess import encode_batch, encode_batches, prepare
+    from recd_core.dpp import encode as dpp
+    from recd_core.dpp.encode import encode_batch, encode_batches
+    from recd_core.dpp.preprocess import prepare
     from recd_core.schema import feature_set_of
 
     rows = fresh_warehouse.read("samples", DAY, layout="clustered")

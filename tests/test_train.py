@@ -13,7 +13,8 @@ import torch
 from recd_core.config import DedupConfig, ModelConfig, PreprocessConfig, TrainConfig
 from recd_core.dedup.sparse import JaggedError
 from recd_core.dedup.unique import plan_dedup
-from recd_core.dpp.preprocess import make_batch, preprocess
+from recd_core.dpp.encode import make_batch
+from recd_core.dpp.preprocess import preprocess
 from recd_core.metrics import auc
 from recd_core.modeling.checkpoints import Checkpoints, batches_id, run_name
 from recd_core.modeling.model import DLRM

@@ -26,7 +26,7 @@ import torch
 from recd_core.config import TrainConfig
 from recd_core.dedup.unique import plan_dedup
 from recd_core.dpp.batch_store import Batch
-from recd_core.dpp.preprocess import batch_ranges, make_batch
+from recd_core.dpp.encode import batch_ranges, make_batch
 from recd_core.modeling.cooccurrence import list_features, rows_loss
 from recd_core.modeling.launch import peak_mem
 from recd_core.modeling.model import DLRM

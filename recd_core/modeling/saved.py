@@ -44,7 +44,7 @@ import torch
 
 from recd_core.config import FeatureSet, ModelConfig, TrainConfig
 from recd_core.dpp.batch_store import Batch, decode_batch
-from recd_core.dpp.preprocess import Prepared, batch_ranges, encode_batch
+from recd_core.dpp.encode import Prepared, batch_ranges, encode_batch
 from recd_core.errors import BadInput, first_line
 from recd_core.leftovers import owned_tempdir, write_atomically
 from recd_core.modeling.model import Model, build_model

@@ -45,7 +45,7 @@ from recd_core.config import FeatureSet
 from recd_core.data.checks import first_failure, semantic_checks
 from recd_core.dedup.sparse import InverseKeyedJaggedTensor, KeyedJaggedTensor
 from recd_core.dpp.batch_store import Batch, expand
-from recd_core.dpp.preprocess import Prepared, feature_ids, transformed_dense
+from recd_core.dpp.encode import Prepared, feature_ids, transformed_dense
 from recd_core.scoring.request import RequestError, typed_column
 
 CANDIDATES = "candidates"

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from recd_core.config import FeatureSet
-from recd_core.dpp.preprocess import Prepared
+from recd_core.dpp.encode import Prepared
 from recd_core.errors import RecdError
 from recd_core.modeling.saved import predict
 from recd_core.schema import events_schema
