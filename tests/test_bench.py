@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from recd_core.bench.run import dpp_figures, markdown
+from recd_core.bench.report import markdown
+from recd_core.bench.run import dpp_figures
 from recd_core.bench.training import bench_embeddings, bench_train, peak_memory
 from recd_core.config import ModelConfig, TrainConfig
 
@@ -603,7 +604,7 @@ def test_the_movielens_tables_show_ours_and_the_best_reference_over_seeds(moviel
     import shutil
 
     from recd_core.bench.quality import movielens_quality
-    from recd_core.bench.run import movielens_markdown
+    from recd_core.bench.report import movielens_markdown
     from recd_core.bench.sequential import SEQUENTIAL
 
     src = tmp_path / "ml-slice"
