@@ -19,7 +19,8 @@ from recd_core.errors import BadInput, RecdError
 from recd_core.orchestration.graph import PULLED_FROM, STAGES
 from recd_core.orchestration.schedule import training_day
 from recd_core.orchestration.stage_args import stage_args, stage_options
-from recd_core.orchestration.stages import run_stage, with_upstream
+from recd_core.orchestration.stages import run_stage
+from recd_core.orchestration.summaries import with_upstream
 from recd_core.orchestration.trainjob import TrainJobConfig, flag_options, stage_trainjob
 from recd_core.report import print_summary, write_summary
 from recd_core.runtime import follower, launched_rank

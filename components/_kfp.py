@@ -23,7 +23,8 @@ from recd_core.mlops.compare import markdown as comparison_markdown
 from recd_core.mlops.tracking import HEADLINE, headline_rank
 from recd_core.orchestration.graph import ARMS, OUTPUT_NAMES, STAGES, outputs
 from recd_core.orchestration.stage_args import StageArgs
-from recd_core.orchestration.stages import merge, open_warehouse, stage_days
+from recd_core.orchestration.stages import open_warehouse, stage_days
+from recd_core.orchestration.summaries import merge
 
 # where the KFP launcher mounts a remote pipeline root in the pod (kfp.dsl.types.artifact_types)
 _MOUNTS = {"gs://": "/gcs/", "s3://": "/s3/", "minio://": "/minio/"}

@@ -9,7 +9,6 @@ gate, 4 an unusable tracking server).
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import inspect
 import os
 import sys
@@ -21,7 +20,8 @@ import typer
 from recd_core.config import PipelineConfig
 from recd_core.config_files import load_pipeline_config
 from recd_core.errors import BadInput, GateFailed, RecdError, TrackingError, classify
-from recd_core.report import console, print_summary, progress, write_summary
+from recd_core.orchestration.schedule import training_day_or_default
+from recd_core.report import console, print_decision, print_summary, progress, write_summary
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
 
@@ -184,14 +184,6 @@ for _name, _text in STAGE_COMMANDS.items():
     _stage_command(_name, _text)
 
 
-def training_day_or_default(ds: str | None, now: dt.datetime | None = None) -> str:
-    """`ds`, or the schedule's training day for a run starting `now`: the day before the
-    last complete day, which the model is scored on (orchestration/schedule.py)."""
-    from recd_core.orchestration.schedule import training_day
-
-    return ds or training_day(now or dt.datetime.now(dt.UTC))
-
-
 RUN_ARGS = ("warehouse", "ds", "eval_ds", "logs", "config", "synthesize")  # a run's own
 
 
@@ -231,7 +223,7 @@ def _graph_command(
         own = {k: v for k, v in given.items() if k not in names}
         result = _run(ctx, name, summary, lambda h: body(h, args, **own), tracked=True)
         if decision:
-            _print_decision(result)
+            print_decision(result)
 
     command.__signature__ = inspect.Signature(
         [
@@ -284,20 +276,6 @@ def _copy_chart(result: dict, out: Path | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with fs.open_input_stream(path) as f:
         (out / Path(path).name).write_bytes(f.read())
-
-
-def _print_decision(result: dict) -> None:
-    if "registry.version" not in result:
-        console.print("model registry: off (no tracking URI)")
-        return
-    champ = result["registry.champion_ne"]
-    console.print(
-        f"{result['registry.model']} v{result['registry.version']}: {result['registry.decision']}"
-        f" (challenger NE {result['registry.challenger_ne']:.4f}"
-        + (f" vs champion NE {champ:.4f}" if champ is not None else ", no champion compared")
-        + f" on {result['run.eval_ds']})"
-        + (f": {result['registry.reason']}" if result.get("registry.reason") else "")
-    )
 
 
 def _trainjob_params() -> list[inspect.Parameter]:
@@ -490,21 +468,6 @@ def status_cmd(
     _run(ctx, "status", summary, body)
 
 
-def _serving_log() -> None:
-    """The server's own lines (a model swapped in, a failed scoring's traceback) on stderr
-    beside uvicorn's, in its format."""
-    import logging
-
-    from uvicorn.logging import DefaultFormatter
-
-    handler = logging.StreamHandler()
-    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s", use_colors=False))
-    log = logging.getLogger("recd.serving")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-
-
 def _serve_command() -> None:
     """`recd serve`, its limits' options generated from `ServeConfig` (declared once there)."""
     from recd_core.config import ServeConfig
@@ -565,7 +528,7 @@ def _serve_command() -> None:
         import uvicorn
 
         from recd_core.config_files import parse_config
-        from recd_core.serving.app import build_app, load_served
+        from recd_core.serving.app import build_app, load_served, log_to_stderr
 
         tracker = ctx.find_root().obj
         try:
@@ -599,7 +562,7 @@ def _serve_command() -> None:
                 **{f"serve.{k}": v for k, v in cfg.model_dump().items()},
             },
         )
-        _serving_log()
+        log_to_stderr()
         uvicorn.run(
             build_app(served, cfg),
             host=host,

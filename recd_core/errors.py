@@ -35,6 +35,7 @@ retried by the orchestrators' retry policy.
 from __future__ import annotations
 
 import errno
+import os
 from typing import ClassVar
 
 
@@ -166,3 +167,10 @@ def of_exit(code: int, reason: str) -> RecdError:
         (k for k in (BadInput, GateFailed, TrackingError) if k.exit_code == code), RecdError
     )
     return kind(reason or f"exited {code}")
+
+
+def os_error_words(e: OSError) -> str:
+    """An OS error in a few words: pyarrow's "[Errno 13] Cannot create directory '…'. Detail:
+    …" as "Cannot create directory '…' (permission denied)"."""
+    text = str(e).split(". Detail")[0].removeprefix(f"[Errno {e.errno}] ")
+    return f"{text} ({os.strerror(e.errno).lower()})" if e.errno else text

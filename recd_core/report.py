@@ -136,3 +136,18 @@ def read_summary(path: str) -> dict | None:
             return json.loads(f.read())
     except (FileNotFoundError, ValueError):
         return None
+
+
+def print_decision(result: dict) -> None:
+    """The registry's decision of a run (`recd run`, `recd compare`), in one line."""
+    if "registry.version" not in result:
+        console.print("model registry: off (no tracking URI)")
+        return
+    champ = result["registry.champion_ne"]
+    console.print(
+        f"{result['registry.model']} v{result['registry.version']}: {result['registry.decision']}"
+        f" (challenger NE {result['registry.challenger_ne']:.4f}"
+        + (f" vs champion NE {champ:.4f}" if champ is not None else ", no champion compared")
+        + f" on {result['run.eval_ds']})"
+        + (f": {result['registry.reason']}" if result.get("registry.reason") else "")
+    )

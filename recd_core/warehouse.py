@@ -78,7 +78,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from recd_core.errors import BadInput, network_failure, unreachable
+from recd_core.errors import BadInput, network_failure, os_error_words, unreachable
 from recd_core.leftovers import held, hold
 from recd_core.partition_writer import MANIFEST, PartitionInfo, PartitionWriter
 from recd_core.stored_files import (
@@ -146,7 +146,9 @@ class Warehouse:
         except OSError as e:  # a file in the way, no permission: the user's to fix
             if network_failure(e):  # no answer (after Arrow's own retries): a retry's to fix
                 raise unreachable(e, f"warehouse {uri}") from None
-            raise BadInput(f"warehouse {uri} cannot be used as a directory: {_reason(e)}") from None
+            raise BadInput(
+                f"warehouse {uri} cannot be used as a directory: {os_error_words(e)}"
+            ) from None
 
     # -- paths ------------------------------------------------------------------------------
     def _rel(self, table: str, ds: str, keys: dict[str, str]) -> str:
@@ -221,7 +223,7 @@ class Warehouse:
         except OSError as e:  # a read-only warehouse: the user's to fix, not retried
             if not isinstance(e, PermissionError) and e.errno not in READ_ONLY:
                 raise
-            raise BadInput(f"warehouse {self.uri} cannot be written: {_reason(e)}") from None
+            raise BadInput(f"warehouse {self.uri} cannot be written: {os_error_words(e)}") from None
         writer = PartitionWriter(self.fs, staging, write_id)
         try:
             try:
@@ -592,10 +594,3 @@ class Warehouse:
         return sorted(
             i.base_name[3:] for i in self._children(base) if i.base_name.startswith("ds=")
         )
-
-
-def _reason(e: OSError) -> str:
-    """An OS error in a few words: pyarrow's "[Errno 13] Cannot create directory '…'. Detail:
-    …" as "Cannot create directory '…' (permission denied)"."""
-    text = str(e).split(". Detail")[0].removeprefix(f"[Errno {e.errno}] ")
-    return f"{text} ({os.strerror(e.errno).lower()})" if e.errno else text

@@ -219,7 +219,7 @@ def test_run_without_a_day_trains_on_the_day_before_the_last_complete_one():
     run at 00:30 does not score on a day that has just begun."""
     import datetime as dt
 
-    from recd_core.cli import training_day_or_default
+    from recd_core.orchestration.schedule import training_day_or_default
 
     at = dt.datetime(2026, 11, 27, 0, 30, tzinfo=dt.UTC)
     assert training_day_or_default(None, at) == "2026-11-25"

@@ -11,7 +11,8 @@ import pytest
 
 from recd_core.errors import BadInput
 from recd_core.orchestration.graph import STAGES
-from recd_core.orchestration.stages import run_stage, with_upstream
+from recd_core.orchestration.stages import run_stage
+from recd_core.orchestration.summaries import with_upstream
 
 REPO = Path(__file__).resolve().parents[1]
 DAY = "2026-11-01"

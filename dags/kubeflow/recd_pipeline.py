@@ -218,7 +218,8 @@ def recd_stage(
     import json
 
     from recd_core.orchestration.graph import PULLED_FROM
-    from recd_core.orchestration.stages import run_stage, with_upstream
+    from recd_core.orchestration.stages import run_stage
+    from recd_core.orchestration.summaries import with_upstream
 
     given = json.loads(executor_input)["inputs"].get("parameterValues", {})
     pulled = {s: given[s] for s in PULLED_FROM if s in given}

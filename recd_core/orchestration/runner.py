@@ -14,7 +14,8 @@ from collections.abc import Callable
 from recd_core.errors import RecdError
 from recd_core.orchestration.graph import STAGES, Graph
 from recd_core.orchestration.stage_args import for_stage
-from recd_core.orchestration.stages import run_stage, with_upstream
+from recd_core.orchestration.stages import run_stage
+from recd_core.orchestration.summaries import with_upstream
 
 
 def run_graph(

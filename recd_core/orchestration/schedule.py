@@ -35,3 +35,9 @@ def training_day(run_start: dt.datetime | str, days: int = 1) -> str:
 def day_end(day: str) -> dt.datetime:
     """When `day` (YYYY-MM-DD, UTC) is over."""
     return dt.datetime.combine(dt.date.fromisoformat(day), dt.time(), dt.UTC) + dt.timedelta(1)
+
+
+def training_day_or_default(ds: str | None, now: dt.datetime | None = None) -> str:
+    """`ds`, or the schedule's training day for a run starting `now`: the day before the
+    last complete day, which the model is scored on."""
+    return ds or training_day(now or dt.datetime.now(dt.UTC))

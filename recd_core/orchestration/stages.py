@@ -15,8 +15,6 @@ ds .. ds+days-1, each evaluated on its next day.
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from recd_core.mlops.tracking import RunRecord, Tracker
 from recd_core.orchestration.graph import ARM_LAYOUT, ARMS, STAGES
 from recd_core.orchestration.overlay import pipeline_config
 from recd_core.orchestration.stage_args import StageArgs, own_options, stage_args
+from recd_core.orchestration.summaries import json_safe, merge
 from recd_core.runtime import follower, peak_rss, reset_peak_rss, rss
 from recd_core.warehouse import PartitionNotFound, Warehouse
 
@@ -311,19 +310,6 @@ UPSTREAM_IMPLS: dict[str, Callable[[StageArgs, list[dict]], dict]] = {
 }
 
 
-def with_upstream(stage: str, args: dict, summaries: dict[str, str | dict | None]) -> dict:
-    """Fill the arguments `stage` takes from upstream summaries (`graph.Stage.pulls`), given
-    as {upstream stage: its summary, a dict or JSON}: e.g. the pipeline's MLflow run from
-    start's, the trained model(s) and the train run from train's. Given arguments win."""
-    out = dict(args)
-    for pull in STAGES[stage].pulls if stage in STAGES else ():
-        raw = summaries.get(pull.stage)
-        summary = json.loads(raw) if isinstance(raw, str) and raw else (raw or {})
-        if summary.get(pull.key) is not None:
-            out.setdefault(pull.arg, summary[pull.key])
-    return out
-
-
 def run_stage(
     name: str,
     args: StageArgs | dict,
@@ -375,7 +361,7 @@ def run_stage(
             f"{name}.start_rss_bytes": start_rss,
             f"{name}.peak_rss_bytes": peak_rss(),
         }
-    summary = {"status": "ok", "stage": name, **_json_safe(summary)}
+    summary = {"status": "ok", "stage": name, **json_safe(summary)}
     if record is not None and stage.per_arm:
         record.tracker.log_inputs(record.run_id, stage_inputs(args, stage))
         summary |= _record_model(record, args, stage, summary)
@@ -455,41 +441,3 @@ def run_label(name: str, args: StageArgs) -> str:
     if "models" in stage.reads:
         span = f"{span} → {args.eval_day(days[-1])}"
     return " ".join(x for x in (name, args.mode if stage.per_arm else "", span) if x)
-
-
-def merge(upstream: list[dict], base: dict) -> dict:
-    """The pipeline run's summary: each stage's contract keys; an arm's keys suffixed with
-    its mode (`train.samples_per_s.dedup`), the first (dedup) arm's also unsuffixed; each
-    stage's MLflow run as `mlflow.run_id.<stage>[.<mode>]`."""
-    out = dict(base)
-    for s in upstream:
-        if not s:
-            continue
-        mode = s.get("train.mode") or s.get("dpp.mode")
-        if s.get("stage") and s.get("mlflow.run_id"):
-            out[f"mlflow.run_id.{s['stage']}" + (f".{mode}" if mode else "")] = s["mlflow.run_id"]
-        for k, v in s.items():
-            if k in ("status", "stage", "mlflow.run_id") or isinstance(v, dict):
-                continue
-            if mode:
-                out[f"{k}.{mode}"] = v
-                if mode == "dedup" or k not in out:
-                    out[k] = v
-            else:
-                out.setdefault(k, v)
-    return out
-
-
-def _json_safe(obj):
-    """A summary as XCom / output metadata can carry it: plain JSON, NaN and inf as null."""
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_json_safe(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, str | bool | int | float | type(None)):
-        return obj
-    if hasattr(obj, "item"):  # numpy scalars
-        return _json_safe(obj.item())
-    return str(obj)

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.routing import Route
+from uvicorn.logging import DefaultFormatter
 
 from recd_core.config import ServeConfig
 from recd_core.scoring.request import RequestError, request_columns
@@ -348,3 +349,15 @@ def build_app(first: Served, cfg: ServeConfig) -> Starlette:
         Route("/version", server.version),
     ]
     return Starlette(routes=routes, lifespan=server.lifespan)
+
+
+def log_to_stderr() -> None:
+    """The server's own lines (a model swapped in, a failed scoring's traceback) on stderr
+    beside uvicorn's, in its format."""
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s", use_colors=False))
+    log = logging.getLogger("recd.serving")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
