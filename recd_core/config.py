@@ -297,7 +297,7 @@ class ModelConfig(_Strict):
     members: int = Field(default=1, ge=1, le=16)
     # with members > 1: a day of more training samples than this trains `members_beyond`
     # models. An average gains by the members' disagreement, which shrinks as the data
-    # grows, while its cost grows with the data (docs/benchmarks.md, "Model quality"). None:
+    # grows, while its cost grows with the data (docs/quality.md). None:
     # always `members`
     members_up_to_samples: int | None = Field(default=None, gt=0)
     members_beyond: int = Field(default=1, ge=1, le=16)

@@ -3,6 +3,7 @@ module that imports it back, however far round (an import circle makes a module'
 depend on which of the two was imported first)."""
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "recd_core"
@@ -112,3 +113,14 @@ def test_every_module_is_a_room_of_one_concern_and_a_readable_size():
         for p in (PACKAGE.parent / root).rglob("*.py")
     }
     assert {p: n for p, n in sizes.items() if n > 600} == {}
+
+
+def test_the_benchmarks_page_holds_current_figures_in_under_400_lines():
+    """docs/benchmarks.md's own rule: current figures only (history to the journal, model
+    quality's tables to quality.md), under 400 lines, and every page it links exists."""
+    docs = PACKAGE.parent / "docs"
+    page = (docs / "benchmarks.md").read_text()
+    assert len(page.splitlines()) < 400
+    linked = {m for m in re.findall(r"\]\(([\w./-]+\.md)", page)}
+    assert {"journal.md", "quality.md"} <= linked
+    assert [m for m in linked if not (docs / m).is_file()] == []

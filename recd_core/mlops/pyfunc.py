@@ -72,8 +72,8 @@ class SampleScorer(mlflow.pyfunc.PythonModel):
 
 def _plain(value):
     """A DataFrame cell as JSON gave it: numpy arrays (MLflow's typed lists) as lists."""
-    if isinstance(value, np.ndarray):
-        return [_plain(v) for v in value.tolist()]
+    if isinstance(value, np.ndarray):  # numbers: Python's already; objects: one by one
+        return value.tolist() if value.dtype != object else [_plain(v) for v in value]
     if isinstance(value, list):
         return [_plain(v) for v in value]
     if isinstance(value, dict):

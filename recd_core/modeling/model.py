@@ -27,7 +27,7 @@ pair's signal arrives as one of hundreds of inputs, and on one day's data the ta
 the pairs that matter (the user's topics against the item's) more slowly. With `cross_layers`,
 the vectors side by side also pass DCN-v2's cross layers (x_{l+1} = x_0 * (W x_l + b) +
 x_l) into the top MLP: products of single coordinates of any two vectors, which a dot of
-whole vectors sums away (MovieLens: docs/benchmarks.md). The calibration is a
+whole vectors sums away (MovieLens: docs/quality.md). The calibration is a
 buffer, the identity while training; training fits it on the validation slice at the end
 (modeling/calibration.py), so a served or evaluated model's scores are calibrated.
 
