@@ -43,8 +43,15 @@ def test_training_bench_figures(fresh_warehouse, tmp_path):
 def test_dpp_bench_figures_and_report(fresh_warehouse):
     r = dpp_figures(fresh_warehouse, DAY, repeats=1)
     assert r["bench.dpp_speedup"] > 0 and r["dpp.bytes_out.dedup"] < r["dpp.bytes_out.baseline"]
+    # at the bench's batch (the training bench's), the pipeline's beside it; the stage's
+    # fixed cost apart from the transform's throughput
+    assert r["bench.dpp_batch_size"] == 4096 and r["bench.dpp_pipeline_batch_size"] == 512
+    assert r["bench.dpp_pipeline_batch_speedup"] > 0
+    for arm in ("dedup", "baseline"):
+        assert 0 <= r[f"dpp.fixed_seconds.{arm}"]
+        assert r[f"dpp.transform_samples_per_s.{arm}"] > r[f"dpp.samples_per_s.{arm}"]
     report = markdown({"bench.preset": "small", **r})
-    assert "DPP preprocessing" in report
+    assert "DPP preprocessing" in report and "fixed cost" in report
 
 
 def test_the_storage_table_names_the_movielens_release_it_measured():

@@ -79,11 +79,25 @@ def markdown(r: dict) -> str:
             f"{r['bench.small_files.events_files_many']} and {r['bench.small_files.events_files_one']})."
         )
     if "bench.dpp_speedup" in r:
-        rows += ["", "| DPP preprocessing | dedup | baseline | ratio |", "|---|---|---|---|"]
-        rows.append(
-            f"| samples/s (1 worker) | {r['dpp.samples_per_s.dedup']:,.0f} | {r['dpp.samples_per_s.baseline']:,.0f} | "
-            f"**{r['bench.dpp_speedup']:.2f}x** (worker time only: {r['bench.dpp_worker_speedup']:.2f}x) |"
-        )
+        bs, pb = r.get("bench.dpp_batch_size", "?"), r.get("bench.dpp_pipeline_batch_size", "?")
+        rows += [
+            "",
+            f"| DPP preprocessing (the stage, batch {bs}, 1 worker, {r.get('bench.dpp_repeats', '?')} "
+            "repeats interleaved, medians) | dedup | baseline | ratio |",
+            "|---|---|---|---|",
+            f"| samples/s | {r['dpp.samples_per_s.dedup']:,.0f} | {r['dpp.samples_per_s.baseline']:,.0f} | "
+            f"**{r['bench.dpp_speedup']:.2f}x** |",
+        ]
+        if "dpp.transform_samples_per_s.dedup" in r:
+            rows += [
+                f"| the transform alone (read, encode, write), samples/s | "
+                f"{r['dpp.transform_samples_per_s.dedup']:,.0f} | "
+                f"{r['dpp.transform_samples_per_s.baseline']:,.0f} | {r['bench.dpp_worker_speedup']:.2f}x |",
+                f"| the stage's fixed cost (statistics, dedup profile, validation split, manifest) | "
+                f"{r['dpp.fixed_seconds.dedup']:.2f} s | {r['dpp.fixed_seconds.baseline']:.2f} s | |",
+                f"| the stage at the daily pipeline's batch ({pb}) | | | "
+                f"{r['bench.dpp_pipeline_batch_speedup']:.2f}x |",
+            ]
         rows.append(
             f"| bytes out | {human_bytes(r['dpp.bytes_out.dedup'])} | {human_bytes(r['dpp.bytes_out.baseline'])} | "
             f"{r['dpp.bytes_out.baseline'] / r['dpp.bytes_out.dedup']:.2f}x |"

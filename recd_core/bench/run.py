@@ -17,6 +17,7 @@ import numpy as np
 from recd_core.bench.kept import machine
 from recd_core.bench.report import chart, markdown
 from recd_core.config import PACKAGE_CONFIGS, GenerateConfig
+from recd_core.config_files import load_pipeline_config
 from recd_core.data.movielens import release_name
 from recd_core.orchestration.stages import run_stage
 from recd_core.warehouse import Warehouse
@@ -172,34 +173,54 @@ def run_bench(
     return result
 
 
-def dpp_figures(wh: Warehouse, ds: str, repeats: int = 3) -> dict:
-    """DPP samples/s, dedup vs baseline on the same samples, interleaved repeats (medians);
-    and 1 vs 2 workers in dedup mode."""
+def dpp_figures(
+    wh: Warehouse, ds: str, repeats: int = 5, batch_size: int = GenerateConfig().batch_size
+) -> dict:
+    """DPP through the preprocess stage, as the pipelines run it, dedup against baseline on
+    the same samples at the bench's batch size (the training bench's), interleaved repeats,
+    medians: the stage's time, and apart its two parts, the transform (the splits' work:
+    read, encode, write) and the fixed cost around it (the statistics, the dedup profile,
+    the validation split, the manifest); the same ratio at the daily pipeline's batch; and
+    1 vs 2 workers in dedup mode."""
     import statistics
 
+    pipeline_batch = load_pipeline_config().preprocess.batch_size
     arms = {
         "dedup": {"mode": "dedup"},
         "baseline": {"mode": "baseline"},
         "dedup_2w": {"mode": "dedup", "workers": 2},
         "dedup_2t": {"mode": "dedup", "workers": 2, "threads": True},
+        "dedup_pipeline": {"mode": "dedup", "batch_size": pipeline_batch},
+        "baseline_pipeline": {"mode": "baseline", "batch_size": pipeline_batch},
     }
     runs: dict[str, list[dict]] = {k: [] for k in arms}
-    for _ in range(repeats):  # the preprocess stage, as the pipelines run it
+    for _ in range(repeats):
         for k, args in arms.items():
-            runs[k].append(run_stage("preprocess", {"warehouse": wh.uri, "ds": ds, **args}))
-    med = {k: statistics.median(r["dpp.seconds"] for r in v) for k, v in runs.items()}
-    work = {
-        k: statistics.median(r["dpp.samples"] / r["dpp.worker_samples_per_s"] for r in v)
-        for k, v in runs.items()
-    }
+            given = {"warehouse": wh.uri, "ds": ds, "batch_size": batch_size, **args}
+            runs[k].append(run_stage("preprocess", given))
+
+    def median(figure) -> dict[str, float]:
+        return {k: statistics.median(figure(r) for r in v) for k, v in runs.items()}
+
+    med = median(lambda r: r["dpp.seconds"])
+    work = median(lambda r: r["dpp.samples"] / r["dpp.worker_samples_per_s"])
+    fixed = median(lambda r: r["dpp.seconds"] - r["dpp.samples"] / r["dpp.worker_samples_per_s"])
     samples = runs["dedup"][0]["dpp.samples"]
     return {
         "bench.dpp_speedup": med["baseline"] / med["dedup"],
         "bench.dpp_worker_speedup": work["baseline"] / work["dedup"],
+        "bench.dpp_pipeline_batch_speedup": med["baseline_pipeline"] / med["dedup_pipeline"],
         "bench.dpp_scaling_2_workers": med["dedup"] / med["dedup_2w"],
         "bench.dpp_scaling_2_threads": med["dedup"] / med["dedup_2t"],
+        "bench.dpp_batch_size": batch_size,
+        "bench.dpp_pipeline_batch_size": pipeline_batch,
+        "bench.dpp_repeats": repeats,
         "dpp.samples_per_s.dedup": samples / med["dedup"],
         "dpp.samples_per_s.baseline": samples / med["baseline"],
+        "dpp.transform_samples_per_s.dedup": samples / work["dedup"],
+        "dpp.transform_samples_per_s.baseline": samples / work["baseline"],
+        "dpp.fixed_seconds.dedup": fixed["dedup"],
+        "dpp.fixed_seconds.baseline": fixed["baseline"],
         "dpp.samples_per_s.dedup_2_workers": samples / med["dedup_2w"],
         "dpp.samples_per_s.dedup_2_threads": samples / med["dedup_2t"],
         "dpp.bytes_out.dedup": runs["dedup"][0]["dpp.bytes_out"],
