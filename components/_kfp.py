@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from recd_core.data.logs_root import logs_for_day
 from recd_core.mlops.compare import markdown as comparison_markdown
 from recd_core.mlops.tracking import HEADLINE, headline_rank
 from recd_core.orchestration.graph import ARMS, OUTPUT_NAMES, STAGES, outputs
@@ -52,8 +53,6 @@ def _datasets(stage: str, args: StageArgs, table: str) -> tuple[dict, dict]:
     """(pointer, metadata) of the partitions `stage` wrote to `table` on its days."""
     days = stage_days(stage, args)
     if table == "logs":
-        from recd_core.data.logs_root import logs_for_day
-
         uris = [str(logs_for_day(args.logs, d)) for d in days]
         return {"partitions": uris}, {"uris": uris, "days": days}
     wh = open_warehouse(args)

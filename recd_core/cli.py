@@ -15,13 +15,25 @@ import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
+import pyarrow.fs as pafs
 import typer
+from rich.console import Console
+from rich.table import Table
 
-from recd_core.config import PipelineConfig
-from recd_core.config_files import load_pipeline_config
+from recd_core.config import PipelineConfig, ServeConfig
+from recd_core.config_files import load_pipeline_config, parse_config
 from recd_core.errors import BadInput, GateFailed, RecdError, TrackingError, classify
+from recd_core.lineage import status
+from recd_core.mlops.tracking import RunRecord, Tracker
+from recd_core.orchestration.graph import ARMS, COMPARISON, pipeline_graph
+from recd_core.orchestration.runner import run_graph
 from recd_core.orchestration.schedule import training_day_or_default
+from recd_core.orchestration.stage_args import field_option, override_fields, stage_options
+from recd_core.orchestration.stages import run_stage
+from recd_core.orchestration.trainjob import TrainJobConfig, flag_options, stage_trainjob
 from recd_core.report import console, print_decision, print_summary, progress, write_summary
+from recd_core.runtime import follower
+from recd_core.warehouse import Warehouse, validate_ds
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
 
@@ -49,8 +61,6 @@ def _root(
 ):
     """Options for every command: where the run record goes."""
     if tracking_uri:
-        from recd_core.mlops.tracking import Tracker
-
         # bounded MLflow HTTP behaviour: no retry storms against a dead server
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
@@ -65,7 +75,6 @@ def _run(
     URI is set (`RunRecord`, as a stage's): opened before the work, so a pipeline's stages
     nest under it (`tracked=True` hands the body the `RunRecord`), closed FINISHED or FAILED
     with the summary's figures and its `artifacts` files."""
-    from recd_core.mlops.tracking import RunRecord
 
     tracker = ctx.find_root().obj
     params = {k: v for k, v in ctx.params.items() if k != "summary"}
@@ -106,13 +115,11 @@ def _stage(ctx: typer.Context, name: str, summary_path: Path | None, **args) -> 
     stage and the config), with a progress bar, the summary printed and written, and the
     failure's one-line reason and exit code. With a tracking URI the stage records a run of
     its own."""
-    from recd_core.orchestration.stages import run_stage
 
     tracker = ctx.find_root().obj
     args = {k: v for k, v in args.items() if v is not None}
     if tracker is not None:
         args |= {"tracking_uri": tracker.uri, "experiment": tracker.experiment}
-    from recd_core.runtime import follower
 
     try:
         summary = run_stage(name, args, progress=None if follower() else progress)
@@ -164,7 +171,6 @@ def _stage_command(name: str, text: str) -> None:
     """`recd <name>`, its options generated from the stage's arguments
     (`stage_args.stage_options`: name, type, default and help declared once, in
     `StageArgs`), as the component `python -m components.<name>` takes them."""
-    from recd_core.orchestration.stage_args import stage_options
 
     keyword = inspect.Parameter.KEYWORD_ONLY
     params = [inspect.Parameter("ctx", keyword, annotation=typer.Context)]
@@ -192,7 +198,6 @@ def _graph_params(warehouse: str, logs: str, exclude: tuple[str, ...] = ()) -> l
     the run's arguments (`RUN_ARGS`, with these commands' defaults) and every config
     override (`stage_args.override_fields`), which the runner hands to the stages that
     take it."""
-    from recd_core.orchestration.stage_args import field_option, override_fields
 
     defaults = {"warehouse": warehouse, "logs": logs, "ds": None}
     helps = {
@@ -242,7 +247,6 @@ def _run_graph(graph, args: dict, handle, out: Path | None, accelerated=None) ->
     finish's merged summary (every stage's contract keys; an arm's suffixed with its mode).
     The comparison's chart is also copied under `out`, when there is one, whether the
     quality gate passed or not."""
-    from recd_core.orchestration.runner import run_graph
 
     config = Path(args["config"]) if args.get("config") else None
     if handle is not None:
@@ -267,7 +271,6 @@ def _run_graph(graph, args: dict, handle, out: Path | None, accelerated=None) ->
 
 def _copy_chart(result: dict, out: Path | None) -> None:
     """The compare stage's chart (in the warehouse) also under `out`, when asked."""
-    import pyarrow.fs as pafs
 
     src = result.get("compare.chart")
     if not src or out is None:
@@ -281,7 +284,6 @@ def _copy_chart(result: dict, out: Path | None) -> None:
 def _trainjob_params() -> list[inspect.Parameter]:
     """`recd run`'s train stage across machines, as a Kubeflow Trainer TrainJob
     (`orchestration.trainjob.TrainJobConfig`, a flag a field)."""
-    from recd_core.orchestration.trainjob import flag_options
 
     return [
         inspect.Parameter(
@@ -295,8 +297,6 @@ def _trainjob_params() -> list[inspect.Parameter]:
 
 
 def _run_body(handle, args: dict, mode: str, out: Path | None, **node) -> dict:
-    from recd_core.orchestration.graph import ARMS, pipeline_graph
-    from recd_core.orchestration.trainjob import TrainJobConfig, stage_trainjob
 
     arms = ARMS if mode == "both" else (mode,)
     graph = pipeline_graph(arms, register=True, compare=mode == "both", name="recd run")
@@ -338,7 +338,6 @@ _graph_command(
 
 
 def _compare_body(handle, args: dict, out: Path) -> dict:
-    from recd_core.orchestration.graph import COMPARISON
 
     return _run_graph(COMPARISON, args, handle, out)
 
@@ -426,11 +425,6 @@ def status_cmd(
     """Every partition of a day and the models trained on it: write id, what it was built
     from, and whether it is fresh, stale (an input rewritten since, the config's feature set
     differs) or unknown (no lineage recorded); lineage.py says how it is judged."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from recd_core.lineage import status
-    from recd_core.warehouse import Warehouse, validate_ds
 
     def body():
         validate_ds(ds)
@@ -470,7 +464,6 @@ def status_cmd(
 
 def _serve_command() -> None:
     """`recd serve`, its limits' options generated from `ServeConfig` (declared once there)."""
-    from recd_core.config import ServeConfig
 
     keyword = inspect.Parameter.KEYWORD_ONLY
     params = [
@@ -527,7 +520,6 @@ def _serve_command() -> None:
         (serving/app.py). Stops on SIGTERM after the requests in flight."""
         import uvicorn
 
-        from recd_core.config_files import parse_config
         from recd_core.serving.app import build_app, load_served, log_to_stderr
 
         tracker = ctx.find_root().obj

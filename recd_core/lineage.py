@@ -35,12 +35,16 @@ naming the features, never silently run on the stored ones.
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import hashlib
 import json
 import os
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+import pyarrow.fs as pafs
 
 from recd_core.config import FeatureSet
 from recd_core.errors import BadInput, first_line
@@ -76,7 +80,6 @@ def digest(obj) -> str:
 @functools.cache
 def code_version() -> str:
     """recd's version and a digest of its source files (an image without git has them)."""
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         v = version("recd")
@@ -338,7 +341,6 @@ def status(wh: Warehouse, ds: str, features: FeatureSet | None = None) -> list[d
     `partition`, `write_id`, `written_at`, `rows`, `inputs` ({partition: write id}),
     `state` (fresh, stale, unknown: no lineage recorded, damaged) and `why`. With the
     config's `features`, a partition built with another feature set is marked so."""
-    import datetime as dt
 
     rows, memo = [], {}
     for table in DAY_TABLES:
@@ -446,7 +448,6 @@ def _row(wh, name, write_id, written_at, nrows, lineage, features, memo) -> dict
 
 def _models_of(wh: Warehouse, ds: str) -> list[str]:
     """The training runs of day `ds` (`models/<ds>-<mode>-<key>`)."""
-    import pyarrow.fs as pafs
 
     base = f"{wh.root}/models"
     if wh.fs.get_file_info(base).type != pafs.FileType.Directory:

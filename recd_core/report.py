@@ -9,9 +9,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pyarrow.fs as pafs
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from recd_core.leftovers import write_atomically
 
 console = Console(stderr=True)
 
@@ -109,10 +112,6 @@ def write_summary(path: str | Path | None, summary: dict) -> None:
         return
     text = json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
     if "://" in str(path):
-        import pyarrow.fs as pafs
-
-        from recd_core.leftovers import write_atomically
-
         fs, where = pafs.FileSystem.from_uri(str(path))
         fs.create_dir(where.rsplit("/", 1)[0], recursive=True)
         write_atomically(fs, where, text.encode())
@@ -124,7 +123,6 @@ def write_summary(path: str | Path | None, summary: dict) -> None:
 
 def read_summary(path: str) -> dict | None:
     """A summary `write_summary` wrote at `path` (a local path or a URI), or None."""
-    import pyarrow.fs as pafs
 
     fs, where = (
         pafs.FileSystem.from_uri(str(path))

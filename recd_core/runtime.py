@@ -17,8 +17,13 @@ limit (affinity and the cgroup's CPU quota), and training sizes its pool by it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
+import signal
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -61,11 +66,8 @@ def _parent_death_signal():
     """A call that asks the kernel for a SIGTERM when this process's parent ends (Linux's
     `PR_SET_PDEATHSIG`; True where it took), or None where there is no such call. Loaded
     here, so the call itself imports nothing (it may run between fork and exec)."""
-    import signal
 
     try:
-        import ctypes
-
         prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
         return None
@@ -78,13 +80,11 @@ def die_with_parent(parent: int) -> None:
     ranks or DPP workers running under PID 1, writing into a run a retry is using. Linux:
     the kernel sends SIGTERM at the parent's death (`PR_SET_PDEATHSIG`); elsewhere a
     thread watches the parent. A parent already gone: this process ends now."""
-    import threading
 
     ask = _parent_death_signal()
     if ask is None or not ask():
 
         def watch() -> None:
-            import time
 
             while os.getppid() == parent:
                 time.sleep(1.0)
@@ -117,8 +117,6 @@ def owned_child() -> dict:
 def stop_group(child, grace_s: float = 30) -> None:
     """End a child started with `owned_child` and every process it started: SIGTERM to its
     group, SIGKILL after `grace_s`."""
-    import signal
-    import subprocess
 
     for sig in (signal.SIGTERM, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError):

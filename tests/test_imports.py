@@ -124,3 +124,91 @@ def test_the_benchmarks_page_holds_current_figures_in_under_400_lines():
     linked = {m for m in re.findall(r"\]\(([\w./-]+\.md)", page)}
     assert {"journal.md", "quality.md"} <= linked
     assert [m for m in linked if not (docs / m).is_file()] == []
+
+
+# What a module may import inside a function, and nothing else: a package whose import takes
+# a second or more (measured with `python -c "import time; t = time.perf_counter(); import
+# torch; print(time.perf_counter() - t)"` on 2 cores: torch 1.1 s, mlflow 1.5 s, torchrec
+# 2.1 s, ray 0.4 s with its workers to come; pyarrow 0.13 s is not one), a package of an
+# optional extra (absent where that extra is not installed), and a recd_core module that
+# imports one of the first at its top. The rest goes at the top of the module, where a
+# reader sees what it depends on.
+HEAVY = {"torch", "torchrec", "fbgemm_gpu", "mlflow", "ray"}
+OPTIONAL = {"airflow", "kfp", "kubeflow", "kubeflow_trainer_api", "kubernetes", "podman"}
+OPTIONAL |= {"matplotlib", "sklearn", "lightgbm", "scipy", "uvicorn", "starlette", "psutil"}
+LIGHT_ENTRY_POINTS = ("recd_core.cli", "recd_core.orchestration.stages", "components._entry")
+
+
+def _module_imports(path: Path) -> tuple[set[str], list[tuple[int, str]]]:
+    """A module's imports at its top (each module, and each `module.name`), and inside its
+    functions (line, each module imported or `module.name`)."""
+    tree = ast.parse(path.read_text())
+
+    def targets(node) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names]
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            return [f"{node.module}.{a.name}" for a in node.names]
+        return []
+
+    top = set()
+    for node in tree.body:
+        top |= set(targets(node))
+        if isinstance(node, ast.ImportFrom) and node.module:
+            top.add(node.module)
+    inside = [
+        (node.lineno, target)
+        for fn in ast.walk(tree)
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef)
+        for node in ast.walk(fn)
+        for target in targets(node)
+    ]
+    return top, inside
+
+
+def _modules() -> dict[str, Path]:
+    root = PACKAGE.parent
+    return {
+        ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+        for sub in ("recd_core", "components")
+        for p in (root / sub).rglob("*.py")
+    }
+
+
+def heavy_modules() -> set[str]:
+    """The modules of recd_core (and components) that import a heavy package at their top,
+    directly or through another module's top."""
+    tops = {m: _module_imports(p)[0] for m, p in _modules().items()}
+    heavy, grew = set(), True
+    while grew:
+        grew = False
+        for m, deps in tops.items():
+            if m not in heavy and any(d.split(".")[0] in HEAVY or d in heavy for d in deps):
+                heavy.add(m)
+                grew = True
+    return heavy
+
+
+def test_an_import_inside_a_function_is_of_a_heavy_or_optional_package_only():
+    heavy = heavy_modules()
+    assert {"recd_core.modeling.train", "recd_core.mlops.registry"} <= heavy  # the rule sees them
+
+    def may_wait(target: str) -> bool:
+        parts = target.split(".")
+        prefixes = {".".join(parts[:k]) for k in range(1, len(parts) + 1)}
+        return parts[0] in HEAVY | OPTIONAL or bool(prefixes & heavy)
+
+    misplaced = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} {target}"
+        for path in _modules().values()
+        for line, target in _module_imports(path)[1]
+        if not may_wait(target)
+    ]
+    assert misplaced == [], "import these at the top of the module"
+
+
+def test_the_command_line_and_the_stages_start_without_the_heavy_packages():
+    """`recd --help`, a stage's component and the Airflow workers' import of the stages load
+    none of torch, mlflow, torchrec or ray until a stage needs them."""
+    heavy = heavy_modules()
+    assert [m for m in LIGHT_ENTRY_POINTS if m in heavy] == []

@@ -23,9 +23,14 @@ from recd_core.config import FeatureSet, SynthConfig
 from recd_core.data.synth import (
     DENSE_NOISE,
     DENSE_SIGNAL,
+    IDS_PER_DAY,
     TOPIC_LEAN,
     Ragged,
     World,
+    click_logit,
+    generate_day,
+    logit_parts,
+    seen_latent_dims,
     skewed_id_probabilities,
 )
 from recd_core.warehouse import Warehouse
@@ -197,8 +202,6 @@ def learnable_bounds(
                 day's fit continues from the day before's"""
     from sklearn.linear_model import LogisticRegression
 
-    from recd_core.data.synth import click_logit, generate_day, logit_parts, seen_latent_dims
-
     world = World(features, synth)
     days = {
         d: generate_day(world, dt.date.fromisoformat(d)) for d in sorted({*train_days, *eval_days})
@@ -255,7 +258,6 @@ def learnable_bounds(
 def _rest_of_logit(synth: SynthConfig, day) -> np.ndarray:
     """The click logit's terms that are neither an entity's nor its topic's: the base
     rate and the position."""
-    from recd_core.data.synth import click_logit
 
     return click_logit(synth, 0.0, 0.0, 0.0, 0.0, day.position.astype(np.float64))
 
@@ -307,7 +309,6 @@ def missed_terms(
     `all` (every term: near the oracle)."""
     from sklearn.linear_model import LogisticRegression
 
-    from recd_core.data.synth import IDS_PER_DAY, generate_day, logit_parts
     from recd_core.modeling.saved import load_model, predict
 
     world = World(features, synth)

@@ -14,16 +14,17 @@ import argparse
 import json
 import time
 
+from recd_core.config_files import load_pipeline_config
+from recd_core.report import print_summary
+from recd_core.warehouse import Warehouse
+
 
 def main(argv: list[str] | None = None) -> None:
     import torch
 
     from recd_core.bench.training import bench_train
-    from recd_core.config_files import load_pipeline_config
     from recd_core.dpp.preprocess import preprocess
     from recd_core.modeling.train import train
-    from recd_core.report import print_summary
-    from recd_core.warehouse import Warehouse
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--warehouse", required=True)

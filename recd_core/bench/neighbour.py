@@ -20,7 +20,9 @@ import subprocess
 import sys
 import time
 
+from recd_core.config import TrainConfig
 from recd_core.runtime import owned_child, stop_group
+from recd_core.warehouse import Warehouse
 
 NEIGHBOUR = "import torch\nx = torch.randn(1024, 1024)\nwhile True:\n    x @ x\n"
 POLICIES = {"passive": "PASSIVE", "spinning": "ACTIVE"}
@@ -48,8 +50,6 @@ def neighbour_figures(warehouse: str, ds: str, batch_size: int, repeats: int = 3
 
 def _timed_beside_neighbour(warehouse: str, ds: str, batch_size: int, repeats: int) -> dict:
     from recd_core.bench.training import bench_train
-    from recd_core.config import TrainConfig
-    from recd_core.warehouse import Warehouse
 
     table = Warehouse(warehouse).read_range("samples", ds, 0, 5 * batch_size, layout="clustered")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # torch's defaults

@@ -61,7 +61,13 @@ from recd_core.bench.references import (
 from recd_core.bench.sequential import SEQUENTIAL, sequential_reference
 from recd_core.config import FeatureSet, IngestConfig, TrainConfig
 from recd_core.config_files import load_pipeline_config
+from recd_core.data.generate import generate, write_samples
+from recd_core.data.ingest import ingest
 from recd_core.data.movielens import release_name
+from recd_core.modeling.evaluate import evaluate
+from recd_core.orchestration.overlay import pipeline_config
+from recd_core.orchestration.stage_args import parse_args
+from recd_core.orchestration.stages import run_stage
 from recd_core.warehouse import Warehouse
 
 ML_ALL, ML_TRAIN, ML_TEST = "2026-10-01", "2026-10-02", "2026-10-03"
@@ -105,10 +111,7 @@ def movielens_quality(
     where each model's figures are kept as it finishes (`<out>/kept` unless given;
     bench/kept.py)."""
     q, per_user, share, _ = SPLITS[split]
-    from recd_core.data.generate import generate, write_samples
-    from recd_core.data.ingest import ingest
     from recd_core.dpp.preprocess import preprocess
-    from recd_core.modeling.evaluate import evaluate
     from recd_core.modeling.train import train
 
     wh = Warehouse(_fresh(out / f"movielens-quality-{split}"))
@@ -364,9 +367,6 @@ def synthetic_week(
     """`days` daily runs, each warm-started from the previous day's model, each evaluated on
     its next day next to the oracle; the first day also by the baseline arm. Every stage
     runs as the pipelines run it (`stages.run_stage`, the built-in config at `preset`)."""
-    from recd_core.orchestration.overlay import pipeline_config
-    from recd_core.orchestration.stage_args import parse_args
-    from recd_core.orchestration.stages import run_stage
 
     root = _fresh(out / "week")
     run = {"warehouse": str(root / "warehouse"), "logs": str(root / "logs"), "preset": preset}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -15,6 +16,7 @@ import pyarrow.compute as pc
 
 from recd_core import metrics
 from recd_core.config import FeatureSet
+from recd_core.modeling.calibration import fit_calibration
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +89,6 @@ def logistic_regression(
     way, so the reference gets it too."""
     from sklearn.linear_model import LogisticRegression
 
-    from recd_core.modeling.calibration import fit_calibration
-
     late = time_split(train, 0.9, per_user)
     fit_rows, val_rows = train.filter(pc.invert(late)), train.filter(late)
     design = scaled_design([train, test], features)
@@ -147,7 +147,6 @@ class FactorizationMachine:
     @staticmethod
     def tensors(x) -> tuple:
         """(x, x squared) as torch CSR tensors, from a scipy matrix (CSR: ~1.5x COO's speed)."""
-        import warnings
 
         import torch
 

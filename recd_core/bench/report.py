@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from recd_core.bench.lineage_cost import lineage_markdown
 from recd_core.bench.serving import ranking_markdown, serving_markdown
 from recd_core.report import human_bytes
 
@@ -45,7 +46,6 @@ def chart(r: dict, path: Path) -> Path:
 
 
 def markdown(r: dict) -> str:
-    from recd_core.bench.lineage_cost import lineage_markdown
 
     rows = [
         "| workload | rows | sessions | shuffled | clustered | ratio | lower bound | clustered / bound | dedup factor (clustered / shuffled) |",

@@ -10,13 +10,19 @@ regression on MovieLens, the oracle on a synthetic week). Results go to `OUT/ben
 from __future__ import annotations
 
 import shutil
+import statistics
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 
 from recd_core.bench.kept import machine
+from recd_core.bench.lineage_cost import lineage_costs
+from recd_core.bench.neighbour import neighbour_figures
 from recd_core.bench.report import chart, markdown
-from recd_core.config import PACKAGE_CONFIGS, GenerateConfig
+from recd_core.bench.sharded import sharded_figures
+from recd_core.bench.small_files import small_files_figures
+from recd_core.config import PACKAGE_CONFIGS, GenerateConfig, TrainConfig
 from recd_core.config_files import load_pipeline_config
 from recd_core.data.movielens import release_name
 from recd_core.orchestration.stages import run_stage
@@ -48,9 +54,7 @@ def _storage(wh: Warehouse, ds: str, config: str | None = None) -> dict:
 def _train_figures(wh: Warehouse, ds: str, out: Path, repeats: int = 7) -> dict:
     import torch
 
-    from recd_core.bench.neighbour import neighbour_figures
     from recd_core.bench.training import bench_embeddings, bench_train, peak_memory
-    from recd_core.config import TrainConfig
 
     table = wh.read("samples", ds, layout="clustered")
     # the paper-scale batch (4096); a small day gets the largest power of two it holds twice
@@ -69,9 +73,6 @@ def _train_figures(wh: Warehouse, ds: str, out: Path, repeats: int = 7) -> dict:
 
 def _sharded_figures(table, cfg, out: Path) -> dict:
     """The tables sharded over 2 processes (bench/sharded.py)."""
-    import pyarrow.parquet as pq
-
-    from recd_core.bench.sharded import sharded_figures
 
     path = out / "bench_sharded.parquet"
     pq.write_table(table.slice(0, 8 * cfg.batch_size), path)
@@ -117,13 +118,11 @@ def run_bench(
             "ingest_seconds": ing["ingest.seconds"],
         },
     }
-    from recd_core.bench.small_files import small_files_figures
 
     result.update(small_files_figures(logs / f"ds={DS}", DS))
     result.update(dpp_figures(wh, DS))
     if train:
         result.update(_train_figures(wh, DS, out))
-    from recd_core.bench.lineage_cost import lineage_costs
 
     rows = result["synthetic"]["rows"]
     seconds = {
@@ -182,7 +181,6 @@ def dpp_figures(
     read, encode, write) and the fixed cost around it (the statistics, the dedup profile,
     the validation split, the manifest); the same ratio at the daily pipeline's batch; and
     1 vs 2 workers in dedup mode."""
-    import statistics
 
     pipeline_batch = load_pipeline_config().preprocess.batch_size
     arms = {

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -69,7 +70,6 @@ def run_stage(args: list, summary: Path) -> dict:
 
 def dpp_ratio(root: Path, n: int, repeats: int) -> dict:
     """DPP dedup vs baseline on this size's samples: processes, interleaved, medians."""
-    import statistics
 
     wh = root / "wh"
     runs: dict[str, list[dict]] = {"dedup": [], "baseline": []}

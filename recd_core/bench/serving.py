@@ -32,7 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from recd_core.modeling.launch import free_port
+from recd_core.report import print_summary
 from recd_core.runtime import owned_child, stop_group
+from recd_core.warehouse import Warehouse
 
 SIZES = (1, 100, 10_000)
 REQUESTS = {1: 100, 100: 30, 10_000: 5}  # timed requests per size (recd serve)
@@ -141,7 +143,6 @@ def serving_figures(model_uri: str, warehouse: str, ds: str, reference: bool = T
     """`serving.*` figures (module docstring) for the model at `model_uri`."""
     from recd_core.mlops.pyfunc import NON_FEATURE_COLUMNS, save_pyfunc
     from recd_core.modeling.saved import model_dir
-    from recd_core.warehouse import Warehouse
 
     rows = Warehouse(warehouse).read_range("samples", ds, 0, max(SIZES), layout="clustered")
     keep = [c for c in rows.column_names if c not in NON_FEATURE_COLUMNS]
@@ -237,7 +238,6 @@ def ranking_figures(model_uri: str, warehouse: str, ds: str) -> dict:
     """`serving.ranking.*` (module docstring) for the model at `model_uri`."""
     from recd_core.modeling.saved import saved_meta
     from recd_core.scoring.scorer import features_of
-    from recd_core.warehouse import Warehouse
 
     rows = Warehouse(warehouse).read_range("samples", ds, 0, max(CANDIDATES), layout="clustered")
     bodies = ranking_bodies(rows, features_of(saved_meta(model_uri)))
@@ -332,7 +332,6 @@ def serving_markdown(r: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from recd_core.report import print_summary
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="<warehouse>/models/<run>")

@@ -37,7 +37,19 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections import Counter
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import yaml
+
+from recd_core.config import TrainConfig
+from recd_core.config_files import load_feature_set
+from recd_core.modeling.tables import TableSpec
+from recd_core.runtime import cpu_budget, rss
+from recd_core.warehouse import Warehouse
 
 SHARDINGS = ("table_wise", "row_wise")
 
@@ -66,7 +78,6 @@ def big_table_config(rows: int = PIPELINE_ITEMS_ROWS, budget_mb: int = PIPELINE_
     per-process budget: the small synthetic days, 2 processes, row-wise shards. No
     validation slice and no pass restarts: each would keep another copy of every rank's
     shards, and the budget would hold a third of the tables (docs/operations.md)."""
-    from recd_core.config_files import load_feature_set
 
     features = load_feature_set("synthetic").model_dump(mode="json")
     for f in features["features"]:
@@ -89,9 +100,6 @@ def big_table_config(rows: int = PIPELINE_ITEMS_ROWS, budget_mb: int = PIPELINE_
 def pipeline_days(root: str, days: tuple[str, str] = ("2026-11-01", "2026-11-02")) -> list[dict]:
     """`recd run` for two days with `big_table_config` under `root` (SQLite MLflow): each
     day's summary. Raises with the command's last lines if one fails."""
-    from pathlib import Path
-
-    import yaml
 
     config = Path(root, "big-table.yaml")
     config.write_text(yaml.safe_dump(big_table_config()))
@@ -131,7 +139,6 @@ def serve_champion(root: str, ds: str, rows: int = 100) -> dict:
     from recd_core.bench.serving import run_server
     from recd_core.mlops.pyfunc import NON_FEATURE_COLUMNS
     from recd_core.modeling.launch import free_port
-    from recd_core.warehouse import Warehouse
 
     table = Warehouse(f"{root}/wh").read_range("samples", ds, 0, rows, layout="clustered")
     keep = [c for c in table.column_names if c not in NON_FEATURE_COLUMNS]
@@ -170,7 +177,6 @@ def serve_champion(root: str, ds: str, rows: int = 100) -> dict:
 
 def pipeline_figures() -> dict:
     """The `pipeline` part (see the module)."""
-    from pathlib import Path
 
     with tempfile.TemporaryDirectory() as root:
         days = pipeline_days(root)
@@ -220,13 +226,10 @@ def verify_figures(rows: int = VERIFY_ROWS, dim: int = 32, world: int = 2) -> di
     reader of every byte pays), the verified open, the private open a server makes (copy
     and check in one pass), and reading the whole table through the maps afterwards (what
     a warm start's placement reads). Page cache warm for each, as after the save."""
-    from pathlib import Path
 
-    import pyarrow.fs as pafs
     import torch
 
     from recd_core.modeling.shard_files import layout, open_tables, write_shard
-    from recd_core.modeling.tables import TableSpec
 
     def timed(fn) -> float:
         t0 = time.perf_counter()
@@ -299,13 +302,11 @@ def _spawn(fn, nproc: int, *args) -> dict:
 def _rank_setup(rank: int, world: int):
     """This rank in the process group, and the run's strategy for the tables sharded
     (modeling/sharded/strategy.py: what `recd train` uses)."""
-    import warnings
 
     import torch
 
     from recd_core.modeling.launch import join_process_group, resolve_device
     from recd_core.modeling.sharded.strategy import Sharded
-    from recd_core.runtime import cpu_budget
 
     warnings.filterwarnings("ignore")
     device = join_process_group(rank, world, resolve_device("auto"))
@@ -317,12 +318,10 @@ def _rank_setup(rank: int, world: int):
 def _comm_rank(
     rank: int, world: int, out: str, table_path: str, cfg_json: str, steps: int = 5
 ) -> None:
-    import pyarrow.parquet as pq
     import torch
     import torch.distributed as dist
 
     from recd_core.bench.training import _batches
-    from recd_core.config import TrainConfig
     from recd_core.modeling.step import cooccurrence_term, train_step
 
     device, strategy = _rank_setup(rank, world)
@@ -383,17 +382,14 @@ def _comm_rank(
 def _budget_rank(
     rank: int, world: int, out: str, table_path: str, budget: str, steps: int = 3
 ) -> None:
-    import pyarrow.parquet as pq
     import torch
     import torch.distributed as dist
 
     from recd_core.bench.training import _batches
-    from recd_core.config import TrainConfig
     from recd_core.modeling.launch import peak_mem
     from recd_core.modeling.sharded.model import ShardedDLRM
     from recd_core.modeling.sharded.plan import ShardingRefused, plan_table, shard, shard_bytes
     from recd_core.modeling.step import cooccurrence_term, train_step
-    from recd_core.runtime import rss
 
     device, strategy = _rank_setup(rank, world)
     budget_mb = int(budget)

@@ -16,15 +16,17 @@ embedding workload   the same embedding-bag work (every id / id-list feature) as
 from __future__ import annotations
 
 import copy
+import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Callable
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 from recd_core.config import TrainConfig
-from recd_core.dedup.unique import plan_dedup
+from recd_core.dedup.unique import DedupPlan, plan_dedup
 from recd_core.dpp.batch_store import Batch
 from recd_core.dpp.encode import batch_ranges, make_batch
 from recd_core.modeling.cooccurrence import list_features, rows_loss
@@ -173,7 +175,6 @@ def _memory_probe(args) -> int:
     """Peak memory of a few training steps in one mode (run in a fresh process)."""
     table_path, cfg_json, mode, device = args
     quiet_sparse_warnings()
-    import pyarrow.parquet as pq
 
     cfg = TrainConfig.model_validate_json(cfg_json)
     table = pq.read_table(table_path)
@@ -187,9 +188,6 @@ def _memory_probe(args) -> int:
 
 
 def peak_memory(table: pa.Table, cfg: TrainConfig, tmp_dir: str, device: str = "cpu") -> dict:
-    import multiprocessing as mp
-
-    import pyarrow.parquet as pq
 
     path = f"{tmp_dir}/bench_batches.parquet"
     pq.write_table(table.slice(0, 2 * cfg.batch_size), path)
@@ -210,7 +208,6 @@ def bench_embeddings(table: pa.Table, cfg: TrainConfig, repeats: int = 5) -> dic
     except ImportError:
         return {}
     from recd_core.dedup.sparse import KeyedJaggedTensor, to_torchrec
-    from recd_core.dedup.unique import DedupPlan
 
     features = feature_set_of(table.schema)
     plan = plan_dedup(table, features, cfg.dedup, cfg.batch_size)

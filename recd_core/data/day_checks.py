@@ -6,6 +6,7 @@ rows it rejects (`Drop`); ingest writes them to the quarantine with the file and
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import pyarrow as pa
 
 from recd_core.data.sources import Parsed
 from recd_core.dedup.unique import group_hashes
+from recd_core.lineage import write_ids
 from recd_core.warehouse import Warehouse
 
 
@@ -141,9 +143,6 @@ def published_ids(
     backfill, a late day): the first publication keeps it, the other day quarantines it.
     Only the days before are peers in the lineage: a later day as a peer would make each
     of two days stale whenever the other is rerun, for ever."""
-    import datetime as dt
-
-    from recd_core.lineage import write_ids
 
     first = dt.date.fromisoformat(ds)
     around = [(first + dt.timedelta(days=k)).isoformat() for k in range(-days, days + 1) if k]

@@ -33,6 +33,7 @@ from recd_core.dedup.unique import batch_factors, combine_hashes, row_hashes, un
 from recd_core.errors import BadInput
 from recd_core.leftovers import owned_tempdir
 from recd_core.lineage import check_reads, record
+from recd_core.ray_cluster import ordered_map, ray_session
 from recd_core.schema import SIDE_ROW, feature_set_of, sessions_checked
 from recd_core.stored_files import open_parquet, read_batches
 from recd_core.warehouse import Warehouse
@@ -445,8 +446,6 @@ def _write_layout(
             )
         )
     if cfg.engine == "ray":
-        from recd_core.ray_cluster import ordered_map
-
         list(ordered_map(spill_source, spills, cfg.workers))
         return list(ordered_map(write_file, files, cfg.workers))
     for args in spills:
@@ -507,8 +506,6 @@ def _generate(
     bound = None
     ray = contextlib.nullcontext()
     if cfg.engine == "ray":
-        from recd_core.ray_cluster import ray_session
-
         ray = ray_session(cfg.workers)  # one instance for every map below
     # a spill directory of its own; a killed generate's are removed first (leftovers.py)
     with ray, owned_tempdir("recd-generate-", cfg.spill_dir) as tmp:

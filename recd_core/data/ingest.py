@@ -40,6 +40,7 @@ from recd_core.data.day_checks import (
     redelivered_events,
     user_hashes,
 )
+from recd_core.data.movielens import read_movielens
 from recd_core.data.parquet_events import read_parquet_events
 from recd_core.data.raw_bytes import FileRefused, ReadLimits, SourceError, path_text
 from recd_core.data.sources import (
@@ -55,7 +56,8 @@ from recd_core.data.sources import (
     sniff,
 )
 from recd_core.errors import GateFailed
-from recd_core.lineage import logs_digest, record
+from recd_core.lineage import EXECUTION_FIELDS, logs_digest, record
+from recd_core.ray_cluster import ordered_map
 from recd_core.schema import events_schema, mark_sessions_checked
 from recd_core.warehouse import Warehouse, validate_ds
 
@@ -250,8 +252,6 @@ def _sources(
     file order (after the files refused before reading: links out of the source, other
     formats), and the files ignored (hidden, markers) with why."""
     if cfg.format == "movielens":
-        from recd_core.data.movielens import read_movielens
-
         parsed, rejects, bytes_in, nfiles = read_movielens(source, features, cfg)
         parsed, bad = validate(parsed, features)
         rejects.extend(bad)
@@ -262,8 +262,6 @@ def _sources(
     units = parse_units(files)
     args = [(paths, kind, schema, features, user_cols, limits, window) for paths, kind in units]
     if cfg.engine == "ray":
-        from recd_core.ray_cluster import ordered_map
-
         parsed_files = ordered_map(_parse_columns, args, cfg.workers)
     else:
         tasks = [(*a, sink and functools.partial(sink, i)) for i, a in enumerate(args)]
@@ -406,7 +404,6 @@ def ingest(
 
 def _shaping(cfg: IngestConfig, write: ParquetWrite | None) -> dict:
     """The ingest settings that shape the events (lineage's config digest)."""
-    from recd_core.lineage import EXECUTION_FIELDS
 
     return {
         "ingest": cfg.model_dump(mode="json", exclude=EXECUTION_FIELDS),

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from recd_core.config import FeatureSet, PreprocessConfig
+from recd_core.config import DedupConfig, FeatureSet, PreprocessConfig, TransformSpec
 from recd_core.dedup.unique import DedupPlan, unique_rows, unique_runs, unique_sessions
 from recd_core.dedup.unique import list_array as _lists
 from recd_core.dedup.unique import list_parts as _list_parts
@@ -237,7 +237,6 @@ def make_batch(rows: pa.Table, features: FeatureSet, plan: DedupPlan | None) -> 
     decode (ids hashed into their tables, dense values as they are; `plan=None` is the
     baseline, every feature per sample; unique rows found by hashing, any row order): what
     tests and benchmarks build batches with, without writing them to the warehouse."""
-    from recd_core.config import DedupConfig, TransformSpec
 
     groups = {g: fs for g, fs in plan.groups.items() if fs} if plan else {}
     cfg = PreprocessConfig(

@@ -28,15 +28,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing as mp
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from recd_core.config import FeatureSet, PreprocessConfig
+from recd_core.dedup.unique import plan_dedup
 from recd_core.dpp.encode import Prepared, dense_matrix, encode_batches
 from recd_core.dpp.transforms import (
     dense_stats,
@@ -45,6 +47,7 @@ from recd_core.dpp.transforms import (
 )
 from recd_core.errors import BadInput
 from recd_core.lineage import check_reads, record
+from recd_core.ray_cluster import ordered_map
 from recd_core.runtime import die_with_parent
 from recd_core.schema import SIDE_ROW, events_schema, feature_set_of, sessions_checked
 from recd_core.warehouse import Warehouse
@@ -93,7 +96,6 @@ def prepare(
     """Check the config against the data; measure the dedup plan (on `table`, the first
     batches) and, unless given, the standardization statistics (on `dense`, the whole
     partition's dense columns; default `table`)."""
-    from recd_core.dedup.unique import plan_dedup
 
     for name in cfg.transforms:
         if name not in {f.name for f in raw.features}:
@@ -394,8 +396,6 @@ def _preprocess(
 
 def run_splits(args: list[tuple], cfg: PreprocessConfig, progress=None) -> list[dict]:
     if cfg.engine == "ray":
-        from recd_core.ray_cluster import ordered_map
-
         return list(ordered_map(process_split, args, cfg.workers))
     if cfg.workers == 1:
         out = []
@@ -404,8 +404,6 @@ def run_splits(args: list[tuple], cfg: PreprocessConfig, progress=None) -> list[
             if progress:
                 progress("split", 1)
         return out
-    import multiprocessing as mp
-    from concurrent.futures import ThreadPoolExecutor
 
     pool = (
         ThreadPoolExecutor(cfg.workers)

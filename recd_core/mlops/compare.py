@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.table import Table
+
 
 @dataclass(frozen=True)
 class Row:
@@ -75,7 +77,6 @@ def _cells(summary: dict) -> list[tuple[str, str, str, str]]:
 
 
 def print_table(summary: dict, console) -> None:
-    from rich.table import Table
 
     t = Table(
         title=f"dedup vs baseline, trained {summary['run.ds']}, scored {summary['run.eval_ds']}"

@@ -43,6 +43,7 @@ from recd_core.mlops.versions import (
     mark_unreadable,
     register,
 )
+from recd_core.modeling.evaluate import score_day
 
 
 def decide(challenger_ne: float, champion_ne: float | None, tolerance: float) -> bool:
@@ -103,7 +104,6 @@ def score_version(tracker, version, warehouse, ds: str, batch_size: int) -> dict
     model directory is loaded by this code, not through the pyfunc's stored entry code, so a
     champion registered by an older recd is judged the same way (as warm start loads it).
     `Unreadable` when its artifacts cannot be read."""
-    from recd_core.modeling.evaluate import score_day
 
     with owned_tempdir("recd-model-") as tmp:  # a killed run's: swept
         _, (model, meta) = fetch_version(tracker, version, tmp)

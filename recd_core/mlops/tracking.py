@@ -19,6 +19,8 @@ of an orchestrator (`start` ... `finish`, tasks in separate processes) has no ow
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import logging
 import math
 import os
@@ -26,6 +28,7 @@ import platform
 import re
 import socket
 import sqlite3
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -33,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recd_core.errors import TrackingError, TrackingStoreUnwritable
+from recd_core.mlops import compare
+from recd_core.runtime import cpu_budget
 
 MAX_PARAM = 500
 KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
@@ -109,7 +114,6 @@ class Tracker:
 
     def _init_sqlite(self, path: str) -> None:
         """MLflow's schema in a SQLite store, created or migrated by one process at a time."""
-        import fcntl
 
         if path in ("", ":memory:"):
             return
@@ -261,7 +265,6 @@ class Tracker:
         """The partitions a run read, as MLflow datasets (the run page's Datasets): each a
         dict with `name`, `uri`, `digest`, `rows`, `schema` (JSON) and `context`
         (training, evaluation)."""
-        import json
 
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
@@ -555,7 +558,6 @@ def load_1m() -> str:
 def conditions() -> dict:
     """What a measurement depends on, as a run starts: the machine's CPUs, those the
     process may use (affinity and cgroup quota), and the load beside it."""
-    from recd_core.runtime import cpu_budget
 
     return {
         "sys.cpus": os.cpu_count(),
@@ -568,7 +570,6 @@ def comparison_note(summary: dict) -> str:
     """The comparison run's description (the run page's Description): the verdict in one
     line, the side-by-side table, where the chart is, and what the figures were measured
     under."""
-    from recd_core.mlops import compare
 
     try:
         r = compare.ratios(summary)
@@ -591,7 +592,6 @@ def comparison_note(summary: dict) -> str:
 
 
 def _torch_facts() -> dict:
-    import sys
 
     if "torch" not in sys.modules:  # only commands that used torch report it
         return {}

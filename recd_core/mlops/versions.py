@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pyarrow as pa
 from recd_core.errors import BadInput, first_line
 from recd_core.leftovers import owned_tempdir
 from recd_core.mlops.pyfunc import save_pyfunc
+from recd_core.mlops.tracking import numeric
 
 MODEL_ARTIFACT = "model"
 MODEL_URI_TAG = "recd.model_uri"  # on a LoggedModel: the trained model it holds
@@ -97,11 +99,8 @@ def register(tracker, run_id: str, model_id: str, name: str) -> Registered:
 
 def log_model_metrics(tracker, run_id: str, model_id: str, scored: dict) -> None:
     """The model's next-day figures, linked to its LoggedModel (the Models tab's columns)."""
-    import time
 
     from mlflow.entities import Metric
-
-    from recd_core.mlops.tracking import numeric
 
     now = int(time.time() * 1000)
     figures = numeric({k: v for k, v in scored.items() if k.startswith("eval.")})

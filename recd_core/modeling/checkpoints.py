@@ -14,8 +14,10 @@ afresh instead of resuming onto it."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
+import time
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
@@ -61,8 +63,6 @@ def one_writer(wh: Warehouse, ds: str, mode: str, wait_s: float | None = None):
     warehouses): its checkpoints and model have one live writer, so a retry never trains
     beside a leftover of the run it retries. A leftover still ending (its ranks take a
     moment after their parent's SIGTERM) is waited for up to `wait_s`; then `RunBusy`."""
-    import fcntl
-    import time
 
     if not wh.locks:  # object stores: one run per day is the orchestrator's (max_active_runs)
         yield

@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 from recd_core.config import FeatureSet, TrainConfig
 from recd_core.errors import BadInput, RecdError, first_line
+from recd_core.ray_cluster import ray_session
+from recd_core.warehouse import Warehouse
 
 
 class RayTrainFailed(RecdError):
@@ -47,8 +49,6 @@ def ray_train(
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-
-    from recd_core.ray_cluster import ray_session
 
     config = {
         "train": train,  # pickled by reference: its module is imported where the worker runs
@@ -93,7 +93,6 @@ def ray_train(
 def worker(config: dict) -> dict:
     """One Ray Train worker: recd's `train` as the rank Ray gave it (a bad input comes back
     as its one line: Ray would restart the workers on an exception, to the same end)."""
-    from recd_core.warehouse import Warehouse
 
     features = config["features"]
     try:

@@ -32,6 +32,8 @@ import dataclasses
 import hashlib
 import io
 import json
+import shutil
+import tempfile
 import time
 import warnings
 import zlib
@@ -303,8 +305,6 @@ def local_model_dir(location: str, meta: dict) -> Path:
     wh, base = _model_location(location)
     if wh.fs.type_name == "local":
         return Path(base)
-    import shutil
-    import tempfile
 
     tmp = Path(tempfile.mkdtemp(prefix="recd-mapped-model-"))
     atexit.register(shutil.rmtree, tmp, True)

@@ -51,6 +51,7 @@ from recd_core.lineage import check_reads, record, staleness, write_ids
 from recd_core.modeling.calibration import calibrate
 from recd_core.modeling.checkpoints import checkpoint_state, one_writer, run_name
 from recd_core.modeling.early_stopping import EarlyStopping, TableStart, on_cpu
+from recd_core.modeling.evaluate import score_batches
 from recd_core.modeling.launch import (
     every_rank,
     join_process_group,
@@ -62,6 +63,7 @@ from recd_core.modeling.launch import (
 from recd_core.modeling.model import Model
 from recd_core.modeling.optim import quiet_sparse_warnings
 from recd_core.modeling.parallel import CheckpointStore, Parallelism, check, parallelism
+from recd_core.modeling.ray_engine import ray_train
 from recd_core.modeling.saved import model_base, save_model
 from recd_core.modeling.step import cooccurrence_term, fold_in, train_step
 from recd_core.modeling.warm_start import Init, continue_optimizers, initial_state
@@ -96,8 +98,6 @@ def train(
         nproc = int(os.environ["WORLD_SIZE"])
     check(cfg, nproc)  # before any process starts
     if cfg.engine == "ray" and launched_rank() is None:  # each worker runs this function
-        from recd_core.modeling.ray_engine import ray_train
-
         return ray_train(train, warehouse.uri, ds, cfg, nproc, init_from, init_label, features)
     # one live writer per day and arm (a rank that torchrun started: its rank 0 holds it)
     lock = one_writer(warehouse, ds, cfg.mode) if launched_rank() in (None, 0) else None
@@ -438,7 +438,6 @@ def add_window(wh: Warehouse, store: BatchStore, ds: str, cfg: TrainConfig) -> l
 
 def validate(model: Model, valid: BatchStore, device: torch.device) -> dict[str, float]:
     """NE, AUC and calibration of the current weights on the day's validation batches."""
-    from recd_core.modeling.evaluate import score_batches
 
     return score_batches(model, valid, device)
 

@@ -15,15 +15,23 @@ ds .. ds+days-1, each evaluated on its next day.
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from recd_core.data.generate import generate
+from recd_core.data.ingest import ingest
+from recd_core.data.logs_root import eval_oracle, logs_for_day
+from recd_core.data.synth import synthesize_missing
 from recd_core.errors import BadInput, GateFailed, classify
+from recd_core.mlops.compare import chart, print_table, quality_gap, ratios
 from recd_core.mlops.tracking import RunRecord, Tracker
+from recd_core.modeling.evaluate import evaluate
 from recd_core.orchestration.graph import ARM_LAYOUT, ARMS, STAGES
 from recd_core.orchestration.overlay import pipeline_config
 from recd_core.orchestration.stage_args import StageArgs, own_options, stage_args
 from recd_core.orchestration.summaries import json_safe, merge
+from recd_core.report import console
 from recd_core.runtime import follower, peak_rss, reset_peak_rss, rss
 from recd_core.warehouse import PartitionNotFound, Warehouse
 
@@ -86,7 +94,6 @@ def _logs(args: StageArgs) -> str:
 def _synth(args: StageArgs, advance: Advance) -> dict:
     """The days of `days_of` that have no logs (the pipelines: every day of the run,
     synthesized together so the users' click histories carry over into the evaluation day)."""
-    from recd_core.data.synth import synthesize_missing
 
     logs = _logs(args)
     if not args.synthesize:
@@ -99,8 +106,6 @@ def _synth(args: StageArgs, advance: Advance) -> dict:
 def _ingest(args: StageArgs, advance: Advance) -> dict:
     """The days of `days_of`, each from `<logs>/ds=<day>/`, or the one day --ds from
     `source`."""
-    from recd_core.data.ingest import ingest
-    from recd_core.data.logs_root import logs_for_day
 
     days = args.data_days()
     if args.source and (len(days) != 1 or args.days_of != "training"):
@@ -131,7 +136,6 @@ def _generate(args: StageArgs, advance: Advance) -> dict:
     """The days of `days_of`: training days in both layouts (each arm's, and the storage
     figure), evaluation days clustered only (every model scores the same rows); `layout`
     chooses otherwise."""
-    from recd_core.data.generate import generate
 
     cfg, wh = pipeline_config(args), open_warehouse(args)
     training = args.training_days()
@@ -187,8 +191,6 @@ def _train(args: StageArgs, advance: Advance) -> dict:
 
 def _evaluate(args: StageArgs, advance: Advance) -> dict:
     """Each training day's model scored on its evaluation day."""
-    from recd_core.data.logs_root import eval_oracle
-    from recd_core.modeling.evaluate import evaluate
 
     if not args.model_uri:
         raise BadInput("no --model-uri given")
@@ -215,7 +217,6 @@ def _evaluate(args: StageArgs, advance: Advance) -> dict:
 def _register(args: StageArgs, advance: Advance) -> dict:
     """Log the last day's model to the train run, register it, decide the champion."""
     from recd_core.mlops.registry import register_and_promote
-    from recd_core.modeling.evaluate import evaluate
 
     tracker = tracker_of(args)
     if tracker is None:
@@ -236,10 +237,6 @@ def _register(args: StageArgs, advance: Advance) -> dict:
 def _compare(args: StageArgs, upstream: list[dict]) -> dict:
     """Both arms side by side: the table in the task log, the chart in MLflow (the pipeline
     run) and in the warehouse (`reports/compare/ds=D/`), and the quality gate."""
-    import tempfile
-
-    from recd_core.mlops.compare import chart, print_table, quality_gap, ratios
-    from recd_core.report import console
 
     cfg = pipeline_config(args)
     summary = merge(
@@ -275,7 +272,6 @@ def _compare(args: StageArgs, upstream: list[dict]) -> dict:
 def _finish(args: StageArgs, upstream: list[dict]) -> dict:
     """Close the pipeline run. Its summary: the stages' figures, merged (see `merge`), and
     with both arms their ratios."""
-    from recd_core.mlops.compare import ratios
 
     last = args.training_days()[-1]
     summary = merge(

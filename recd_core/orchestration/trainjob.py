@@ -29,9 +29,10 @@ import uuid
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from recd_core.errors import BadInput, RecdError, of_exit
+from recd_core.report import read_summary
 
 GROUP, VERSION, PLURAL, KIND = "trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob"
 NODE = "node"  # the torch runtime's replicated job and container
@@ -80,7 +81,6 @@ class TrainJobConfig(BaseModel):
     def from_flags(cls, given: dict) -> TrainJobConfig:
         """The config from parsed flags (None or empty: the default); a bad value is one
         line naming the flag."""
-        from pydantic import ValidationError
 
         try:
             return cls(**{k: v for k, v in given.items() if v not in (None, [])})
@@ -244,7 +244,6 @@ def outcome(job: str, summary_at: str, failure: str | None) -> dict:
     """A TrainJob's end as the train step's: rank 0's summary (at `summary_at`) when it
     completed; when it failed (`failure`: why the Trainer says so), rank 0's own failure
     (its exit code: a bad input stays final) or, without one, a retryable `TrainJobFailed`."""
-    from recd_core.report import read_summary
 
     summary = read_summary(summary_at)
     if summary and summary.get("status") == "failed":  # rank 0 said why: its exit

@@ -60,6 +60,8 @@ from starlette.routing import Route
 from uvicorn.logging import DefaultFormatter
 
 from recd_core.config import ServeConfig
+from recd_core.errors import BadInput, TrackingError, first_line
+from recd_core.lineage import code_version
 from recd_core.scoring.request import RequestError, request_columns
 from recd_core.scoring.scorer import NonFinite, Scorer
 
@@ -106,8 +108,6 @@ def load_served(uri: str) -> Served:
     if uri.startswith(("models:/", "runs:/", "mlflow-artifacts:")):
         import mlflow.pyfunc
         from mlflow.exceptions import MlflowException
-
-        from recd_core.errors import BadInput, TrackingError, first_line
 
         try:
             aliased, pinned = ALIASED.match(uri), PINNED.match(uri)
@@ -280,7 +280,6 @@ class Server:
             return answer(503, f"not ready: the readiness request failed ({type(e).__name__})")
 
     async def version(self, request) -> Response:
-        from recd_core.lineage import code_version
 
         served = self.served
         about = {"recd": code_version(), "model": served.uri, "version": served.version}

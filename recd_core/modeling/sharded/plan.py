@@ -4,6 +4,7 @@ placement the config asks for), the one-line refusals, and where the tables went
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import warnings
 
@@ -22,7 +23,6 @@ class ShardingRefused(BadInput, ValueError):
 
 def check_config(cfg: TrainConfig, world: int) -> None:
     """Refuse, in one line, what sharded training does not do (yet)."""
-    import importlib.util
 
     if importlib.util.find_spec("torchrec") is None:
         raise ShardingRefused(
