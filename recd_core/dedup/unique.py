@@ -271,6 +271,23 @@ def session_factors(session_ids: np.ndarray, batch_size: int) -> np.ndarray:
     return np.bincount(batch) / np.bincount(batch[start])
 
 
+def session_plan(
+    session_ids: np.ndarray, features: FeatureSet, cfg: DedupConfig, batch_size: int
+) -> DedupPlan | None:
+    """The plan decided from the session ids of the first `profile_batches` batches alone,
+    in O(rows): user-side values are constant within a session (checked at ingest), so every
+    user feature's factor is at least samples per session run. None when there is no user
+    id feature or that floor is under `min_factor`: then the features are measured."""
+    user_ids = [f.name for f in features.by_side("user") if f.kind != "dense"]
+    if not user_ids:
+        return None
+    head = session_ids[: cfg.profile_batches * batch_size]
+    floor = float(session_factors(head, batch_size).mean()) if head.size else 0.0
+    if floor < cfg.min_factor:
+        return None
+    return DedupPlan(groups={"user": user_ids}, profile={f: floor for f in user_ids})
+
+
 def plan_dedup(
     table: pa.Table, features: FeatureSet, cfg: DedupConfig, batch_size: int
 ) -> DedupPlan:
@@ -281,13 +298,10 @@ def plan_dedup(
             raise ValueError(f"dedup groups name unknown id features: {unknown}")
         return DedupPlan(groups=cfg.groups, profile={})
     head = table.slice(0, cfg.profile_batches * batch_size)
-    user_ids = [f.name for f in features.by_side("user") if f.kind != "dense"]
-    if user_ids and sessions_checked(table.schema) and "session_id" in table.column_names:
-        # User-side values are constant within a session (checked at ingest), so every user
-        # feature's factor is at least samples per session run: decided in O(rows).
-        floor = float(session_factors(np.asarray(head["session_id"]), batch_size).mean())
-        if floor >= cfg.min_factor:
-            return DedupPlan(groups={"user": user_ids}, profile={f: floor for f in user_ids})
+    if sessions_checked(table.schema) and "session_id" in table.column_names:
+        plan = session_plan(np.asarray(head["session_id"]), features, cfg, batch_size)
+        if plan is not None:
+            return plan
     # measured on the first `profile_batches` batches: the profile is a decision, not a report
     profile = dedup_profile(head, ids, batch_size)
     user = [

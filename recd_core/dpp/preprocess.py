@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from recd_core.config import FeatureSet, PreprocessConfig
-from recd_core.dedup.unique import plan_dedup
+from recd_core.dedup.unique import DedupPlan, plan_dedup, session_plan
 from recd_core.dpp.encode import Prepared, dense_matrix, encode_batches
 from recd_core.dpp.transforms import (
     dense_stats,
@@ -92,9 +92,10 @@ def prepare(
     cfg: PreprocessConfig,
     stats: dict | None = None,
     dense: pa.Table | None = None,
+    plan: DedupPlan | None = None,
 ) -> Prepared:
-    """Check the config against the data; measure the dedup plan (on `table`, the first
-    batches) and, unless given, the standardization statistics (on `dense`, the whole
+    """Check the config against the data; unless given, measure the dedup plan (on `table`,
+    the first batches) and the standardization statistics (on `dense`, the whole
     partition's dense columns; default `table`)."""
 
     for name in cfg.transforms:
@@ -122,11 +123,31 @@ def prepare(
     )
     groups = {}
     if cfg.mode == "dedup":
-        plan = plan_dedup(table, raw, cfg.dedup, cfg.batch_size)
+        plan = plan or plan_dedup(table, raw, cfg.dedup, cfg.batch_size)
         groups = {g: fs for g, fs in plan.groups.items() if fs}
     return Prepared(
         raw, model, groups, stats, cfg, resolve_method(cfg.dedup.method, table.schema, raw, groups)
     )
+
+
+def _plan_and_head(
+    warehouse: Warehouse, ds: str, cfg: PreprocessConfig, raw: FeatureSet, profile_rows: int
+) -> tuple[DedupPlan | None, pa.Table]:
+    """What `prepare` reads of the first batches, and no more: where ingest checked the
+    sessions, the dedup plan from their session ids alone (`session_plan`); the first
+    batches' whole rows only where the plan must measure the features; otherwise the
+    partition's schema (an empty table: the checks and the method need nothing else)."""
+    schema = warehouse.read_schema("samples", ds, layout="clustered")
+    measure = cfg.mode == "dedup" and cfg.dedup.groups is None
+    plan = None
+    if measure and sessions_checked(schema) and "session_id" in schema.names:
+        ids = warehouse.read_range(
+            "samples", ds, 0, profile_rows, columns=["session_id"], layout="clustered"
+        )
+        plan = session_plan(np.asarray(ids["session_id"]), raw, cfg.dedup, cfg.batch_size)
+    if measure and plan is None:
+        return None, warehouse.read_range("samples", ds, 0, profile_rows, layout="clustered")
+    return plan, schema.empty_table()
 
 
 def resolve_method(
@@ -317,7 +338,7 @@ def _preprocess(
             else None
         )
         profile_rows = min(info.rows, cfg.dedup.profile_batches * cfg.batch_size)
-        head = warehouse.read_range("samples", ds, 0, profile_rows, layout="clustered")
+        plan, head = _plan_and_head(warehouse, ds, cfg, raw, profile_rows)
     except (pa.ArrowException, OSError) as e:
         raise PreprocessError(f"cannot read samples/layout=clustered/ds={ds}: {e}") from None
     stats = (
@@ -325,7 +346,7 @@ def _preprocess(
         if stats_from
         else None
     )
-    prep = prepare(head, raw, cfg, stats, dense)
+    prep = prepare(head, raw, cfg, stats, dense, plan)
     splits = split_ranges(
         info.rows, cfg, warehouse.row_group_rows("samples", ds, layout="clustered")
     )
