@@ -87,7 +87,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check recd_core components dags tests
 	@# the house's rules ruff has no rule for: imports at the top but for the heavy packages,
 	@# no import circle, no module past 600 lines, the module map complete (a second)
-	$(BIN)/pytest -q -p no:cacheprovider tests/test_imports.py
+	$(BIN)/pytest -q -p no:cacheprovider -n0 tests/test_imports.py
 
 test: $(STAMP) movielens lint helm
 	RECD_MOVIELENS_DIR=$(MOVIELENS) RECD_HELM=$(HELM) $(BIN)/pytest -q

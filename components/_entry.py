@@ -28,8 +28,7 @@ from recd_core.runtime import follower, launched_rank
 
 def parser(stage: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=f"python -m components.{stage}",
-        description=f"recd stage {stage}: {STAGES[stage].doc}",
+        prog=f"python -m components.{stage}", description=f"recd stage {stage}: {STAGES[stage].doc}"
     )
     for o in stage_options(stage):
         # not `required=` here: a value may come from --args-json; StageArgs validates

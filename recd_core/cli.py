@@ -354,7 +354,7 @@ _graph_command(
             inspect.Parameter.KEYWORD_ONLY,
             default=Path("build/compare"),
             annotation=Annotated[Path, typer.Option(help="also copy the chart here")],
-        ),
+        )
     ],
     _compare_body,
     decision=False,  # the compare stage printed its table

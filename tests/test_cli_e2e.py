@@ -2,25 +2,13 @@
 
 import gzip
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from recd_cli import recd
 
-RECD = Path(sys.executable).parent / "recd"  # the console script installed beside python
 DAY = "2026-11-01"
 SMALL_CONFIG = Path(__file__).parent / "configs/small.yaml"  # days of seconds
-
-
-def recd(*args, check=True):
-    assert RECD.exists(), "the recd console script is installed"
-    r = subprocess.run([RECD, *map(str, args)], capture_output=True, text=True)
-    if check and r.returncode != 0:
-        raise AssertionError(
-            f"recd {' '.join(map(str, args))} failed ({r.returncode}):\n{r.stderr}"
-        )
-    return r
 
 
 @pytest.mark.slow
@@ -168,7 +156,7 @@ def test_quarantine_gate_exits_nonzero_with_one_line(tmp_path: Path, day_logs):
         DAY,
         "--summary",
         tmp_path / "s.json",
-        check=False,
+        code=None,
     )
     assert r.returncode == 3
     assert r.stderr.count("\n") == 1 and "not published" in r.stderr
@@ -208,7 +196,7 @@ def test_quarantine_gate_exits_nonzero_with_one_line(tmp_path: Path, day_logs):
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args, message):
-    r = recd(*(a.format(tmp=tmp_path) for a in args), check=False)
+    r = recd(*(a.format(tmp=tmp_path) for a in args), code=None)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().count("\n") == 0 and message in r.stderr, r.stderr
 

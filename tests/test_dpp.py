@@ -12,13 +12,7 @@ import torch
 from recd_core.config import FeatureSpec, PreprocessConfig, TransformSpec
 from recd_core.dpp.batch_store import BatchStore, expand
 from recd_core.dpp.preprocess import PreprocessError, preprocess
-from recd_core.dpp.transforms import (
-    hash_ids,
-    model_spec,
-    transform_dense,
-    transform_ids,
-    truncate,
-)
+from recd_core.dpp.transforms import hash_ids, model_spec, transform_dense, transform_ids, truncate
 from recd_core.stored_files import PartitionDamaged
 
 DAY, NEXT = "2026-11-01", "2026-11-02"

@@ -13,27 +13,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from recd_cli import ingest_day, recd
 
 from recd_core.config import PACKAGE_CONFIGS
 from recd_core.config_files import load_yaml
 from recd_core.warehouse import Warehouse
 
 DAY = "2026-11-01"
-
-
-def recd(*args, code: int) -> subprocess.CompletedProcess:
-    r = subprocess.run(
-        [sys.executable, "-m", "recd_core.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert r.returncode == code, r.stderr[-3000:]
-    if code:
-        lines = [x for x in r.stderr.splitlines() if x.strip()]
-        assert len(lines) == 1, r.stderr
-    return r
 
 
 def test_a_5000_digit_integer_quarantines_its_line_and_the_day_goes_on(tmp_path, small_logs):
@@ -44,18 +30,7 @@ def test_a_5000_digit_integer_quarantines_its_line_and_the_day_goes_on(tmp_path,
     lines[7] = lines[7].replace(b'"user_id":', b'"user_id":' + b"9" * 5000 + b',"was":', 1)
     f.write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
     out = tmp_path / "s.json"
-    recd(
-        "ingest",
-        "--source",
-        src,
-        "--warehouse",
-        tmp_path / "wh",
-        "--ds",
-        DAY,
-        "--summary",
-        out,
-        code=0,
-    )
+    ingest_day(src, tmp_path / "wh", DAY, out, code=0)
     s = json.loads(out.read_text())
     assert s["ingest.rows_quarantined"] == 1 and s["ingest.rows_ok"] == len(lines) - 1
     assert s["ingest.rows_in"] == len(lines)
@@ -229,18 +204,7 @@ def test_a_parquet_export_that_decodes_past_the_limit_is_refused_before_reading(
     )
     assert (src / "export.parquet").stat().st_size < 1 << 20
     out = tmp_path / "s.json"
-    recd(
-        "ingest",
-        "--source",
-        src,
-        "--warehouse",
-        tmp_path / "wh",
-        "--ds",
-        DAY,
-        "--summary",
-        out,
-        code=0,
-    )
+    ingest_day(src, tmp_path / "wh", DAY, out, code=0)
     s = json.loads(out.read_text())
     ((name, why),) = s["ingest.refused_files"].items()
     assert name.endswith("export.parquet") and "expands past the limit" in why

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from recd_cli import RECD, recd
 
 from recd_core.config import GenerateConfig, PreprocessConfig
 from recd_core.data.generate import generate
@@ -27,22 +28,8 @@ from recd_core.leftovers import TMP_MARK, hold, sweep_files
 from recd_core.modeling.launch import free_port
 from recd_core.warehouse import MANIFEST, Warehouse
 
-RECD = str(Path(sys.executable).with_name("recd"))
 DAY = "2026-11-01"
 SMALL = Path(__file__).parent / "configs/small.yaml"
-
-
-def recd(*args, code: int, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`recd ARGS`: the exit code wanted, no traceback, one line on stderr when it fails."""
-    r = subprocess.run(
-        [RECD, *map(str, args)], capture_output=True, text=True, env={**os.environ, **(env or {})}
-    )
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert r.returncode == code, f"exit {r.returncode}, wanted {code}:\n{r.stderr[-3000:]}"
-    if code:
-        lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "warn" not in ln.lower()]
-        assert len(lines) == 1 and ": error: " in lines[0], r.stderr
-    return r
 
 
 def _flip(path: Path, at: float, n: int) -> None:

@@ -141,12 +141,7 @@ def test_every_stage_argument_is_common_or_one_stages_own():
     """Every stage named by an argument's `stages` is a stage, and a field no stage claims
     is common (every stage may take it): a component's `--help` shows exactly what its stage
     reads; a task's fixed arguments are its stage's own."""
-    from recd_core.orchestration.stage_args import (
-        StageArgs,
-        arg_spec,
-        own_options,
-        stages_options,
-    )
+    from recd_core.orchestration.stage_args import StageArgs, arg_spec, own_options, stages_options
 
     claimed = {s for n in StageArgs.model_fields for s in arg_spec(n).stages}
     assert claimed <= set(STAGES)

@@ -153,9 +153,7 @@ def test_training_pods_get_a_gpu_where_asked(helm):
     } in sources
 
 
-def test_training_across_machines_gets_a_trainer_runtime_its_submitters_and_the_dags_settings(
-    helm,
-):
+def test_training_across_machines_gets_a_trainer_runtime_its_submitters_and_the_dags_settings(helm):
     """distributedTraining: the TrainingRuntime every recd TrainJob runs on, exactly as
     Kubeflow Trainer's API models read it (round trip), its nodes under the restricted
     profile, never restarted after a bad input or a failed gate; the submitter's Role (create
@@ -325,8 +323,5 @@ def test_the_airflow_chart_values_mount_our_dags_and_use_our_image():
     assert graph_imports == ["__future__", "dataclasses"]
     env_from = yaml.safe_load(values["extraEnvFrom"])  # the official chart takes a string
     assert env_from == [{"configMapRef": {"name": "recd-pipeline"}}]
-    assert values["workers"]["serviceAccount"] == {
-        "create": False,
-        "name": "recd-orchestrator",
-    }
+    assert values["workers"]["serviceAccount"] == {"create": False, "name": "recd-orchestrator"}
     assert values["airflowVersion"].startswith("3.")

@@ -13,36 +13,19 @@ import gzip
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from event_lines import clean_lines, mutate
+from recd_cli import ingest_day, recd
 
 from recd_core.config_files import load_feature_set
 from recd_core.warehouse import Warehouse
 
-RECD = str(Path(sys.executable).with_name("recd"))
 DAY = "2026-11-01"
 DEEP = 10_000
-
-
-def recd(
-    *args, code: int, options: tuple[str, ...] = (), prefix: tuple[str, ...] = ()
-) -> subprocess.CompletedProcess:
-    """Run `recd [options] COMMAND ARGS`; assert the exit code, no traceback, and one line
-    when it refuses."""
-    cmd = [*prefix, RECD, *options, *map(str, args)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert r.returncode == code, f"exit {r.returncode}, wanted {code}:\n{r.stderr[-3000:]}"
-    if code:
-        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-        assert len(lines) == 1 and lines[0].startswith(f"recd {args[0]}: error:"), r.stderr
-    return r
 
 
 def damaged_cases(clean: list[bytes]):
@@ -370,21 +353,7 @@ def test_a_tracking_store_that_cannot_be_written_fails_before_any_work(store, da
 
 
 def _ingest_day(src: Path, tmp_path: Path, *options: str, code: int = 0) -> dict:
-    summary = tmp_path / "s.json"
-    recd(
-        "ingest",
-        "--source",
-        src,
-        "--warehouse",
-        tmp_path / "wh",
-        "--ds",
-        DAY,
-        "--summary",
-        summary,
-        *options,
-        code=code,
-    )
-    return json.loads(summary.read_text())
+    return ingest_day(src, tmp_path / "wh", DAY, tmp_path / "s.json", *options, code=code)
 
 
 def test_every_member_of_a_concatenated_gzip_and_every_zstd_frame_is_read(day_logs, tmp_path):

@@ -4,8 +4,6 @@ registered model and the champion/challenger decision across days."""
 import json
 import re
 import shutil
-import subprocess
-import sys
 import urllib.parse
 from pathlib import Path
 
@@ -14,21 +12,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from mlflow.tracking import MlflowClient
+from recd_cli import recd
 
 from recd_core.mlops.registry import decide
 from recd_core.modeling.saved import load_model, predict
 from recd_core.warehouse import Warehouse
 
-RECD = Path(sys.executable).parent / "recd"
 DAY, NEXT, THIRD = "2026-11-01", "2026-11-02", "2026-11-03"
 ARM_KEYS = ("storage.bytes", "dpp.samples_per_s", "train.samples_per_s", "eval.ne", "eval.auc")
-
-
-def recd(*args, check=True):
-    r = subprocess.run([str(RECD), *map(str, args)], capture_output=True, text=True)
-    if check:
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r
 
 
 def test_promotion_rule():
@@ -230,7 +221,7 @@ def test_compare_fails_loudly_when_the_arms_differ_beyond_tolerance(daily, tmp_p
         cfg,
         "--out",
         tmp_path,
-        check=False,
+        code=None,
     )
     assert r.returncode == 3, r.stderr
     last = r.stderr.strip().splitlines()[-1]

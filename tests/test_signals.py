@@ -32,9 +32,7 @@ def _ranks(parent: psutil.Process) -> list[psutil.Process]:
     return out
 
 
-def test_sigterm_to_a_two_process_train_stops_every_rank_and_the_retry_trains(
-    fresh_warehouse,
-):
+def test_sigterm_to_a_two_process_train_stops_every_rank_and_the_retry_trains(fresh_warehouse):
     wh = fresh_warehouse
     # no validation slice: nothing stops the run early, it trains all its passes
     preprocess(wh, DAY, PreprocessConfig(batch_size=256, validation_fraction=0.0))

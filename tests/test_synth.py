@@ -222,9 +222,7 @@ def test_the_topic_posterior_is_bayes_over_the_entitys_topical_ids(features):
         assert right > (0.95 if side == "user" else 0.6)
 
 
-def test_the_latent_posterior_mean_is_the_regression_of_the_latent_on_the_dense_feature(
-    features,
-):
+def test_the_latent_posterior_mean_is_the_regression_of_the_latent_on_the_dense_feature(features):
     from recd_core.bench.bounds import latent_posterior_mean, latent_prior
     from recd_core.config import SynthConfig
     from recd_core.data.synth import World

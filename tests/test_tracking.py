@@ -12,16 +12,9 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from recd_cli import recd
 
 DAY = "2026-11-01"
-RECD = Path(sys.executable).parent / "recd"
-
-
-def recd(*args, check=True, env=None):
-    r = subprocess.run([str(RECD), *map(str, args)], capture_output=True, text=True, env=env)
-    if check:
-        assert r.returncode == 0, r.stderr
-    return r
 
 
 def _runs(uri, stage):
@@ -66,7 +59,7 @@ def test_each_command_records_a_run_in_a_sqlite_store(tmp_path, day_logs):
 def test_a_failed_stage_is_recorded_as_failed(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     r = recd(
-        "--tracking-uri", uri, "generate", "--warehouse", tmp_path / "wh", "--ds", DAY, check=False
+        "--tracking-uri", uri, "generate", "--warehouse", tmp_path / "wh", "--ds", DAY, code=None
     )
     assert r.returncode == 2
     _, runs = _runs(uri, "generate")
@@ -86,7 +79,7 @@ def test_an_unreachable_server_fails_fast_with_one_line(tmp_path):
         tmp_path / "logs",
         "--ds",
         "2026-11-01",
-        check=False,
+        code=None,
     )
     assert r.returncode == 4 and time.monotonic() - t0 < 10
     assert "unreachable" in r.stderr and r.stderr.strip().count("\n") == 0

@@ -18,13 +18,7 @@ from recd_core.dpp.preprocess import preprocess
 from recd_core.metrics import auc
 from recd_core.modeling.checkpoints import Checkpoints, batches_id, run_name
 from recd_core.modeling.model import DLRM
-from recd_core.modeling.saved import (
-    CheckpointError,
-    ModelError,
-    batches_of,
-    load_model,
-    predict,
-)
+from recd_core.modeling.saved import CheckpointError, ModelError, batches_of, load_model, predict
 from recd_core.modeling.train import BatchMismatch, train
 from recd_core.schema import feature_set_of
 
@@ -599,9 +593,7 @@ def _cooc_grads(model, batch, negatives=64):
     return loss.detach(), grads
 
 
-def test_the_list_cooccurrence_loss_is_the_same_on_unique_rows_and_on_every_sample(
-    fresh_warehouse,
-):
+def test_the_list_cooccurrence_loss_is_the_same_on_unique_rows_and_on_every_sample(fresh_warehouse):
     table = fresh_warehouse.read("samples", DAY, layout="clustered").slice(0, 700)
     features = feature_set_of(table.schema)
     plan = plan_dedup(table, features, DedupConfig(), 700)

@@ -268,12 +268,7 @@ def _logit(prob: np.ndarray) -> np.ndarray:
 
 
 def _learned_model(
-    days: dict,
-    seen: list[str],
-    synth: SynthConfig,
-    priors: tuple,
-    topics: dict,
-    start: dict | None,
+    days: dict, seen: list[str], synth: SynthConfig, priors: tuple, topics: dict, start: dict | None
 ) -> dict:
     """The generator's click model learned from the days seen, nothing handed over but
     its form and priors (`fit_id_terms` with each row's latent prior from its dense

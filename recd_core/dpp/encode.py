@@ -97,11 +97,7 @@ CHUNK_ROWS = 4096  # rows encoded together: per-column Python work amortized, ar
 
 
 def encode_batches(
-    rows: pa.Table,
-    keep: np.ndarray,
-    prep: Prepared,
-    batch_size: int,
-    side: pa.Table | None = None,
+    rows: pa.Table, keep: np.ndarray, prep: Prepared, batch_size: int, side: pa.Table | None = None
 ) -> Iterator[pa.RecordBatch]:
     """The kept rows (`keep`: a mask over `rows`) as batches of `batch_size` consecutive kept
     rows, each the one-row batch record of the module doc, in order.

@@ -40,11 +40,7 @@ import pyarrow.ipc as ipc
 from recd_core.config import FeatureSet, PreprocessConfig
 from recd_core.dedup.unique import DedupPlan, plan_dedup, session_plan
 from recd_core.dpp.encode import Prepared, dense_matrix, encode_batches
-from recd_core.dpp.transforms import (
-    dense_stats,
-    model_spec,
-    pre_standardize,
-)
+from recd_core.dpp.transforms import dense_stats, model_spec, pre_standardize
 from recd_core.errors import BadInput
 from recd_core.lineage import check_reads, record
 from recd_core.ray_cluster import ordered_map

@@ -64,9 +64,7 @@ def shard(
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner
-    from torchrec.distributed.planner.storage_reservations import (
-        FixedPercentageStorageReservation,
-    )
+    from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
     from torchrec.distributed.planner.types import (
         KernelConfig,
         ParameterConstraints,
