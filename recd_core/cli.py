@@ -424,11 +424,17 @@ def status_cmd(
 ):
     """Every partition of a day and the models trained on it: write id, what it was built
     from, and whether it is fresh, stale (an input rewritten since, the config's feature set
-    differs) or unknown (no lineage recorded); lineage.py says how it is judged."""
+    differs) or unknown (no lineage recorded); lineage.py says how it is judged. A day with
+    no partition is an error (exit 2), not an empty table."""
 
     def body():
         validate_ds(ds)
         rows = status(Warehouse(warehouse), ds, _pipeline(config).features if config else None)
+        if not rows:  # not "ok" over an empty table: the day has nothing to judge
+            raise BadInput(
+                f"no partition of {ds} in {warehouse}: nothing was ingested, generated, "
+                "preprocessed or trained for that day there"
+            )
         table = Table(title=f"recd status {ds}", title_justify="left")
         for col in ("partition", "write id", "written", "rows", "built from", "state"):
             table.add_column(col, overflow="fold")

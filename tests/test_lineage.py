@@ -371,3 +371,13 @@ def test_status_shows_a_days_lineage_stale_after_a_re_ingest_and_fresh_after_a_r
     assert {r["state"] for r in data} == {"fresh"}
     models = {r["state"] for r in after if r["partition"].startswith("models/")}
     assert "fresh" in models  # the re-run's model; the one before it stays stale, named
+
+
+def test_status_of_a_day_with_nothing_says_so_and_fails(fresh_warehouse):
+    """A day the warehouse holds nothing of (a typo, the wrong warehouse): one line naming
+    the day and the warehouse, exit 2, never an empty table and `ok`."""
+    r = recd("status", "--ds", "2026-01-05", "--warehouse", fresh_warehouse.uri)
+    assert r.returncode == 2, r.stdout + r.stderr
+    line = error_line(r)
+    assert "no partition of 2026-01-05" in line and fresh_warehouse.uri in line
+    assert recd("status", "--ds", DAY, "--warehouse", fresh_warehouse.uri).returncode == 0

@@ -116,6 +116,7 @@ def test_the_mlflow_experiment_reads_at_a_glance(daily):
     # metrics (its stage runs keep the rest), settings as params, the conditions recorded
     note = parent.data.tags["mlflow.note.content"]
     assert "Dedup matches the baseline" in note and "| next-day NE |" in note, note
+    assert "with dedup" in note and "storage " in note, note
     assert "dedup − baseline" in note and "CPUs" in note
     assert len(parent.data.metrics) < 30 and "eval.ne" not in parent.data.metrics
     assert {"eval.ne.dedup", "eval.ne.baseline", "eval.ne_gap"} <= set(parent.data.metrics)

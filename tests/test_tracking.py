@@ -64,6 +64,26 @@ def test_a_failed_stage_is_recorded_as_failed(tmp_path):
     assert r.returncode == 2
     _, runs = _runs(uri, "generate")
     assert runs[0].info.status == "FAILED" and runs[0].data.tags["recd.status"] == "failed"
+    # where users look: which stage failed and why, as tags and as the run's description
+    tags = runs[0].data.tags
+    assert tags["recd.failed_stage"] == "generate" and "no partition" in tags["recd.error"]
+    assert tags["mlflow.note.content"].startswith("**Failed** at generate: generate: no partition")
+
+
+def test_a_pipeline_whose_config_cannot_be_read_ends_its_run_failed_with_the_reason(tmp_path):
+    """The pipeline's MLflow run is opened by `start`; a config that does not exist fails
+    it there, and the run ends FAILED saying so, never RUNNING for good."""
+    from recd_core.errors import BadInput
+    from recd_core.orchestration.stages import run_stage
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = {"tracking_uri": uri, "ds": DAY, "config": str(tmp_path / "missing.yaml")}
+    with pytest.raises(BadInput, match="not found"):
+        run_stage("start", args)
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("recd").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags["recd.failed_stage"] == "start"
+    assert "missing.yaml" in run.data.tags["mlflow.note.content"]
 
 
 def test_an_unreachable_server_fails_fast_with_one_line(tmp_path):
@@ -163,3 +183,13 @@ def test_commands_log_to_a_real_mlflow_server(mlflow_server, tmp_path):
     champion = client.get_model_version_by_alias("recd-dlrm", "champion")
     assert str(champion.version) == str(summary["registry.version"]) == "1"
     assert champion.run_id == summary["mlflow.run_id.train.dedup"]  # the model lives with its run
+
+
+def test_a_ratio_is_worded_by_the_way_it_goes():
+    """The comparison's verdict never calls a slowdown a gain: 0.82x DPP throughput reads
+    '1.22x slower with dedup', not '0.82x DPP'."""
+    from recd_core.mlops.tracking import by_direction
+
+    assert by_direction(3.08, "smaller", "larger") == "**3.08x smaller** with dedup"
+    assert by_direction(0.82, "faster", "slower") == "**1.22x slower** with dedup"
+    assert by_direction(1.0, "faster", "slower") == "**1.00x faster** with dedup"

@@ -205,6 +205,11 @@ class Tracker:
             client = self.client()
             status = str(summary.get("status", "ok"))
             tags = [RunTag("recd.status", status)]
+            if status == "failed":  # where users look: the run's tags and its description
+                stage, error = summary.get("failed_stage"), str(summary.get("error", ""))
+                tags += [RunTag("recd.error", error[:5000])]
+                tags += [RunTag("recd.failed_stage", str(stage))] if stage else []
+                failed = f"**Failed** at {stage}: {error}" if stage else f"**Failed**: {error}"
             known = client.get_run(run_id).data.tags
             # the arms in the order the pipeline ran them (dedup first)
             arms = list(
@@ -240,6 +245,10 @@ class Tracker:
                     and not _duplicate_of_arm(k, figures, arms)
                 ]
                 tags.append(RunTag("mlflow.note.content", comparison_note(summary)))
+            if status == "failed":  # the description leads with the failure
+                notes = [t.value for t in tags if t.key == "mlflow.note.content"]
+                tags = [t for t in tags if t.key != "mlflow.note.content"]
+                tags.append(RunTag("mlflow.note.content", "\n\n".join([failed, *notes])))
             tags.append(RunTag("sys.load_1m_end", load_1m()))
             known_params = client.get_run(run_id).data.params
             params = [Param(k, v[:MAX_PARAM]) for k, v in given.items() if k not in known_params]
@@ -566,6 +575,14 @@ def conditions() -> dict:
     }
 
 
+def by_direction(ratio: float, gain: str, loss: str) -> str:
+    """A baseline/dedup ratio in words that say which way it goes: 3.08 -> "3.08x smaller
+    with dedup", 0.82 -> "1.22x slower with dedup" (never "0.82x faster")."""
+    if ratio >= 1:
+        return f"**{ratio:.2f}x {gain}** with dedup"
+    return f"**{1 / ratio:.2f}x {loss}** with dedup" if ratio > 0 else f"not measured ({ratio})"
+
+
 def comparison_note(summary: dict) -> str:
     """The comparison run's description (the run page's Description): the verdict in one
     line, the side-by-side table, where the chart is, and what the figures were measured
@@ -580,8 +597,9 @@ def comparison_note(summary: dict) -> str:
     verdict = (
         f"**{'Dedup matches' if ok else 'Dedup does NOT match'} the baseline's quality** "
         f"(next-day NE dedup − baseline {r['eval.ne_gap']:+.4f}, AUC {r['eval.auc_gap']:+.4f}) "
-        f"with **{r['storage.ratio']:.2f}x** less storage, **{r['dpp.speedup']:.2f}x** DPP and "
-        f"**{r['train.speedup']:.2f}x** training throughput."
+        f"; storage {by_direction(r['storage.ratio'], 'smaller', 'larger')}, DPP "
+        f"{by_direction(r['dpp.speedup'], 'faster', 'slower')}, training "
+        f"{by_direction(r['train.speedup'], 'faster', 'slower')}."
     )
     where = (
         f"Measured on {os.cpu_count()} CPUs, load {load_1m()} at the end (a load above the CPUs "

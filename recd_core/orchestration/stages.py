@@ -75,7 +75,12 @@ def _start(args: StageArgs, advance: Advance) -> dict:
     run_id = tracker.start(
         "pipeline", {**args.model_dump(exclude_none=True), "mode": ""}, pipeline=args.pipeline
     )
-    tracker.log_config(run_id, pipeline_config(args))
+    try:  # a config that cannot be read fails the run it opened, with the reason
+        tracker.log_config(run_id, pipeline_config(args))
+    except Exception as e:
+        err = classify(e) or e
+        RunRecord(tracker, run_id).fail(f"start: {err}", {"failed_stage": "start"})
+        raise
     return {"mlflow.run_id": run_id}
 
 
@@ -345,9 +350,8 @@ def run_stage(
         err = classify(e)
         runs = [r for r in (record and record.run_id, args.parent_run_id) if r]
         if tracker is not None and runs:  # this stage's run and the pipeline's
-            RunRecord(tracker, runs[0]).fail(
-                f"{name}: {err or e}", err.summary if err else None, tuple(runs[1:])
-            )
+            said = {**((err.summary or {}) if err else {}), "failed_stage": name}
+            RunRecord(tracker, runs[0]).fail(f"{name}: {err or e}", said, tuple(runs[1:]))
         if err is not None and err is not e:
             raise err from None
         raise
