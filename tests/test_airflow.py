@@ -76,6 +76,7 @@ for dag_id, dag in bag.dags.items():
         "timetable": type(dag.timetable).__name__, "summary": getattr(dag.timetable, "summary", None),
         "params": sorted(dag.params.keys()), "description": dag.description,
         "param_schemas": {k: dag.params.get_param(k).schema for k in dag.params},
+        "param_descriptions": {k: dag.params.get_param(k).description for k in dag.params},
         "params_as_shown": _validated(dag),
         "dagrun_timeout": str(dag.dagrun_timeout), "deadline": bool(dag.deadline),
         "max_active_runs": dag.max_active_runs,
@@ -143,6 +144,14 @@ def test_the_dags_parse_with_their_schedule_and_structure(airflow_home, tmp_path
         assert "null" in daily["param_schemas"][name]["type"], name
         assert shown[name] is None or name == "config", name
     assert daily["param_schemas"]["ds"]["format"] == "date"
+    # the form shows what will run: a label for people, the config's value for the empty
+    # choice (never the text "null")
+    engine = daily["param_schemas"]["engine"]
+    # (values_display's None key: "null" once the schema is JSON, as the UI receives it)
+    assert engine["title"] == "Engine" and engine["values_display"]["null"] == "the config's: local"
+    described = daily["param_descriptions"]
+    assert described["nproc"].endswith("(empty: the config's 1)"), described["nproc"]
+    assert "generate 4096" in described["batch_size"], described["batch_size"]
     assert daily["dagrun_timeout"] == "12:00:00" and daily["deadline"]
     assert daily["on_failure"] == "on_run_failure"
     tasks = daily["tasks"]

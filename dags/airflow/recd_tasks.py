@@ -24,9 +24,11 @@ from typing import Literal
 from airflow.sdk import Asset, Param, task
 from pydantic import BaseModel, ConfigDict, Field
 
+from recd_core.config_files import load_pipeline_config
 from recd_core.data.logs_root import MARKER
 from recd_core.orchestration.alerts import DEFAULT as ALERTS_DEFAULT
 from recd_core.orchestration.graph import STAGES, Graph
+from recd_core.orchestration.overlay import config_words
 from recd_core.orchestration.stage_args import for_stage, override_fields, param_schema
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,16 +110,21 @@ def xcoms_json(task_ids: list[str]) -> str:
 
 def override_params(exclude: tuple[str, ...] = ()) -> dict[str, Param]:
     """Every config override (`stage_args.override_fields`, declared once in `StageArgs`)
-    as a trigger-form param in a section of its own: empty, the config's value holds."""
-    return {
-        n: Param(
-            None,
-            section="Config overrides (empty: the config's value)",
-            **param_schema(n, nullable=True),
-        )
-        for n in override_fields()
-        if n not in exclude
-    }
+    as a trigger-form param in a section of its own, labelled for people, each saying the
+    value the config (RECD_CONFIG, or the built-in one) gives it: empty, that value holds."""
+    cfg = parse_time_config()
+    out = {}
+    for n in override_fields():
+        if n in exclude:
+            continue
+        schema, current = param_schema(n, nullable=True), config_words(n, cfg)
+        schema["description"] = f"{schema['description']} (empty: the config's {current})"
+        if "enum" in schema:  # the empty choice named by what it means, not "null"
+            shown = {v: str(v) for v in schema["enum"] if v is not None}
+            schema["values_display"] = {None: f"the config's: {current}", **shown}
+        title = n.replace("_", " ").capitalize()
+        out[n] = Param(None, title=title, section="Config overrides", **schema)
+    return out
 
 
 def override_args(exclude: tuple[str, ...] = ()) -> dict[str, str]:
@@ -417,13 +424,17 @@ def default_args() -> dict:
 
 
 @functools.cache
-def _train_timeout_minutes() -> int:
-    """The config's `train.timeout_minutes` (the built-in config's where the configured file
-    is not readable here: a path inside the pods of the kubernetes executor)."""
-    from recd_core.config_files import load_pipeline_config
-
+def parse_time_config():
+    """The config as the DAG file sees it when parsed: RECD_CONFIG's where it is readable
+    here, else the built-in one (the file may be a path inside the pods of the kubernetes
+    executor)."""
     path = SETTINGS.config if SETTINGS.config and Path(SETTINGS.config).is_file() else None
-    return load_pipeline_config(path).train.timeout_minutes
+    return load_pipeline_config(path)
+
+
+def _train_timeout_minutes() -> int:
+    """The config's `train.timeout_minutes`."""
+    return parse_time_config().train.timeout_minutes
 
 
 def timeout(stage_name: str) -> dt.timedelta:
