@@ -16,7 +16,8 @@ from rich.table import Table
 
 from recd_core.leftovers import write_atomically
 
-console = Console(stderr=True)
+console = Console(stderr=True)  # progress and notes
+answer = Console()  # what a command answers: its summary, a verdict (standard output)
 
 
 @contextlib.contextmanager
@@ -102,7 +103,7 @@ def print_summary(title: str, summary: dict, skip_prefixes: tuple[str, ...] = ()
         if ".history" in key:  # curves: MLflow plots them (metric history)
             continue
         table.add_row(key, _fmt(key, value))
-    Console().print(table)
+    answer.print(table)
 
 
 def write_summary(path: str | Path | None, summary: dict) -> None:

@@ -261,10 +261,13 @@ def stage(name: str, args: dict, task_id: str, upstream: list[str], tables: list
 def quiet_third_parties() -> None:
     """MLflow's loggers write to stderr with handlers of their own, so their INFO lines
     ("Created version 3 of model recd-dlrm") showed as red ERROR lines in the task log: here
-    they go through the root logger (Airflow's), at their own level, WARNING and above."""
+    they go through the root logger (Airflow's), at their own level, WARNING and above; and
+    its progress bars are off."""
     import contextlib
     import logging
 
+    # its artifact download bars are a terminal's, a task log shows them as ERROR lines
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     with contextlib.suppress(ImportError):  # its import installs the handlers: first
         import mlflow  # noqa: F401
     for name in ("mlflow", "alembic"):

@@ -17,6 +17,7 @@ ranking request; `predict` answers one probability per row, or per candidate in 
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -116,8 +117,14 @@ def both_formats(rows: pd.DataFrame, request: pd.DataFrame, predicted: np.ndarra
     from mlflow.models import infer_signature
     from mlflow.types.schema import ColSpec, Schema
 
-    by_rows = infer_signature(rows, predicted)
-    by_request = infer_signature(request).inputs.input_dict()[CANDIDATES]
+    # MLflow's hint that an integer column cannot hold a missing value is said once here,
+    # not as two warnings in every training log: recd's scorer types a request's values
+    # itself (scoring/request.py), and through `mlflow models serve` a missing optional id
+    # is refused by MLflow's schema check with a 400 naming the column (docs/operations.md)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
+        by_rows = infer_signature(rows, predicted)
+        by_request = infer_signature(request).inputs.input_dict()[CANDIDATES]
     cols = [ColSpec(c.type, c.name, required=False) for c in by_rows.inputs.inputs]
     cols.append(ColSpec(by_request.type, CANDIDATES, required=False))
     by_rows.inputs = Schema(cols)

@@ -31,7 +31,7 @@ from recd_core.orchestration.graph import ARM_LAYOUT, ARMS, STAGES
 from recd_core.orchestration.overlay import pipeline_config
 from recd_core.orchestration.stage_args import StageArgs, own_options, stage_args
 from recd_core.orchestration.summaries import json_safe, merge
-from recd_core.report import console
+from recd_core.report import answer
 from recd_core.runtime import follower, peak_rss, reset_peak_rss, rss
 from recd_core.warehouse import PartitionNotFound, Warehouse
 
@@ -250,7 +250,7 @@ def _compare(args: StageArgs, upstream: list[dict]) -> dict:
     missing = [k for k in ("eval.ne.dedup", "eval.ne.baseline") if k not in summary]
     if missing:
         raise BadInput(f"upstream summaries lack {', '.join(missing)}")
-    print_table(summary, console)  # in the task log; `recd compare` shows it the same way
+    print_table(summary, answer)  # on standard output: the task log and `recd compare` alike
     wh = open_warehouse(args)
     with tempfile.TemporaryDirectory() as tmp:
         png = chart(summary, Path(tmp) / f"compare-{args.ds}.png")
