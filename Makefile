@@ -17,7 +17,7 @@ MLFLOW_DB := $(CURDIR)/$(DATA)/mlflow.db
 # fits of ours and of the best reference per MovieLens split in the benches: their spread
 SEEDS ?= 3
 
-.PHONY: run test lint venv movielens movielens-1m bench bench-1m bench-scaling ui pipeline helm image image-lock clean distclean
+.PHONY: run test lint venv airflow movielens movielens-1m bench bench-1m bench-scaling ui pipeline helm image image-lock clean distclean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,19 @@ run: $(STAMP)
 	@$(AIRFLOW_ENV) $(BIN)/airflow db migrate > $(DATA)/airflow/migrate.log 2>&1 || \
 	  { cat $(DATA)/airflow/migrate.log; exit 1; }
 	$(AIRFLOW_ENV) $(BIN)/python dags/airflow/run_local.py $(if $(DATE),--date $(DATE))
+
+# Airflow's UI on the project's DAGs with `make run`'s embedded defaults (the same metadata
+# database, warehouse, logs and MLflow store): http://127.0.0.1:$(AIRFLOW_PORT), user admin,
+# its password in data/airflow/simple_auth_manager_passwords.json.generated. Ctrl-C stops it.
+AIRFLOW_PORT ?= 8080
+airflow: $(STAMP)
+	@mkdir -p $(DATA)/airflow
+	@$(AIRFLOW_ENV) $(BIN)/airflow db migrate > $(DATA)/airflow/migrate.log 2>&1 || \
+	  { cat $(DATA)/airflow/migrate.log; exit 1; }
+	$(AIRFLOW_ENV) PATH=$(CURDIR)/$(BIN):$$PATH AIRFLOW__API__HOST=127.0.0.1 \
+	  AIRFLOW__API__PORT=$(AIRFLOW_PORT) \
+	  AIRFLOW__CORE__EXECUTION_API_SERVER_URL=http://127.0.0.1:$(AIRFLOW_PORT)/execution/ \
+	  $(BIN)/airflow standalone
 
 # The Kubeflow pipeline, compiled (a build output: upload it in the Kubeflow UI).
 pipeline: $(STAMP)
