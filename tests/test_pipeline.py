@@ -58,11 +58,11 @@ def daily(tmp_path_factory):
         root / "day1.json",
     )
     recd("--tracking-uri", uri, "run", *common, "--ds", NEXT, "--summary", root / "day2.json")
-    return root, uri, first.stderr
+    return root, uri, first.stdout + first.stderr  # the answer on stdout, progress on stderr
 
 
 def test_a_run_with_both_arms_records_each_arm_and_registers_a_champion(daily):
-    root, uri, stderr = daily
+    root, uri, output = daily
     summary = json.loads((root / "day1.json").read_text())
     client = MlflowClient(tracking_uri=uri)
     parent = client.get_run(summary["mlflow.run_id"])
@@ -88,7 +88,7 @@ def test_a_run_with_both_arms_records_each_arm_and_registers_a_champion(daily):
     assert summary["storage.bytes.dedup"] < summary["storage.bytes.baseline"]
     assert abs(summary["eval.ne.dedup"] - summary["eval.ne.baseline"]) < 0.01
     assert summary["run.eval_ds"] == NEXT
-    assert "dedup vs baseline" in stderr and "next-day NE" in stderr  # the comparison table
+    assert "dedup vs baseline" in output and "next-day NE" in output  # the comparison table
     artifacts = [a.path for a in client.list_artifacts(parent.info.run_id)]
     assert f"compare-{DAY}.png" in artifacts and "config.yaml" in artifacts
     assert (root / "out" / f"compare-{DAY}.png").read_bytes()[:4] == b"\x89PNG"
@@ -416,3 +416,14 @@ def test_a_champion_whose_artifacts_vanished_does_not_stick_the_daily_run(daily)
     assert client.get_model_version("recd-dlrm", gone.version).tags["recd.unreadable"]
     assert day3["registry.decision"] == "promoted" and "cannot be read" in day3["registry.reason"]
     assert client.get_model_version_by_alias("recd-dlrm", "champion").version != gone.version
+
+
+def test_a_daily_runs_description_states_its_outcome(daily):
+    """The daily parent run opens on its answer: the next-day NE against the oracle's and
+    the registry's decision, as its description (the run page's first line)."""
+    root, uri, _ = daily
+    day2 = json.loads((root / "day2.json").read_text())
+    parent = MlflowClient(tracking_uri=uri).get_run(day2["mlflow.run_id"])
+    note = parent.data.tags["mlflow.note.content"]
+    assert note.startswith(f"Next-day NE **{day2['eval.ne']:.4f}**"), note
+    assert f"on {THIRD}" in note and f"v{day2['registry.version']}: " in note, note

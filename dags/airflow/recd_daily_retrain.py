@@ -79,7 +79,8 @@ def recd_daily_retrain():
             "mode": "{{ params.mode }}",
             "synthesize": SETTINGS.synthesize,
             "tracking_uri": SETTINGS.tracking_uri,
-            "pipeline": "recd_daily_retrain " + TRAIN_DAY,
+            # the kind, the day and how it was started (manual, scheduled, backfill)
+            "pipeline": "recd_daily_retrain " + TRAIN_DAY + " {{ dag_run.run_type }}",
             **override_args(exclude=("mode",)),
         },
     )

@@ -245,6 +245,9 @@ class Tracker:
                     and not _duplicate_of_arm(k, figures, arms)
                 ]
                 tags.append(RunTag("mlflow.note.content", comparison_note(summary)))
+            outcome = daily_outcome(summary) if len(arms) <= 1 else None
+            if outcome and known.get("recd.stage") in ("pipeline", "run"):  # the answer first
+                tags.append(RunTag("mlflow.note.content", outcome))
             if status == "failed":  # the description leads with the failure
                 notes = [t.value for t in tags if t.key == "mlflow.note.content"]
                 tags = [t for t in tags if t.key != "mlflow.note.content"]
@@ -573,6 +576,29 @@ def conditions() -> dict:
         "sys.cpu_budget": cpu_budget(),
         "sys.load_1m_start": load_1m(),
     }
+
+
+def daily_outcome(summary: dict) -> str | None:
+    """A daily run's answer as its parent run's description: the next-day NE and AUC
+    against the oracle's, and the registry's decision and why. None without an evaluation."""
+    if not isinstance(summary.get("eval.ne"), int | float):
+        return None
+    day = summary.get("run.eval_ds") or summary.get("eval.ds") or "the next day"
+    line = f"Next-day NE **{summary['eval.ne']:.4f}**"
+    if isinstance(summary.get("eval.auc"), int | float):
+        line += f", AUC {summary['eval.auc']:.4f}"
+    if isinstance(summary.get("eval.oracle_ne"), int | float):
+        line += f" (the oracle: NE {summary['eval.oracle_ne']:.4f})"
+    line += f" on {day}."
+    if summary.get("registry.version"):
+        line += (
+            f" {summary.get('registry.model', 'the model')} v{summary['registry.version']}: "
+            f"{summary.get('registry.decision', '')}"
+        )
+        if summary.get("registry.reason"):
+            line += f" ({summary['registry.reason']})"
+        line += "."
+    return line
 
 
 def by_direction(ratio: float, gain: str, loss: str) -> str:

@@ -15,6 +15,7 @@ ds .. ds+days-1, each evaluated on its next day.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -72,8 +73,12 @@ def _start(args: StageArgs, advance: Advance) -> dict:
     if tracker is None:
         return {"mlflow.run_id": None}
     tracker.check()
+    started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M")
     run_id = tracker.start(
-        "pipeline", {**args.model_dump(exclude_none=True), "mode": ""}, pipeline=args.pipeline
+        "pipeline",
+        {**args.model_dump(exclude_none=True), "mode": ""},
+        run_name=f"{args.pipeline} · started {started} UTC",  # runs told apart in the table
+        pipeline=args.pipeline,
     )
     try:  # a config that cannot be read fails the run it opened, with the reason
         tracker.log_config(run_id, pipeline_config(args))
