@@ -94,8 +94,8 @@ def human_bytes(n: float) -> str:
 
 def print_summary(title: str, summary: dict, skip_prefixes: tuple[str, ...] = ()) -> None:
     table = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
-    table.add_column(style="cyan")
-    table.add_column()
+    table.add_column(style="cyan", no_wrap=True)
+    table.add_column(overflow="fold")  # a path whole, folded onto the next line, never cut
     for key, value in summary.items():
         # nested sections (per-layout or per-workload figures) stay in the JSON summary
         if key.startswith(skip_prefixes) or (isinstance(value, dict) and "." not in key):
@@ -104,6 +104,7 @@ def print_summary(title: str, summary: dict, skip_prefixes: tuple[str, ...] = ()
             continue
         table.add_row(key, _fmt(key, value))
     answer.print(table)
+    answer.file.flush()  # in a task log: the block whole, before the task's own lines
 
 
 def write_summary(path: str | Path | None, summary: dict) -> None:

@@ -401,3 +401,27 @@ def test_a_failing_stage_fails_its_task_with_its_reason_and_nothing_downstream_r
     assert "starting task_id=ingest " in out and "starting task_id=generate " not in out
     assert not list((tmp_path / "wh").glob(f"samples/*/ds={TRAIN_DAY}"))
     assert not (tmp_path / "wh" / "events" / f"ds={TRAIN_DAY}").exists()
+
+
+SUMMARY_PROBE = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from recd_tasks import headline_first
+summary = {"status": "ok", "stage": "finish", "dpp.samples": 5, "eval.ne.dedup": 0.9,
+           "storage.ratio": 3.1, "mlflow.run_id": "x", "registry.decision": "promoted"}
+print("PROBE" + json.dumps([list(headline_first(summary)),
+                            list(headline_first(summary, only=True))]))
+"""
+
+
+def test_a_task_log_ends_on_its_headline_figures_first(airflow_home, tmp_path):
+    """A stage's summary table in its task log: the headline figures first, in MLflow's
+    order; finish's (every stage's figures merged) its headline and the run's ids alone."""
+    env = airflow_env(airflow_home, tmp_path)
+    r = subprocess.run(
+        [PY, "-c", SUMMARY_PROBE, str(DAGS)], env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    whole, finish = json.loads(r.stdout.split("PROBE", 1)[1])
+    assert whole[:2] == ["storage.ratio", "eval.ne.dedup"] and len(whole) == 7
+    assert finish == ["storage.ratio", "eval.ne.dedup", "mlflow.run_id", "registry.decision"]

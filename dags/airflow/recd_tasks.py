@@ -230,7 +230,14 @@ def stage(name: str, args: dict, task_id: str, upstream: list[str], tables: list
     if SETTINGS.executor == "kubernetes":
         return _pod(name, task_id, args, outlets, upstream_json)
 
-    @task(task_id=task_id, outlets=outlets, execution_timeout=timeout(name))
+    # the summary is printed as a table (print_summary) and goes on as the XCom; Airflow's
+    # "Returned value was: {...}" line of hundreds of keys would only repeat it
+    @task(
+        task_id=task_id,
+        outlets=outlets,
+        execution_timeout=timeout(name),
+        show_return_value_in_logs=False,
+    )
     def run(stage_args: dict, upstream_json: str | None = None, **context) -> dict:
         from airflow.sdk.exceptions import AirflowFailException
 
@@ -252,10 +259,24 @@ def stage(name: str, args: dict, task_id: str, upstream: list[str], tables: list
             raise AirflowFailException(f"recd {name}: {e}") from None
         for out in outlets:
             context["outlet_events"][out].extra = {"ds": stage_args["ds"]}
-        print_summary(f"recd {name}", summary)  # the log reads like the CLI's output
+        # the log ends on the answer, read like the CLI's output: the headline figures first;
+        # finish's merged summary of every stage only its headline (each stage's own log,
+        # and MLflow, hold the rest)
+        print_summary(f"recd {name}", headline_first(summary, only=name == "finish"))
         return summary
 
     return run(args, upstream_json)
+
+
+def headline_first(summary: dict, only: bool = False) -> dict:
+    """The summary with the headline figures first (`tracking.HEADLINE`, the order MLflow
+    shows them in); `only`: those and the run's ids alone."""
+    from recd_core.mlops.tracking import headline_rank
+
+    head = sorted((k for k in summary if headline_rank(k)), key=headline_rank)
+    ids = [k for k in summary if k.startswith(("mlflow.run_id", "registry.", "run."))]
+    rest = [] if only else [k for k in summary if k not in head]
+    return {k: summary[k] for k in dict.fromkeys([*head, *(ids if only else []), *rest])}
 
 
 def quiet_third_parties() -> None:
