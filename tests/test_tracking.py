@@ -188,7 +188,7 @@ def test_commands_log_to_a_real_mlflow_server(mlflow_server, tmp_path):
 def test_a_ratio_is_worded_by_the_way_it_goes():
     """The comparison's verdict never calls a slowdown a gain: 0.82x DPP throughput reads
     '1.22x slower with dedup', not '0.82x DPP'."""
-    from recd_core.mlops.tracking import by_direction
+    from recd_core.mlops.run_notes import by_direction
 
     assert by_direction(3.08, "smaller", "larger") == "**3.08x smaller** with dedup"
     assert by_direction(0.82, "faster", "slower") == "**1.22x slower** with dedup"
