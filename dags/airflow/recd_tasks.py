@@ -260,9 +260,9 @@ def stage(name: str, args: dict, task_id: str, upstream: list[str], tables: list
         for out in outlets:
             context["outlet_events"][out].extra = {"ds": stage_args["ds"]}
         # the log ends on the answer, read like the CLI's output: the headline figures first;
-        # finish's merged summary of every stage only its headline (each stage's own log,
-        # and MLflow, hold the rest)
-        print_summary(f"recd {name}", headline_first(summary, only=name == "finish"))
+        # a gathering stage's merged summary (finish, compare) only its headline (each
+        # stage's own log, and MLflow, hold the rest)
+        print_summary(f"recd {name}", headline_first(summary, only=STAGES[name].gathers))
         return summary
 
     return run(args, upstream_json)
