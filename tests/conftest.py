@@ -85,9 +85,8 @@ def fresh_warehouse(samples_warehouse, tmp_path) -> Warehouse:
 # time on a worker, so a file's module fixtures (a trained model, a pipeline's day, a built
 # image) are made once: one xdist group per file, except that the files starting a local
 # Ray instance share one group, since two on one machine at once would contend for its
-# ports. The slowest files go first, so the workers end together instead of one finishing
-# the bench alone (seconds on 2 cores, measured with `--durations`; the rest follow in their
-# own order).
+# ports. The slowest files go first (in the order one `--durations` run on 2 cores gave), so
+# the workers end together instead of one finishing the bench alone.
 RAY_FILES = ("test_dpp", "test_generate", "test_ingest", "test_ray_train")
 SLOWEST_FIRST = (
     "test_bench",
@@ -107,17 +106,16 @@ SLOWEST_FIRST = (
 )
 
 
+def _group(stem: str) -> str:
+    return "ray" if stem in RAY_FILES else stem
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    def module(item) -> str:
-        return item.path.stem
-
-    def rank(item) -> int:
-        name = "ray" if module(item) in RAY_FILES else module(item)
-        first = [("ray" if m in RAY_FILES else m) for m in SLOWEST_FIRST]
-        return first.index(name) if name in first else len(first)
-
+    first: dict[str, int] = {}  # each group's place: its first file's in SLOWEST_FIRST
+    for place, stem in enumerate(SLOWEST_FIRST):
+        first.setdefault(_group(stem), place)
     for item in items:
-        group = "ray" if module(item) in RAY_FILES else module(item)
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=rank)  # stable: a file's tests keep their order
+        item.add_marker(pytest.mark.xdist_group(_group(item.path.stem)))
+    # stable: a file's tests keep their order, the files not listed theirs after the rest
+    items.sort(key=lambda item: first.get(_group(item.path.stem), len(SLOWEST_FIRST)))

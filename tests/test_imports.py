@@ -9,12 +9,20 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "recd_core"
 
 
+def _modules(roots: tuple[str, ...] = ("recd_core", "components")) -> dict[str, Path]:
+    """Every module below `roots` (folders of the repository), by its dotted name."""
+    root = PACKAGE.parent
+    return {
+        ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+        for sub in roots
+        for p in (root / sub).rglob("*.py")
+    }
+
+
 def _imports() -> dict[str, set[str]]:
     """Every recd_core module and the recd_core modules it imports (anywhere in it)."""
     graph = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    for name, path in _modules(("recd_core",)).items():
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("recd_core"):
@@ -109,8 +117,7 @@ def test_every_module_is_a_room_of_one_concern_and_a_readable_size():
     concern has moved in and gets a module of its own."""
     sizes = {
         p.relative_to(PACKAGE.parent).as_posix(): len(p.read_text().splitlines())
-        for root in ("recd_core", "components", "dags")
-        for p in (PACKAGE.parent / root).rglob("*.py")
+        for p in _modules(("recd_core", "components", "dags")).values()
     }
     assert {p: n for p, n in sizes.items() if n > 600} == {}
 
@@ -164,15 +171,6 @@ def _module_imports(path: Path) -> tuple[set[str], list[tuple[int, str]]]:
         for target in targets(node)
     ]
     return top, inside
-
-
-def _modules() -> dict[str, Path]:
-    root = PACKAGE.parent
-    return {
-        ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
-        for sub in ("recd_core", "components")
-        for p in (root / sub).rglob("*.py")
-    }
 
 
 def heavy_modules() -> set[str]:

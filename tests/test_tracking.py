@@ -67,7 +67,7 @@ def test_a_failed_stage_is_recorded_as_failed(tmp_path):
     # where users look: which stage failed and why, as tags and as the run's description
     tags = runs[0].data.tags
     assert tags["recd.failed_stage"] == "generate" and "no partition" in tags["recd.error"]
-    assert tags["mlflow.note.content"].startswith("**Failed** at generate: generate: no partition")
+    assert tags["mlflow.note.content"].startswith("**Failed** at generate: no partition")
 
 
 def test_a_pipeline_whose_config_cannot_be_read_ends_its_run_failed_with_the_reason(tmp_path):

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from recd_core.config_files import load_pipeline_config
 from recd_core.data.logs_root import MARKER
+from recd_core.mlops.tracking import headline_rank
 from recd_core.orchestration.alerts import DEFAULT as ALERTS_DEFAULT
 from recd_core.orchestration.graph import STAGES, Graph
 from recd_core.orchestration.overlay import config_words
@@ -271,12 +272,9 @@ def stage(name: str, args: dict, task_id: str, upstream: list[str], tables: list
 def headline_first(summary: dict, only: bool = False) -> dict:
     """The summary with the headline figures first (`tracking.HEADLINE`, the order MLflow
     shows them in); `only`: those and the run's ids alone."""
-    from recd_core.mlops.tracking import headline_rank
-
     head = sorted((k for k in summary if headline_rank(k)), key=headline_rank)
-    ids = [k for k in summary if k.startswith(("mlflow.run_id", "registry.", "run."))]
-    rest = [] if only else [k for k in summary if k not in head]
-    return {k: summary[k] for k in dict.fromkeys([*head, *(ids if only else []), *rest])}
+    ids = (k for k in summary if k.startswith(("mlflow.run_id", "registry.", "run.")))
+    return {k: summary[k] for k in dict.fromkeys([*head, *(ids if only else summary)])}
 
 
 def quiet_third_parties() -> None:
@@ -456,16 +454,11 @@ def parse_time_config():
     return load_pipeline_config(path)
 
 
-def _train_timeout_minutes() -> int:
-    """The config's `train.timeout_minutes`."""
-    return parse_time_config().train.timeout_minutes
-
-
 def timeout(stage_name: str) -> dt.timedelta:
     """A stage's execution_timeout: training's from its config, every other stage's
     `task_timeout_minutes`. Past it the task fails and its retries apply."""
     if STAGES[stage_name].accelerated:
-        return dt.timedelta(minutes=_train_timeout_minutes())
+        return dt.timedelta(minutes=parse_time_config().train.timeout_minutes)
     return dt.timedelta(minutes=SETTINGS.task_timeout_minutes)
 
 

@@ -200,9 +200,12 @@ def dpp_figures(
     def median(figure) -> dict[str, float]:
         return {k: statistics.median(figure(r) for r in v) for k, v in runs.items()}
 
+    def transform_s(r: dict) -> float:  # the splits' work, summed over the workers
+        return r["dpp.samples"] / r["dpp.worker_samples_per_s"]
+
     med = median(lambda r: r["dpp.seconds"])
-    work = median(lambda r: r["dpp.samples"] / r["dpp.worker_samples_per_s"])
-    fixed = median(lambda r: r["dpp.seconds"] - r["dpp.samples"] / r["dpp.worker_samples_per_s"])
+    work = median(transform_s)
+    fixed = median(lambda r: r["dpp.seconds"] - transform_s(r))
     samples = runs["dedup"][0]["dpp.samples"]
     return {
         "bench.dpp_speedup": med["baseline"] / med["dedup"],

@@ -117,6 +117,12 @@ def measure(server: subprocess.Popen, port: int, bodies: dict, requests: dict) -
     return out
 
 
+def recd_serve_cmd(model_uri: str, port: int, *flags: str) -> list[str]:
+    """`recd serve` of `model_uri` on `port` as its own process, with `flags`."""
+    cmd = [sys.executable, "-m", "recd_core.cli", "serve", "--model", model_uri]
+    return [*cmd, "--port", str(port), *flags]
+
+
 def run_server(
     cmd: list[str], port: int, requests: dict, bodies: dict, env: dict | None = None
 ) -> dict:
@@ -160,21 +166,7 @@ def serving_figures(model_uri: str, warehouse: str, ds: str, reference: bool = T
     }
     port = free_port()
     ours = run_server(
-        [
-            sys.executable,
-            "-m",
-            "recd_core.cli",
-            "serve",
-            "--model",
-            model_uri,
-            "--port",
-            str(port),
-            "--max-rows",
-            str(max(SIZES)),
-        ],
-        port,
-        REQUESTS,
-        bodies,
+        recd_serve_cmd(model_uri, port, "--max-rows", str(max(SIZES))), port, REQUESTS, bodies
     )
     out = {"serving.rss_idle_bytes": ours["rss_idle"]}
     for n in SIZES:
@@ -249,22 +241,7 @@ def ranking_figures(model_uri: str, warehouse: str, ds: str) -> dict:
     ):
         port = free_port()
         sent = {k: b for k, b in bodies.items() if k[0] in kinds}
-        got = run_server(
-            [
-                sys.executable,
-                "-m",
-                "recd_core.cli",
-                "serve",
-                "--model",
-                model_uri,
-                "--port",
-                str(port),
-                flag,
-            ],
-            port,
-            requests,
-            sent,
-        )
+        got = run_server(recd_serve_cmd(model_uri, port, flag), port, requests, sent)
         for (kind, n), figures in ((k, v) for k, v in got.items() if isinstance(k, tuple)):
             name = "no_dedup" if server == "no_dedup" else kind
             for key, v in figures.items():

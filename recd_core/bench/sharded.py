@@ -136,7 +136,7 @@ def serve_champion(root: str, ds: str, rows: int = 100) -> dict:
     """The champion of `pipeline_days` under `root` served by `recd serve` (through MLflow's
     registry, as the chart serves it), `rows` of day `ds`'s samples a request: the server's
     memory idle and at its peak, the median latency."""
-    from recd_core.bench.serving import run_server
+    from recd_core.bench.serving import recd_serve_cmd, run_server
     from recd_core.mlops.pyfunc import NON_FEATURE_COLUMNS
     from recd_core.modeling.launch import free_port
 
@@ -152,16 +152,7 @@ def serve_champion(root: str, ds: str, rows: int = 100) -> dict:
     ).encode()
     port = free_port()
     served = run_server(
-        [
-            sys.executable,
-            "-m",
-            "recd_core.cli",
-            "serve",
-            "--model",
-            "models:/recd-dlrm@champion",
-            "--port",
-            str(port),
-        ],
+        recd_serve_cmd("models:/recd-dlrm@champion", port),
         port,
         {rows: 5},
         {rows: body},

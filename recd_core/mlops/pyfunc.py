@@ -28,13 +28,14 @@ import pyarrow as pa
 
 import recd_core
 from recd_core.config import ENVELOPE_COLUMNS
+from recd_core.modeling.saved import load_model
 from recd_core.scoring.ranking import CANDIDATES, candidate_side, user_side
 from recd_core.scoring.request import RequestError
 from recd_core.scoring.scorer import NonFinite, Scorer
 
 EXAMPLE_ROWS = 5
-MAX_ROWS = 100_000  # rows or candidates in one pyfunc call (`recd serve` has serve.max_rows)
 NON_FEATURE_COLUMNS = tuple(ENVELOPE_COLUMNS)  # never trusted from a request: filled in
+MAX_ROWS = 100_000  # rows or candidates in one pyfunc call (`recd serve` has serve.max_rows)
 
 
 class SampleScorer(mlflow.pyfunc.PythonModel):
@@ -47,8 +48,6 @@ class SampleScorer(mlflow.pyfunc.PythonModel):
     an INTERNAL_ERROR that says to look in the server's log, where the traceback goes."""
 
     def load_context(self, context) -> None:
-        from recd_core.modeling.saved import load_model
-
         # a server's: its own copies of any shard files, whatever becomes of the artifacts
         self.scorer = Scorer(*load_model(context.artifacts["dlrm"], private=True))
 

@@ -205,12 +205,8 @@ class Tracker:
             client = self.client()
             status = str(summary.get("status", "ok"))
             tags = [RunTag("recd.status", status)]
-            if status == "failed":  # where users look: the run's tags and its description
-                stage, error = summary.get("failed_stage"), str(summary.get("error", ""))
-                tags += [RunTag("recd.error", error[:5000])]
-                tags += [RunTag("recd.failed_stage", str(stage))] if stage else []
-                failed = f"**Failed** at {stage}: {error}" if stage else f"**Failed**: {error}"
-            known = client.get_run(run_id).data.tags
+            run = client.get_run(run_id)
+            known = run.data.tags
             # the arms in the order the pipeline ran them (dedup first)
             arms = list(
                 dict.fromkeys(str(v) for k, v in summary.items() if k.startswith("train.mode."))
@@ -244,16 +240,20 @@ class Tracker:
                     if (k in first or k.startswith(COMPARISON_KEYS))
                     and not _duplicate_of_arm(k, figures, arms)
                 ]
-                tags.append(RunTag("mlflow.note.content", comparison_note(summary)))
-            outcome = daily_outcome(summary) if len(arms) <= 1 else None
-            if outcome and known.get("recd.stage") in ("pipeline", "run"):  # the answer first
-                tags.append(RunTag("mlflow.note.content", outcome))
-            if status == "failed":  # the description leads with the failure
-                notes = [t.value for t in tags if t.key == "mlflow.note.content"]
-                tags = [t for t in tags if t.key != "mlflow.note.content"]
-                tags.append(RunTag("mlflow.note.content", "\n\n".join([failed, *notes])))
+            # the run's description (its page's first lines): the answer, a failure first
+            notes = [comparison_note(summary)] if len(arms) > 1 else []
+            if len(arms) <= 1 and known.get("recd.stage") in ("pipeline", "run"):
+                notes = [daily_outcome(summary)]
+            if status == "failed":  # where users look: the tags and the description
+                stage, error = summary.get("failed_stage"), str(summary.get("error", ""))
+                tags += [RunTag("recd.error", error[:5000])]
+                tags += [RunTag("recd.failed_stage", str(stage))] if stage else []
+                # the reason names its stage already ("generate: no partition ...")
+                notes.insert(0, f"**Failed** at {error}" if stage else f"**Failed**: {error}")
+            if any(notes):
+                tags.append(RunTag("mlflow.note.content", "\n\n".join(filter(None, notes))))
             tags.append(RunTag("sys.load_1m_end", load_1m()))
-            known_params = client.get_run(run_id).data.params
+            known_params = run.data.params
             params = [Param(k, v[:MAX_PARAM]) for k, v in given.items() if k not in known_params]
             for lo in range(0, len(params), 90):  # MLflow caps a batch at 100 params
                 client.log_batch(run_id, params=params[lo : lo + 90])

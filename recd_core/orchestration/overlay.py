@@ -66,21 +66,15 @@ def pipeline_config(args: StageArgs) -> PipelineConfig:
     return cfg.model_copy(update=update)
 
 
-def config_values(name: str, cfg: PipelineConfig) -> dict[str, Any]:
-    """What the config says where argument `name` would override it, by path
-    ({"train.nproc": 1}): the value a run uses when the argument is left unset."""
-    out = {}
+def config_words(name: str, cfg: PipelineConfig) -> str:
+    """What the config says where argument `name` would override it, as a person reads it:
+    the value a run uses when the argument is left unset ("512", or "generate 4096,
+    train 512" where its paths differ)."""
+    shown = {}
     for path in arg_spec(name).config:
         section, key = path.split(".")
-        out[path] = getattr(getattr(cfg, section), key)
-    return out
-
-
-def config_words(name: str, cfg: PipelineConfig) -> str:
-    """`config_values` as a person reads it: "512", or "generate 4096, train 512" where the
-    paths differ."""
-    values = config_values(name, cfg)
-    shown = {p: getattr(v, "value", v) for p, v in values.items()}
+        value = getattr(getattr(cfg, section), key)
+        shown[path] = getattr(value, "value", value)  # an enum as its value
     if len({repr(v) for v in shown.values()}) <= 1:
         return str(next(iter(shown.values()), ""))
-    return ", ".join(f"{p.split('.')[0]} {v}" for p, v in shown.items())
+    return ", ".join(f"{path.split('.')[0]} {v}" for path, v in shown.items())

@@ -355,7 +355,7 @@ def run_stage(
         err = classify(e)
         runs = [r for r in (record and record.run_id, args.parent_run_id) if r]
         if tracker is not None and runs:  # this stage's run and the pipeline's
-            said = {**((err.summary or {}) if err else {}), "failed_stage": name}
+            said = {**(err.summary if err else {}), "failed_stage": name}
             RunRecord(tracker, runs[0]).fail(f"{name}: {err or e}", said, tuple(runs[1:]))
         if err is not None and err is not e:
             raise err from None

@@ -62,6 +62,7 @@ from uvicorn.logging import DefaultFormatter
 from recd_core.config import ServeConfig
 from recd_core.errors import BadInput, TrackingError, first_line
 from recd_core.lineage import code_version
+from recd_core.modeling.saved import load_model
 from recd_core.scoring.request import RequestError, request_columns
 from recd_core.scoring.scorer import NonFinite, Scorer
 
@@ -119,8 +120,6 @@ def load_served(uri: str) -> Served:
                 raise BadInput(f"no model to serve at {uri}: {first_line(e, 200)}") from None
             raise TrackingError(f"cannot load {uri}: {first_line(e, 200)}") from None
         return Served(pyfunc.scorer, uri, version)
-    from recd_core.modeling.saved import load_model
-
     # its tables its own: the files may change under a running server
     return Served(Scorer(*load_model(uri, private=True)), uri)
 
