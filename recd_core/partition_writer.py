@@ -37,6 +37,7 @@ class PartitionWriter:
         self._rows: list[int] = []
         self._writer: pq.ParquetWriter | None = None
         self.info: PartitionInfo | None = None
+        self.kept: dict | None = None  # the live version's manifest, kept (warehouse.py)
         self._totals: tuple[list[str], int, int] | None = None
         self.extra: dict = {}  # more manifest fields
         self.rows: int | None = None  # the row count, for files written through add_file

@@ -39,7 +39,10 @@ carry a CRC-32 in the manifest (`verify`). A file that fails any of these is a
 `PartitionDamaged` error naming the partition and the file, never a traceback or garbage.
 A failure or crash before the commit leaves the live partition as it was; its
 leftovers are removed by the next write. Re-writing a partition replaces it: no duplicates,
-whatever the number of runs.
+whatever the number of runs. A write built from exactly what the live version was built
+from (the same lineage, lineage.py), onto a whole live version, keeps that version instead
+(`writer.kept`): a day run twice has one version of each partition, and what was trained on
+it stays current.
 
 A stage that reads a partition in pieces (DPP's splits, generate's spill tasks, in other
 processes too) reads one version of it for its whole run: `pinned` reads the manifest once
@@ -239,13 +242,58 @@ class Warehouse:
                 self._release_writer_lock(staging, owner)
                 owner = None
                 self._recover(table, ds, keys)
-                self._swap(staging, table, ds, keys, write_id)
+                writer.kept = self._same_version(table, ds, keys, writer.extra.get("lineage"))
+                if writer.kept is None:
+                    self._swap(staging, table, ds, keys, write_id)
+            if writer.kept is not None:  # the live version is this one: kept, readers unmoved
+                self.fs.delete_dir(staging)
+                m = writer.kept
+                files, rows, nbytes = m["files"], m["rows"], m["bytes"]
+                writer.write_id = str(m.get("write_id"))
         finally:
             if owner is not None:
                 os.close(owner)
         writer.info = PartitionInfo(self.partition_path(table, ds, **keys), files, rows, nbytes)
 
+    def _same_version(
+        self, table: str, ds: str, keys: dict[str, str], lineage: dict | None
+    ) -> dict | None:
+        """The live partition's manifest when it was built from exactly what this write was
+        (the same lineage: inputs' write ids, config, features, logs, code) and is whole
+        (every file at its size and CRC-32): a second run of a day then keeps it, so what was
+        built from it (batches, a training run keyed by their write id) stays current. None
+        when the write has no lineage (a hand-made partition), or anything differs."""
+        if not lineage or not self._is_dir(self.partition_path(table, ds, **keys)):
+            return None
+        try:
+            m = self._manifest(table, ds, keys)
+            if m.get("lineage") != lineage:
+                return None
+            base = self.partition_path(table, ds, **keys)
+            for name in stored_files(m):
+                self.verify(f"{base}/{name}", m)
+        except (PartitionNotFound, PartitionDamaged):
+            return None  # rewritten: the new version replaces a damaged one
+        return m
+
     # -- locks (local warehouses) -----------------------------------------------------------
+    @contextlib.contextmanager
+    def exclusive(self, name: str) -> Iterator[None]:
+        """One holder at a time of `name` among the processes using this warehouse
+        (`<root>/_locks/<name>.lock`, blocking), e.g. registering a day's model; nothing
+        where the warehouse has no locks (object stores: the orchestrator runs one)."""
+        if not self.locks:
+            yield
+            return
+        path = f"{self.root}/_locks/{name}.lock"
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing drops the lock
+
     @contextlib.contextmanager
     def _partition_lock(
         self, table: str, ds: str, keys: dict[str, str], shared: bool = False

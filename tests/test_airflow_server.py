@@ -182,6 +182,28 @@ def test_a_scheduled_style_daily_run_waits_for_complete_logs_then_succeeds(airfl
     assert errors == [], errors[:5]
 
 
+def test_a_manual_run_of_the_scheduled_runs_day_trains_nothing_and_registers_nothing_new(airflow):
+    """Triggered from the form for the day the scheduled-style run above trained: its data
+    stages keep that run's partitions, its training uses that run's model, its register
+    stage adds no version; its logs say so, with no error."""
+    api, root, _, _ = airflow
+    final, tis = _trigger_and_wait(
+        airflow, DAILY.name, {"logical_date": None, "conf": {"ds": "2026-11-01"}}
+    )
+    assert final["state"] == "success", {t["task_id"]: t["state"] for t in tis}
+    client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
+    assert [str(v.version) for v in client.search_model_versions("name = 'recd-dlrm'")] == ["1"]
+    path = f"/api/v2/dags/{DAILY.name}/dagRuns/{final['dag_run_id']}"
+    train = _log(api, f"{path}/taskInstances/train/logs/1")
+    events = [str(e.get("event", "")) for e in train]
+    assert any("was trained by an earlier run" in e for e in events), events[-40:]
+    register = _log(api, f"{path}/taskInstances/register/logs/1")
+    said = " ".join(" ".join(str(e.get("event", "")).split()) for e in register)  # wrapped
+    assert "already registered as version 1" in said, said[-2000:]
+    errors = [e for e in train + register if e.get("level") in ("error", "critical")]
+    assert errors == [], errors[:5]
+
+
 def _log(api: Api, path: str) -> list[dict]:
     """A task try's log as Airflow's REST API serves it: structured records."""
     api.login()

@@ -174,7 +174,8 @@ def test_a_stage_killed_mid_write_leaves_the_day_intact_and_the_next_run_clean(
     # and whole (sizes, checksums, CRCs)
     BatchStore(wh, DAY, "dedup") if table == "batches" else wh.read(table, DAY, **keys)
     recd(stage, "--warehouse", wh.root, "--ds", DAY, *args, code=0, env=env)
-    assert wh.manifest(table, DAY, **keys)["write_id"] != before
+    # the day whole after it (rebuilt, or kept where built from the same inputs and config)
+    BatchStore(wh, DAY, "dedup") if table == "batches" else wh.read(table, DAY, **keys)
     assert not list(spill.glob("recd-*")), "the spill directories are swept"
     assert not [p for p in Path(wh.root).rglob("*") if p.parent.name == "_staging"]
 

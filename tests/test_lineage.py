@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -160,9 +161,9 @@ def test_evaluation_on_a_training_day_or_another_days_model_is_refused(fresh_war
     )
     assert proc.returncode == 2 and "would score rows it learned from" in error_line(proc)
     assert ok["eval.model_lineage"] == "fresh"
-    # a model whose batches were rebuilt since it trained: scored (it is an artifact of its
-    # own), and said to be stale, here and in `recd status`
-    preprocess(wh, DAY, PreprocessConfig(batch_size=512), features=features)
+    # a model whose batches were rebuilt since it trained (another DPP config): scored (it
+    # is an artifact of its own), and said to be stale, here and in `recd status`
+    preprocess(wh, DAY, PreprocessConfig(batch_size=512, batches_per_split=3), features=features)
     again = evaluate(wh, uri, NEXT)
     assert again["eval.ne"] == ok["eval.ne"] and "rerun `recd train" in again["eval.model_lineage"]
     row = next(r for r in status(wh, DAY) if r["partition"].startswith("models/"))
@@ -355,6 +356,11 @@ def test_status_shows_a_days_lineage_stale_after_a_re_ingest_and_fresh_after_a_r
     assert recd("run", *args, "--config", str(cfg)).returncode == 0
     states = {r["partition"]: r["state"] for r in status(Warehouse(wh), DAY)}
     assert set(states.values()) == {"fresh"} and any(p.startswith("models/") for p in states)
+    # the same logs again: nothing changes (the day's events kept, everything stays fresh)
+    assert recd("ingest", "--logs", str(logs), "--warehouse", str(wh), "--ds", DAY).returncode == 0
+    assert {r["state"] for r in status(Warehouse(wh), DAY)} == {"fresh"}
+    late = next((logs / f"ds={DAY}").glob("events-*"))  # a file of the day redelivered
+    os.utime(late, (late.stat().st_atime, late.stat().st_mtime + 60))
     assert recd("ingest", "--logs", str(logs), "--warehouse", str(wh), "--ds", DAY).returncode == 0
     proc = recd(
         "status", "--warehouse", str(wh), "--ds", DAY, "--summary", str(tmp_path / "s.json")

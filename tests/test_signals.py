@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -77,13 +78,38 @@ def test_sigterm_to_a_two_process_train_stops_every_rank_and_the_retry_trains(fr
     assert retry.returncode == 0, retry.stderr[-2000:]
 
 
-def test_a_run_waits_for_a_live_writer_of_its_day_then_says_so(fresh_warehouse, monkeypatch):
+def test_a_second_run_of_a_day_waits_for_the_live_one_saying_so_then_uses_its_model(
+    fresh_warehouse, monkeypatch, capsys
+):
+    """A manual run beside the scheduled one: the second waits while the first trains (a
+    line every `WAIT_SAY_EVERY_S`, no error), then finds the first's model and uses it."""
     wh = fresh_warehouse
     preprocess(wh, DAY, PreprocessConfig(batch_size=512))
-    monkeypatch.setattr(checkpoints, "RUN_LOCK_WAIT_S", 0.5)
+    monkeypatch.setattr(checkpoints, "WAIT_SAY_EVERY_S", 0.4)
     cfg = TrainConfig(batch_size=512, epochs=1, max_steps=2)
-    with one_writer(wh, DAY, "dedup"):  # a leftover still holding the day's run
+    first = train(wh, DAY, cfg)
+    assert first["train.steps"] == 2 and not first.get("train.reused")
+    holding, release = threading.Event(), threading.Event()
+
+    def other_run():  # the run still holding the day's lock
+        with one_writer(wh, DAY, "dedup"):
+            holding.set()
+            release.wait(30)
+
+    t = threading.Thread(target=other_run)
+    t.start()
+    holding.wait(10)
+    threading.Timer(1.5, release.set).start()
+    second = train(wh, DAY, cfg)
+    t.join()
+    out = capsys.readouterr().out
+    assert out.count("is training this day and arm; waiting for it") >= 2, out
+    assert "trained by an earlier run on the same batches" in out
+    assert second["train.reused"] and second["train.model_uri"] == first["train.model_uri"]
+    assert second["train.val_ne"] == first["train.val_ne"]
+    # a bounded wait gives up instead: retryable
+    with one_writer(wh, DAY, "dedup"):
         with pytest.raises(RunBusy, match="another live process is training") as e:
-            train(wh, DAY, cfg)
+            with one_writer(wh, DAY, "dedup", wait_s=0.3, say=lambda line: None):
+                pass
         assert e.value.retryable and e.value.exit_code == 1
-    assert train(wh, DAY, cfg)["train.steps"] == 2  # once it is gone, the run trains

@@ -549,6 +549,7 @@ def _generate(
                 "storage.bytes_per_sample": w.info.bytes / max(w.info.rows, 1),
                 "storage.sessions": sessions,
                 "storage.files": len(w.info.files),
+                "storage.kept": w.kept is not None,  # built from the same events: unchanged
                 **{f"dedup.factor.{k}": factors[k] for k in names},
                 # the mean over list features: where dedup saves work (transforms, pooling, the
                 # history encoder); scalar ids like gender would swamp it with huge factors.

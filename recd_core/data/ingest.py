@@ -399,6 +399,7 @@ def ingest(
             )
     summary["ingest.published"] = True
     summary["ingest.events_bytes"] = w.info.bytes
+    summary["ingest.kept"] = w.kept is not None  # built from the same logs before: unchanged
     return summary
 
 

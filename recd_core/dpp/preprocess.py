@@ -403,6 +403,7 @@ def _preprocess(
         "dpp.samples_per_s": (samples + valid_samples) / seconds if seconds > 0 else 0.0,
         "dpp.worker_samples_per_s": (samples + valid_samples) / work if work > 0 else 0.0,
         "dpp.bytes_out": w.info.bytes,
+        "dpp.kept": w.kept is not None,  # built from the same samples: unchanged
         "dpp.seconds": seconds,
         "dpp.workers": cfg.workers,
         "dpp.engine": cfg.engine,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from recd_core.leftovers import owned_tempdir
+from recd_core.lineage import digest
 from recd_core.mlops.pyfunc import example_rows
 from recd_core.mlops.versions import (
     Registered,
@@ -118,7 +119,7 @@ def register_and_promote(
     pipeline's `RegistryConfig`; `scored`: the challenger's figures on `eval_ds`). A day
     that cannot judge decides nothing; an unreadable champion is passed over (module doc).
     Returns the `registry.*` figures."""
-    from recd_core.modeling.saved import model_dir, saved_lineage_key, saved_summary
+    from recd_core.modeling.saved import model_dir, saved_lineage_key, saved_meta, saved_summary
 
     trained = saved_summary(model_uri)
     lineage = {
@@ -128,6 +129,11 @@ def register_and_promote(
         "recd.lineage_key": saved_lineage_key(model_uri),
     }
     challenger_ne = scored["eval.ne"]
+    saved = digest(saved_meta(model_uri))  # this very save of the model (its checksums, all)
+    earlier = registered_as(tracker, cfg.model_name, model_uri, saved, eval_ds)
+    if earlier is not None:  # a second run of the day: its version stands, nothing added
+        return already_registered(tracker, earlier, eval_ds, challenger_ne)
+    lineage["recd.model_uri"], lineage["recd.model_digest"] = model_uri, saved
     model_id = logged_model_of(tracker, model_uri)  # the train stage logged it, normally
     if model_id is None:
         with model_dir(model_uri) as local:
@@ -171,4 +177,42 @@ def register_and_promote(
         "registry.previous_champion": None if current is None else int(current.version),
         "registry.eval_ds": eval_ds,
         "registry.init_from": lineage["recd.init_from"],
+    }
+
+
+def registered_as(tracker, name: str, model_uri: str, saved: str, eval_ds: str):
+    """The version of `name` that registered this very save of the model at `model_uri`
+    (its `recd.model_uri` and `recd.model_digest` tags), judged on `eval_ds`, or None."""
+    client = tracker.client()
+    found = [
+        v
+        for v in client.search_model_versions(f"name = '{name}'")
+        if v.tags.get("recd.model_uri") == model_uri
+        and v.tags.get("recd.model_digest") == saved
+        and v.tags.get("recd.eval_ds") == eval_ds
+    ]
+    return min(found, key=lambda v: int(v.version), default=None)
+
+
+def already_registered(tracker, version, eval_ds: str, challenger_ne: float) -> dict:
+    """The `registry.*` figures of a model registered before (by an earlier run of the same
+    day): its version and the decision taken then; the champion is not judged again."""
+    current = champion(tracker, version.name)
+    tags = version.tags
+    was = tags.get("recd.champion_ne", "")
+    return {
+        "registry.model": version.name,
+        "registry.version": int(version.version),
+        "registry.promoted": current is not None and str(current.version) == str(version.version),
+        "registry.decision": tags.get("recd.decision", ""),
+        "registry.reason": (
+            f"already registered as version {version.version} by an earlier run of the day "
+            f"(the same saved model): {tags.get('recd.decision', '')} then"
+        ),
+        "registry.challenger_ne": challenger_ne,
+        "registry.champion_ne": float(was) if was else None,
+        "registry.previous_champion": None,
+        "registry.eval_ds": eval_ds,
+        "registry.init_from": tags.get("recd.init_from", ""),
+        "registry.already_registered": True,
     }

@@ -26,7 +26,8 @@ def starting_model(
 ) -> contextlib.AbstractContextManager[tuple[str | None, str]]:
     """The pipelines' warm-start decision for a run whose first training day is `ds`:
     `init_from` where given, else the champion when the config's `train.warm_start` is on
-    (`init_model`: only a champion trained before `ds`; of another model config, this
+    (`init_model`: only a champion trained before `ds`, else the last champion that was,
+    so a second run of a day starts where its first did; of another model config, this
     config's own newest version), else scratch. The run's lineage key is computed from the
     day's batches as training sizes the model."""
     from recd_core.dpp.batch_store import model_shape
@@ -47,7 +48,8 @@ def init_model(
     `init_from`: None (scratch), `champion` (the pipelines' warm start: the current champion
     of `name`, when there is one and, with `before` (a day), it was trained only on days
     before it; a champion that saw that day or later would leak the days being trained on
-    and evaluated, e.g. in a backfill or a comparison of an older day), `models:/<name>@<alias>`
+    and evaluated, e.g. in a backfill or a comparison of an older day: the last version
+    promoted that was trained before it instead), `models:/<name>@<alias>`
     or `models:/<name>/<version>` (downloaded from the registry), or a model directory /
     `<warehouse>/models/<run>`. The label is what the record shows:
     `models:/<name>/<version>` for a registry copy, or why training starts from scratch.
@@ -73,6 +75,10 @@ def init_model(
         if current is None:
             yield None, f"from scratch: {name} has no champion yet (the first model)"
             return
+        if before and last_day_trained(current) >= before:
+            # the champion of the day before `before` (a second run of a day whose first
+            # run promoted its model, a backfill): the start the day's first run had
+            current = last_promoted(tracker, name, before) or current
         theirs = current.tags.get("recd.lineage_key")
         own = (
             newest_of_lineage(tracker, name, key, before)
@@ -103,6 +109,17 @@ def init_model(
             return
         found, label = readable_ancestor(tracker, version, tmp)
         yield (str(found) if found else None), label
+
+
+def last_promoted(tracker, name: str, before: str):
+    """The newest version of `name` promoted champion (its `recd.decision`) and trained only
+    on days before `before`, or None."""
+    found = [
+        v
+        for v in tracker.client().search_model_versions(f"name = '{name}'")
+        if v.tags.get("recd.decision") == "promoted" and last_day_trained(v) < before
+    ]
+    return max(found, key=lambda v: int(v.version), default=None)
 
 
 def newest_of_lineage(tracker, name: str, key: str, before: str | None = None):

@@ -56,11 +56,15 @@ def log_model(tracker, run_id: str, model_dir: Path, samples: pa.Table, model_ur
             client.finalize_logged_model(logged.model_id, "FAILED")
             raise
         client.finalize_logged_model(logged.model_id, "READY")
+    link_output(tracker, run_id, logged.model_id)
+    return logged.model_id
+
+
+def link_output(tracker, run_id: str, model_id: str) -> None:
+    """The LoggedModel as an output of run `run_id`: its page lists it ("Logged models")."""
     from mlflow.entities import LoggedModelOutput
 
-    # the train run's output: its page lists the model ("Logged models")
-    client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, 0)])
-    return logged.model_id
+    tracker.client().log_outputs(run_id, [LoggedModelOutput(model_id, 0)])
 
 
 def logged_model_of(tracker, model_uri: str) -> str | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import os
 import time
@@ -54,36 +55,50 @@ class RunBusy(RecdError):
     retryable: the orchestrator's retry comes after it is done)."""
 
 
-RUN_LOCK_WAIT_S = 60.0  # how long a run waits for a leftover of the same day and arm to end
+WAIT_SAY_EVERY_S = 30.0  # a waiting run says so this often (a task log never goes quiet)
 
 
 @contextlib.contextmanager
-def one_writer(wh: Warehouse, ds: str, mode: str, wait_s: float | None = None):
+def one_writer(wh: Warehouse, ds: str, mode: str, wait_s: float | None = None, say=None):
     """Hold the day's and arm's training lock for the run (`checkpoints/_locks/`, local
-    warehouses): its checkpoints and model have one live writer, so a retry never trains
-    beside a leftover of the run it retries. A leftover still ending (its ranks take a
-    moment after their parent's SIGTERM) is waited for up to `wait_s`; then `RunBusy`."""
+    warehouses): its checkpoints and model have one live writer. Another run of the same day
+    and arm (a manual run beside the scheduled one, a retry beside a leftover still ending)
+    waits while the holder lives, saying so every `WAIT_SAY_EVERY_S` through `say` (no
+    error: the holder's model is what it then finds, `train`), and takes the lock when the
+    holder ends: the kernel drops a dead holder's lock, so nothing waits on a crash.
+    `wait_s`: give up after that long instead (`RunBusy`, retryable)."""
 
     if not wh.locks:  # object stores: one run per day is the orchestrator's (max_active_runs)
         yield
         return
-    wait_s = RUN_LOCK_WAIT_S if wait_s is None else wait_s
     path = f"{wh.root}/checkpoints/_locks/{ds}-{mode}.lock"
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    deadline = time.monotonic() + wait_s
+    say = say or functools.partial(print, flush=True)  # a task log shows it as it comes
+    start = time.monotonic()
+    said = None
     try:
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() > deadline:
+                waited = time.monotonic() - start
+                if wait_s is not None and waited > wait_s:
                     raise RunBusy(
                         f"train: another live process is training ds={ds} mode={mode} in "
                         f"{wh.uri} ({path} held for {wait_s:.0f} s): retry once it is done"
                     ) from None
+                if said is None or waited - said >= WAIT_SAY_EVERY_S:
+                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                    say(
+                        f"train {ds} {mode}: another run (pid {holder}) is training this day "
+                        f"and arm; waiting for it ({waited:.0f} s so far), then using its model"
+                    )
+                    said = waited
                 time.sleep(0.25)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)  # who holds it, for a waiting run to say
         yield
     finally:
         os.close(fd)  # closing drops the lock

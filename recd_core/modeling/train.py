@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow.fs as pafs
 import torch
 
 from recd_core.config import FeatureSet, TrainConfig
@@ -64,7 +65,7 @@ from recd_core.modeling.model import Model
 from recd_core.modeling.optim import quiet_sparse_warnings
 from recd_core.modeling.parallel import CheckpointStore, Parallelism, check, parallelism
 from recd_core.modeling.ray_engine import ray_train
-from recd_core.modeling.saved import model_base, save_model
+from recd_core.modeling.saved import load_model, model_base, save_model, saved_summary
 from recd_core.modeling.step import cooccurrence_term, fold_in, train_step
 from recd_core.modeling.warm_start import Init, continue_optimizers, initial_state
 from recd_core.runtime import cpu_budget, launched_rank, rss
@@ -116,8 +117,10 @@ def train_worker(
 ) -> dict:
     """One process of a run (the only one, or a rank of a data-parallel run)."""
     run = setup(rank, world, wh_uri, ds, cfg, init_from, init_label)
-    fit(run)
-    summary = finish(run)
+    summary = trained_before(run)
+    if summary is None:
+        fit(run)
+        summary = finish(run)
     leave_process_group(world)
     return summary
 
@@ -208,6 +211,36 @@ def fit(run: Run) -> None:
         if save and run.parallel.writes_checkpoints:
             state = checkpoint_state(model, run.optimizer_states(), step, cfg, early)
             run.checkpoints.save(state)
+
+
+def trained_before(run: Run) -> dict | None:
+    """The summary of this run's model when an earlier run of the same key (day, arm,
+    config, the batches' write id, the starting model) saved it whole: a second run of the
+    day (a manual one beside the scheduled one, a retry after the model was saved) uses it
+    instead of training again and saving another copy. None when there is none, or it does
+    not verify (then this run trains and replaces it)."""
+    base = model_base(run.wh, run.checkpoints.run)
+    if run.wh.fs.get_file_info(f"{base}/model.json").type != pafs.FileType.File:
+        return None
+    uri = f"{run.wh.uri.rstrip('/')}/models/{run.checkpoints.run}"
+    try:
+        load_model(uri)  # every file it names, verified
+    except (BadInput, OSError, ValueError, KeyError):  # damaged, partial: trained again
+        return None
+    if run.rank == 0:
+        print(
+            f"train {run.days[-1]} {run.cfg.mode}: {uri} was trained by an earlier run "
+            "on the same batches, config and starting model: used as it is",
+            flush=True,
+        )
+    summary = {
+        **saved_summary(uri),
+        "train.reused": True,
+        # this run's own start (the same weights: a scratch start whatever its reason)
+        "train.init_from": run.init.uri or "",
+        "train.init_reason": run.init.reason,
+    }
+    return {**summary, "train.model_uri": uri} if run.rank == 0 else summary
 
 
 def report_progress(run: Run, scores: dict | None) -> None:

@@ -10,6 +10,13 @@ opens the pipeline's MLflow run and every stage records a child run under it.
 
 `days` > 1 (the comparison DAG) runs each stage over consecutive training days
 ds .. ds+days-1, each evaluated on its next day.
+
+One run per day and arm, however it is started (a manual run beside the scheduled one, a
+retry, a rerun): a stage builds a day's partition one run at a time (`Warehouse.exclusive`
+per stage and day), and a build from exactly the inputs, config and code of the live
+version keeps it (warehouse.py); training then finds the same run key and waits for, then
+uses, the model the other run trains (train.py); registering a model already registered
+adds no version (mlops/registry.py). The second run ends with the first's figures.
 """
 
 from __future__ import annotations
@@ -129,10 +136,10 @@ def _ingest(args: StageArgs, advance: Advance) -> dict:
         logs = _logs(args)
         sources = {day: logs_for_day(logs, day) for day in days}
     cfg, wh = pipeline_config(args), open_warehouse(args)
-    out = {
-        day: ingest(src, wh, day, cfg.features, cfg.ingest, cfg.generate, advance)
-        for day, src in sources.items()
-    }
+    out = {}
+    for day, src in sources.items():
+        with wh.exclusive(f"ingest/ds={day}"):  # module doc: one build of a day at a time
+            out[day] = ingest(src, wh, day, cfg.features, cfg.ingest, cfg.generate, advance)
     first = out[days[0]]
     return {**first, "ingest.days": {d: s["ingest.rows_ok"] for d, s in out.items()}}
 
@@ -152,7 +159,8 @@ def _generate(args: StageArgs, advance: Advance) -> dict:
 
     def one(day: str) -> dict:
         layouts = _layouts(args.layout or ("both" if day in training else "clustered"))
-        s = generate(wh, day, cfg.generate, layouts, advance, cfg.features)
+        with wh.exclusive(f"generate/ds={day}"):
+            s = generate(wh, day, cfg.generate, layouts, advance, cfg.features)
         per_layout = s.get("layouts", {layouts[0]: s})  # one layout: its figures at the top
         for arm, layout in ARM_LAYOUT.items():
             if layout in per_layout:
@@ -166,17 +174,19 @@ def _preprocess(args: StageArgs, advance: Advance) -> dict:
     from recd_core.dpp.preprocess import preprocess
 
     cfg, wh = pipeline_config(args), open_warehouse(args)
-    return _per_day(
-        args,
-        lambda day: preprocess(
-            wh,
-            day,
-            cfg.preprocess,
-            stats_from=args.stats_from,
-            progress=advance,
-            features=cfg.features,
-        ),
-    )
+
+    def one(day: str) -> dict:
+        with wh.exclusive(f"preprocess/mode={cfg.preprocess.mode}/ds={day}"):
+            return preprocess(
+                wh,
+                day,
+                cfg.preprocess,
+                stats_from=args.stats_from,
+                progress=advance,
+                features=cfg.features,
+            )
+
+    return _per_day(args, one)
 
 
 def _train(args: StageArgs, advance: Advance) -> dict:
@@ -239,9 +249,11 @@ def _register(args: StageArgs, advance: Advance) -> dict:
     scored = evaluate(
         wh, uri, eval_ds, cfg.registry.eval_batch_size, trained_on=args.training_days()[-1]
     )
-    return register_and_promote(
-        tracker, wh, uri, args.register_run_id, eval_ds, scored, cfg.registry
-    )
+    # one registration at a time: a second run of the day finds the first's version
+    with wh.exclusive(f"register-{cfg.registry.model_name}"):
+        return register_and_promote(
+            tracker, wh, uri, args.register_run_id, eval_ds, scored, cfg.registry
+        )
 
 
 def _compare(args: StageArgs, upstream: list[dict]) -> dict:
@@ -385,6 +397,10 @@ def _record_model(record, args: StageArgs, stage, summary: dict) -> dict:
     tracker = record.tracker
     if "models" in stage.writes:
         uri = summary["train.model_uris"].split(";")[-1]
+        model_id = versions.logged_model_of(tracker, uri) if summary.get("train.reused") else None
+        if model_id is not None:  # an earlier run's model, used as it is: one LoggedModel
+            versions.link_output(tracker, record.run_id, model_id)
+            return {"train.logged_model_id": model_id}
         example = example_rows(open_warehouse(args), args.training_days()[-1])
         with model_dir(uri) as local:
             model_id = versions.log_model(tracker, record.run_id, local, example, uri)
