@@ -47,7 +47,7 @@ def test_two_runs_of_a_day_started_together_train_once_and_register_one_version(
         for i in (1, 2)
     ]
     said = [p.communicate(timeout=600) for p in procs]
-    for p, (out, err) in zip(procs, said, strict=True):
+    for p, (_, err) in zip(procs, said, strict=True):
         assert p.returncode == 0 and "Traceback" not in err, err[-3000:]
         assert " ERROR " not in err and "WARNING" not in err, err[-3000:]
     runs = [json.loads((tmp_path / f"run{i}.json").read_text()) for i in (1, 2)]

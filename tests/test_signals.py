@@ -109,7 +109,7 @@ def test_a_second_run_of_a_day_waits_for_the_live_one_saying_so_then_uses_its_mo
     assert second["train.val_ne"] == first["train.val_ne"]
     # a bounded wait gives up instead: retryable
     with one_writer(wh, DAY, "dedup"):
-        with pytest.raises(RunBusy, match="another live process is training") as e:
-            with one_writer(wh, DAY, "dedup", wait_s=0.3, say=lambda line: None):
-                pass
+        bounded = one_writer(wh, DAY, "dedup", wait_s=0.3, say=lambda line: None)
+        with pytest.raises(RunBusy, match="another live process is training") as e, bounded:
+            pass
         assert e.value.retryable and e.value.exit_code == 1
