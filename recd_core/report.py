@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,9 +24,12 @@ answer = Console()  # what a command answers: its summary, a verdict (standard o
 @contextlib.contextmanager
 def progress(description: str, total: int | None) -> Iterator[Callable[[str, int], None]]:
     """A progress bar on a terminal; elsewhere (a task log, a pod's log, a pipe) a line on
-    stdout at most every `LINE_EVERY_S` seconds. Yields `advance(label, n)`."""
+    stdout at least every `LINE_EVERY_S` seconds while the work runs, whether or not it
+    advances (a quiet stretch reads as a hang). Yields `advance(label, n)`."""
     if not console.is_terminal:
-        yield _progress_lines(description, total)
+        lines = _ProgressLines(description, total)
+        with lines.beating():
+            yield lines.advance
         return
     bar = Progress(
         TextColumn("[bold]{task.description}"),
@@ -48,20 +52,48 @@ def progress(description: str, total: int | None) -> Iterator[Callable[[str, int
 LINE_EVERY_S = 30.0
 
 
-def _progress_lines(description: str, total: int | None) -> Callable[[str, int], None]:
-    start = last = time.monotonic()
-    done = 0
+class _ProgressLines:
+    """Progress as lines: one when work advances and `LINE_EVERY_S` has passed since the
+    last, and one from a heartbeat thread when nothing advanced for that long."""
 
-    def advance(label: str, n: int = 1) -> None:
-        nonlocal last, done
-        done += n
+    def __init__(self, description: str, total: int | None):
+        self.description, self.total = description, total
+        self.start = self.last = time.monotonic()
+        self.done, self.label = 0, ""
+        self.lock = threading.Lock()
+
+    def advance(self, label: str, n: int = 1) -> None:
+        with self.lock:
+            self.done += n
+            self.label = label
+            if time.monotonic() - self.last >= LINE_EVERY_S:
+                self._say()
+
+    def _say(self) -> None:
         now = time.monotonic()
-        if now - last >= LINE_EVERY_S:
-            last = now
-            of = f"/{total:,}" if total else ""
-            print(f"{description}: {done:,}{of} done, {now - start:,.0f} s ({label})", flush=True)
+        self.last = now
+        of = f"/{self.total:,}" if self.total else ""
+        what = f"{self.done:,}{of} done" if self.done else "working"
+        label = f" ({self.label})" if self.label else ""
+        print(f"{self.description}: {what}, {now - self.start:,.0f} s{label}", flush=True)
 
-    return advance
+    @contextlib.contextmanager
+    def beating(self) -> Iterator[None]:
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(min(1.0, LINE_EVERY_S)):
+                with self.lock:
+                    if time.monotonic() - self.last >= LINE_EVERY_S:
+                        self._say()
+
+        thread = threading.Thread(target=beat, name="recd-progress", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
 
 def _fmt(key: str, value) -> str:

@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -213,3 +214,18 @@ def test_run_without_a_day_trains_on_the_day_before_the_last_complete_one():
     assert training_day_or_default(None, at) == "2026-11-25"
     assert training_day_or_default(None, at.replace(hour=23)) == "2026-11-25"
     assert training_day_or_default("2026-10-01", at) == "2026-10-01"
+
+
+def test_work_that_goes_quiet_still_says_so_in_a_log_at_every_interval(monkeypatch, capsys):
+    """Off a terminal (a task log), progress is lines: one each interval while work runs,
+    whether or not it advances, so a long step never reads as a hang."""
+    from recd_core import report
+
+    monkeypatch.setattr(report, "LINE_EVERY_S", 0.3)
+    with report.progress("train", None) as advance:
+        time.sleep(1.0)  # one long step: no advance
+        advance("day 1", 5)
+        time.sleep(0.45)
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(ln.startswith("train: working, ") for ln in lines) >= 2, lines
+    assert any(ln.startswith("train: 5 done, ") and "(day 1)" in ln for ln in lines), lines
