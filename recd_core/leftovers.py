@@ -54,6 +54,26 @@ def hold(path: str | Path) -> int:
     return fd
 
 
+@contextlib.contextmanager
+def flocked(path: str, shared: bool = False, optional: bool = False) -> Iterator[None]:
+    """Hold the lock of `path` (created, with its folder, if missing; blocking) for the
+    block: exclusive, or `shared`. `optional`: where the file cannot be created (a read-only
+    place), the block runs unlocked: there is no writer to race with."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        if not optional:
+            raise
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
 def held(path: str | Path) -> bool:
     """Whether a live process holds the lock of `path` (False when there is no such file)."""
     try:

@@ -154,3 +154,27 @@ class PartitionWriter:
     def abort(self) -> None:
         with contextlib.suppress(Exception):
             self._close_file()
+
+
+def commit_by_manifest(fs: pafs.FileSystem, staging: str, live: str) -> None:
+    """Commit a staged write where directories cannot be renamed (object stores): its files
+    copied into the live partition, then its manifest (one PUT: the commit point), then the
+    files neither it nor the version it replaces lists (a pinned reader may still read
+    those) deleted."""
+    with fs.open_input_stream(f"{staging}/{MANIFEST}") as f:
+        files = stored_files(json.loads(f.read()))
+    replaced: list[str] = []
+    with (
+        contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError),
+        fs.open_input_stream(f"{live}/{MANIFEST}") as f,
+    ):
+        replaced = stored_files(json.loads(f.read()))
+    for name in files:
+        fs.copy_file(f"{staging}/{name}", f"{live}/{name}")
+    fs.copy_file(f"{staging}/{MANIFEST}", f"{live}/{MANIFEST}")  # the commit point
+    keep = {*files, *replaced, MANIFEST}
+    listed = fs.get_file_info(pafs.FileSelector(live, allow_not_found=True))
+    for old in listed:
+        if old.base_name not in keep:
+            fs.delete_file(old.path)
+    fs.delete_dir(staging)

@@ -39,10 +39,8 @@ carry a CRC-32 in the manifest (`verify`). A file that fails any of these is a
 `PartitionDamaged` error naming the partition and the file, never a traceback or garbage.
 A failure or crash before the commit leaves the live partition as it was; its
 leftovers are removed by the next write. Re-writing a partition replaces it: no duplicates,
-whatever the number of runs. A write built from exactly what the live version was built
-from (the same lineage, lineage.py), onto a whole live version, keeps that version instead
-(`writer.kept`): a day run twice has one version of each partition, and what was trained on
-it stays current.
+whatever the number of runs; one built from exactly the live version's lineage (lineage.py)
+keeps that version (`writer.kept`): a day run twice has one version of each partition.
 
 A stage that reads a partition in pieces (DPP's splits, generate's spill tasks, in other
 processes too) reads one version of it for its whole run: `pinned` reads the manifest once
@@ -68,7 +66,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import errno
-import fcntl
 import json
 import os
 import re
@@ -82,8 +79,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from recd_core.errors import BadInput, network_failure, os_error_words, unreachable
-from recd_core.leftovers import held, hold
-from recd_core.partition_writer import MANIFEST, PartitionInfo, PartitionWriter
+from recd_core.leftovers import flocked, held, hold
+from recd_core.partition_writer import MANIFEST, PartitionInfo, PartitionWriter, commit_by_manifest
 from recd_core.stored_files import (
     Normalized,
     PartitionDamaged,
@@ -258,11 +255,9 @@ class Warehouse:
     def _same_version(
         self, table: str, ds: str, keys: dict[str, str], lineage: dict | None
     ) -> dict | None:
-        """The live partition's manifest when it was built from exactly what this write was
-        (the same lineage: inputs' write ids, config, features, logs, code) and is whole
-        (every file at its size and CRC-32): a second run of a day then keeps it, so what was
-        built from it (batches, a training run keyed by their write id) stays current. None
-        when the write has no lineage (a hand-made partition), or anything differs."""
+        """The live manifest when it was built from exactly what this write was (the same
+        lineage: inputs' write ids, config, features, logs, code) and is whole: kept, what
+        was built from it stays current. None without lineage, or when anything differs."""
         if not lineage or not self._is_dir(self.partition_path(table, ds, **keys)):
             return None
         try:
@@ -282,17 +277,8 @@ class Warehouse:
         """One holder at a time of `name` among the processes using this warehouse
         (`<root>/_locks/<name>.lock`, blocking), e.g. registering a day's model; nothing
         where the warehouse has no locks (object stores: the orchestrator runs one)."""
-        if not self.locks:
+        with flocked(f"{self.root}/_locks/{name}.lock") if self.locks else contextlib.nullcontext():
             yield
-            return
-        path = f"{self.root}/_locks/{name}.lock"
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # closing drops the lock
 
     @contextlib.contextmanager
     def _partition_lock(
@@ -301,21 +287,9 @@ class Warehouse:
         """Hold the partition's lock file (`flock`, blocking) for the steps that touch shared
         state; `shared` for readers. None on filesystems without one, or where the lock cannot
         be created: a read-only warehouse has no writer to race with."""
-        if not self.locks:
-            yield
-            return
         path = f"{self._side_dir(table, '_locks', ds, keys)}.lock"
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError:
+        with flocked(path, shared, optional=True) if self.locks else contextlib.nullcontext():
             yield
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # closing drops the lock
 
     def _hold_writer_lock(self, staging: str) -> int | None:
         """Mark a staging directory as a live writer's: its lock file, held until commit."""
@@ -337,7 +311,7 @@ class Warehouse:
     def _swap(self, staging: str, table: str, ds: str, keys: dict[str, str], write_id: str) -> None:
         live = self.partition_path(table, ds, **keys)
         if not self.renames_atomically:
-            self._commit_by_manifest(staging, live)
+            commit_by_manifest(self.fs, staging, live)
             return
         self.fs.create_dir(live.rsplit("/", 1)[0], recursive=True)
         trash = None
@@ -348,24 +322,6 @@ class Warehouse:
         self.fs.move(staging, live)
         if trash:
             self.fs.delete_dir(trash)
-
-    def _commit_by_manifest(self, staging: str, live: str) -> None:
-        with self.fs.open_input_stream(f"{staging}/{MANIFEST}") as f:
-            files = stored_files(json.loads(f.read()))
-        replaced: list[str] = []  # the version a pinned reader may still be reading
-        with (
-            contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError),
-            self.fs.open_input_stream(f"{live}/{MANIFEST}") as f,
-        ):
-            replaced = stored_files(json.loads(f.read()))
-        for name in files:
-            self.fs.copy_file(f"{staging}/{name}", f"{live}/{name}")
-        self.fs.copy_file(f"{staging}/{MANIFEST}", f"{live}/{MANIFEST}")  # the commit point
-        keep = {*files, *replaced, MANIFEST}
-        for old in self._children(live):
-            if old.base_name not in keep:
-                self.fs.delete_file(old.path)
-        self.fs.delete_dir(staging)
 
     # -- pins: one version for a whole read -------------------------------------------------
     @contextlib.contextmanager

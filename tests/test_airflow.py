@@ -356,7 +356,7 @@ def test_a_daily_dag_run_writes_the_partitions_records_mlflow_and_names_a_champi
     pipeline = client.search_runs([exp.experiment_id], "tags.`recd.stage` = 'pipeline'")
     assert len(pipeline) == 1 and pipeline[0].info.status == "FINISHED"
     m = pipeline[0].data.metrics
-    for key in ("storage.bytes", "dpp.samples_per_s", "train.samples_per_s", "eval.ne", "eval.auc"):
+    for key in ("storage/bytes", "dpp/samples_per_s", "train/samples_per_s", "eval/ne", "eval/auc"):
         assert m[key] > 0, key
     children = client.search_runs(
         [exp.experiment_id], f"tags.mlflow.parentRunId = '{pipeline[0].info.run_id}'"

@@ -232,15 +232,15 @@ def test_the_comparison_dag_runs_both_arms_over_days_when_triggered_over_the_res
     client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
     exp = client.get_experiment_by_name("recd")
     runs = client.search_runs([exp.experiment_id], "tags.`recd.stage` = 'pipeline'")
-    run = next(r for r in runs if "eval.ne.baseline" in r.data.metrics)
+    run = next(r for r in runs if "eval/ne.baseline" in r.data.metrics)
     metrics = run.data.metrics
     # throughput is a benchmark figure (two cores shared with a scheduler make it noisy):
     # here both arms' figures and their ratio are recorded; storage shrinks deterministically
     for arm in ("dedup", "baseline"):
-        assert metrics[f"train.samples_per_s.{arm}"] > 0 and metrics[f"dpp.samples_per_s.{arm}"] > 0
-    assert metrics["train.speedup"] == pytest.approx(
-        metrics["train.samples_per_s.dedup"] / metrics["train.samples_per_s.baseline"]
+        assert metrics[f"train/samples_per_s.{arm}"] > 0 and metrics[f"dpp/samples_per_s.{arm}"] > 0
+    assert metrics["train/speedup"] == pytest.approx(
+        metrics["train/samples_per_s.dedup"] / metrics["train/samples_per_s.baseline"]
     )
-    assert metrics["storage.ratio"] > 1.5
-    assert abs(metrics["eval.ne.dedup"] - metrics["eval.ne.baseline"]) < 0.01
+    assert metrics["storage/ratio"] > 1.5
+    assert abs(metrics["eval/ne.dedup"] - metrics["eval/ne.baseline"]) < 0.01
     assert chart.name in [a.path for a in client.list_artifacts(run.info.run_id)]

@@ -160,7 +160,7 @@ def test_recd_bench_writes_and_logs_its_report(tmp_path):
     assert "the generator's model, learned" in md
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(result["mlflow.run_id"])
-    assert run.data.metrics["bench.storage_ratio"] == pytest.approx(result["bench.storage_ratio"])
+    assert run.data.metrics["bench/storage_ratio"] == pytest.approx(result["bench.storage_ratio"])
     assert {"bench.md", "bench.png", "summary.json"} <= {
         a.path for a in client.list_artifacts(run.info.run_id)
     }

@@ -14,6 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from recd_cli import recd
 
+from recd_core.mlops.metric_names import metric_name as M
 from recd_core.mlops.registry import decide
 from recd_core.modeling.saved import load_model, predict
 from recd_core.warehouse import Warehouse
@@ -79,11 +80,11 @@ def test_a_run_with_both_arms_records_each_arm_and_registers_a_champion(daily):
             ARM_KEYS[1:], ("preprocess", "train", "evaluate", "evaluate"), strict=True
         ):
             run = runs[(stage, mode)]
-            assert run.data.metrics[key] == pytest.approx(summary[f"{key}.{mode}"]), (mode, key)
+            assert run.data.metrics[M(key)] == pytest.approx(summary[f"{key}.{mode}"]), (mode, key)
             assert summary[f"mlflow.run_id.{stage}.{mode}"] == run.info.run_id
     generate = runs[("generate", "")].data.metrics
     for mode in ("dedup", "baseline"):
-        assert generate[f"storage.bytes.{mode}"] == summary[f"storage.bytes.{mode}"]
+        assert generate[M(f"storage.bytes.{mode}")] == summary[f"storage.bytes.{mode}"]
     # the arms: clustered storage is smaller, the same next-day quality
     assert summary["storage.bytes.dedup"] < summary["storage.bytes.baseline"]
     assert abs(summary["eval.ne.dedup"] - summary["eval.ne.baseline"]) < 0.01
@@ -110,7 +111,7 @@ def test_the_mlflow_experiment_reads_at_a_glance(daily):
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # not the GenAI view
     assert parent.info.run_name == f"dedup vs baseline {DAY} → {NEXT}"
     assert parent.data.tags["mode"] == "dedup+baseline"  # no single arm
-    history = client.get_metric_history(parent.info.run_id, "storage.ratio")
+    history = client.get_metric_history(parent.info.run_id, "storage/ratio")
     assert history and history[0].value > 1
     # the answer at a glance: the verdict and the table as its description, a short set of
     # metrics (its stage runs keep the rest), settings as params, the conditions recorded
@@ -118,9 +119,13 @@ def test_the_mlflow_experiment_reads_at_a_glance(daily):
     assert "Dedup matches the baseline" in note and "| next-day NE |" in note, note
     assert "with dedup" in note and "storage " in note, note
     assert "dedup − baseline" in note and "CPUs" in note
-    assert len(parent.data.metrics) < 30 and "eval.ne" not in parent.data.metrics
-    assert {"eval.ne.dedup", "eval.ne.baseline", "eval.ne_gap"} <= set(parent.data.metrics)
-    assert "train.batch_size" not in parent.data.metrics
+    assert len(parent.data.metrics) < 30 and "eval/ne" not in parent.data.metrics
+    assert {"eval/ne.dedup", "eval/ne.baseline", "eval/ne_gap"} <= set(parent.data.metrics)
+    assert "train/batch_size" not in parent.data.metrics
+    # every chart in a section of the UI (the part before '/'), none in a wall of its own
+    sections = {k.split("/")[0] for k in parent.data.metrics if "/" in k}
+    assert len(sections) == len({k.split("/")[0] for k in parent.data.metrics})
+    assert sections <= {"storage", "dpp", "train", "eval", "ingest", "system", "run"}
     assert parent.data.params["compare.quality_ok"] == "true"
     assert "tracking_uri" not in parent.data.params and "sys.cpu_budget" in parent.data.params
     assert "sys.load_1m_end" in parent.data.tags
@@ -157,13 +162,13 @@ def test_the_mlflow_experiment_reads_at_a_glance(daily):
     assert [o.model_id for o in outputs] == [model.model_id]
     linked = json.loads(model.tags["mlflow.modelVersions"])  # as MLflow's register_model links
     assert [(v["name"], str(v["version"])) for v in linked] == [("recd-dlrm", "1")]
-    assert {m.key for m in model.metrics} >= {"eval.ne", "eval.auc"}
+    assert {m.key for m in model.metrics} >= {"eval/ne", "eval/auc"}
     found = client.search_logged_models([exp.experiment_id])
     assert model.model_id in {m.model_id for m in found}  # the Models tab lists it
     # each arm's model, named for its arm and day, with the figures its evaluate run found
     arms = {m.name: m for m in found if m.source_run_id in {r.info.run_id for r in children}}
     assert set(arms) == {f"dlrm-dedup-{DAY}", f"dlrm-baseline-{DAY}"}
-    ne = {m.key: m.value for m in arms[f"dlrm-baseline-{DAY}"].metrics}["eval.ne"]
+    ne = {m.key: m.value for m in arms[f"dlrm-baseline-{DAY}"].metrics}["eval/ne"]
     assert ne == pytest.approx(summary["eval.ne.baseline"])
 
 
@@ -183,8 +188,12 @@ def test_the_next_day_promotes_or_keeps_the_champion_by_ne_and_logs_why(daily):
     run = client.get_run(day2["mlflow.run_id"])
     # a yes/no fact: a param, not a one-bar chart
     assert run.data.params["registry.promoted"] == str(better).lower()
-    assert "registry.promoted" not in run.data.metrics
-    assert run.data.metrics["registry.champion_ne"] == pytest.approx(day2["registry.champion_ne"])
+    assert not [k for k in run.data.metrics if "promoted" in k]
+    assert run.data.metrics["eval/registry.champion_ne"] == pytest.approx(
+        day2["registry.champion_ne"]
+    )
+    # a one-arm run records each figure once (not also `eval/ne.dedup`), in its sections
+    assert "eval/ne" in run.data.metrics and "eval/ne.dedup" not in run.data.metrics
 
 
 def test_the_registered_model_scores_sample_rows_like_the_trained_model(daily):
@@ -250,9 +259,9 @@ def test_the_next_day_warm_starts_from_the_champion_and_its_version_records_the_
     # the workload's optimum next to the model's NE, in the summary and in the arm's run
     assert 0.5 < day1["eval.oracle_ne"] < day1["eval.ne"]
     scored = client.get_run(day1["mlflow.run_id.evaluate.dedup"])
-    assert scored.data.metrics["eval.oracle_ne"] == pytest.approx(day1["eval.oracle_ne"])
+    assert scored.data.metrics["eval/oracle_ne"] == pytest.approx(day1["eval.oracle_ne"])
     # the validation curve is a metric history, one point per validation
-    curve = client.get_metric_history(day1["mlflow.run_id.train.dedup"], "train.val_ne")
+    curve = client.get_metric_history(day1["mlflow.run_id.train.dedup"], "train/val_ne")
     assert len(curve) >= 3 and sorted(p.step for p in curve)[0] == 0
     assert min(p.value for p in curve) == pytest.approx(day1["train.val_ne"])
 

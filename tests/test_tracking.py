@@ -48,12 +48,13 @@ def test_each_command_records_a_run_in_a_sqlite_store(tmp_path, day_logs):
     run = runs[0]
     summary = json.loads((tmp_path / "i.json").read_text())
     assert summary["mlflow.run_id"] == run.info.run_id
-    assert run.data.metrics["ingest.rows_ok"] == summary["ingest.rows_ok"]
+    assert run.data.metrics["ingest/rows_ok"] == summary["ingest.rows_ok"]
     assert run.data.params["ds"] == DAY and run.data.tags["ds"] == DAY
     assert run.info.status == "FINISHED"
     assert "summary.json" in [a.path for a in client.list_artifacts(run.info.run_id)]
     _, gen = _runs(uri, "generate")
-    assert gen[0].data.metrics["storage.ratio"] > 1 and "dedup.factor.mean" in gen[0].data.metrics
+    assert gen[0].data.metrics["storage/ratio"] > 1
+    assert "storage/dedup.factor.mean" in gen[0].data.metrics
 
 
 def test_a_failed_stage_is_recorded_as_failed(tmp_path):
@@ -161,7 +162,7 @@ def test_commands_log_to_a_real_mlflow_server(mlflow_server, tmp_path):
         "small",
     )
     _, runs = _runs(mlflow_server, "synth")
-    assert len(runs) == 1 and runs[0].data.metrics["synth.rows"] > 1000
+    assert len(runs) == 1 and runs[0].data.metrics["ingest/synth.rows"] > 1000
     # the daily run registers its model through the server and names a champion
     recd(
         "--tracking-uri",

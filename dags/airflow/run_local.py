@@ -83,6 +83,8 @@ def print_summary(dag_id: str, day: dt.date, state: str, tracking_uri: str | Non
         return
     from mlflow.tracking import MlflowClient
 
+    from recd_core.mlops.metric_names import metric_name
+
     client = MlflowClient(tracking_uri=tracking_uri)
     exp = client.get_experiment_by_name("recd")
     runs = (
@@ -124,7 +126,11 @@ def print_summary(dag_id: str, day: dt.date, state: str, tracking_uri: str | Non
     trained = t.get("ds") or "?"
     show(
         f"{dag_id} {day}: {state}",
-        {"trained on": trained, "started from": started, **{k: m[k] for k in keep if k in m}},
+        {
+            "trained on": trained,
+            "started from": started,
+            **{k: m[metric_name(k)] for k in keep if metric_name(k) in m},
+        },
     )
     if state != "success":
         console.print(f"[red]failed:[/red] {summary.get('error', 'see the task log above')}")

@@ -1,8 +1,8 @@
 """MLflow run records: one run per command, in the experiment `recd` (or the one given).
 
 A run holds the command's arguments as params, the numeric figures of its summary as
-metrics (the contract keys: `storage.bytes`, `dpp.samples_per_s`, `train.samples_per_s`,
-`eval.ne`, ...), tags that make the UI comparison easy (`recd.stage`, `mode`, `ds`), system
+metrics, once each and named by section (metric_names.py: `storage/bytes`,
+`dpp/samples_per_s`, `train/samples_per_s`, `eval/ne`, ...), tags that make the UI comparison easy (`recd.stage`, `mode`, `ds`), system
 facts, and the whole summary as `summary.json`. Uses an explicit `MlflowClient` (no global
 MLflow state). The store is checked before the stage runs, so a store that cannot take the
 record fails the command at once instead of after the work: an HTTP server is probed with a
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recd_core.errors import TrackingError, TrackingStoreUnwritable
+from recd_core.mlops.metric_names import metric_name, once_each
 from recd_core.mlops.run_notes import comparison_note, daily_outcome, load_1m
 from recd_core.runtime import cpu_budget
 
@@ -229,7 +230,7 @@ class Tracker:
                 tags.append(RunTag("recd.days", ",".join(days)))
             now = int(time.time() * 1000)
             given = settings(summary)  # hyperparameters and yes/no facts: params, not metrics
-            figures = {k: v for k, v in numeric(summary).items() if k not in given}
+            figures = once_each({k: v for k, v in numeric(summary).items() if k not in given}, arms)
             # the answer first: the UI lists a run's metrics in the order they were logged
             first = [k for k in figures if headline_rank(k) is not None]
             order = sorted(first, key=headline_rank) + [k for k in figures if k not in first]
@@ -257,9 +258,9 @@ class Tracker:
             params = [Param(k, v[:MAX_PARAM]) for k, v in given.items() if k not in known_params]
             for lo in range(0, len(params), 90):  # MLflow caps a batch at 100 params
                 client.log_batch(run_id, params=params[lo : lo + 90])
-            metrics = [Metric(k, figures[k], now, 0) for k in order]
+            metrics = [Metric(metric_name(k), figures[k], now, 0) for k in order]
             metrics += [
-                Metric(k, v, now, step)
+                Metric(metric_name(k), v, now, step)
                 for k, step, v in (*histories(summary), *by_day(summary))
                 if math.isfinite(v)
             ]

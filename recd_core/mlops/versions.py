@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from recd_core.errors import BadInput, first_line
 from recd_core.leftovers import owned_tempdir
+from recd_core.mlops.metric_names import metric_name
 from recd_core.mlops.pyfunc import save_pyfunc
 from recd_core.mlops.tracking import numeric
 
@@ -108,7 +109,7 @@ def log_model_metrics(tracker, run_id: str, model_id: str, scored: dict) -> None
 
     now = int(time.time() * 1000)
     figures = numeric({k: v for k, v in scored.items() if k.startswith("eval.")})
-    metrics = [Metric(k, v, now, 0, model_id=model_id) for k, v in figures.items()]
+    metrics = [Metric(metric_name(k), v, now, 0, model_id=model_id) for k, v in figures.items()]
     tracker.client().log_batch(run_id, metrics=metrics)
 
 
