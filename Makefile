@@ -17,7 +17,7 @@ MLFLOW_DB := $(CURDIR)/$(DATA)/mlflow.db
 # fits of ours and of the best reference per MovieLens split in the benches: their spread
 SEEDS ?= 3
 
-.PHONY: run test lint venv airflow movielens movielens-1m bench bench-1m bench-scaling ui pipeline helm image image-lock clean distclean
+.PHONY: run test lint venv airflow screenshots movielens movielens-1m bench bench-1m bench-scaling ui pipeline helm image image-lock clean distclean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,14 @@ airflow: $(STAMP)
 	  AIRFLOW__CORE__EXECUTION_API_SERVER_URL=http://127.0.0.1:$(AIRFLOW_PORT)/execution/ \
 	  $(BIN)/airflow standalone
 
+# The screenshots of docs/operations.md from the real UIs (scripts/screenshots.py): Airflow
+# standalone, mlflow server and Debian's chromium (apt-get install chromium), driven by
+# Playwright (installed here for this target only, not a dependency of recd).
+screenshots: $(STAMP)
+	@command -v chromium >/dev/null || { echo "make screenshots: needs chromium (apt-get install chromium)"; exit 2; }
+	@$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/pip install -q playwright
+	$(BIN)/python scripts/screenshots.py
+
 # The Kubeflow pipeline, compiled (a build output: upload it in the Kubeflow UI).
 pipeline: $(STAMP)
 	$(BIN)/python dags/kubeflow/recd_pipeline.py --out-dir build/kfp $(if $(IMAGE),--image $(IMAGE)) $(if $(TRAIN_NODES),--train-nodes $(TRAIN_NODES)) $(if $(NPROC_PER_NODE),--nproc-per-node $(NPROC_PER_NODE))
@@ -96,8 +104,8 @@ ui: $(STAMP)
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(MLFLOW_DB) --host 127.0.0.1 --port 5000
 
 lint: $(STAMP)
-	$(BIN)/ruff check recd_core components dags tests
-	$(BIN)/ruff format --check recd_core components dags tests
+	$(BIN)/ruff check recd_core components dags tests scripts
+	$(BIN)/ruff format --check recd_core components dags tests scripts
 	@# the house's rules ruff has no rule for: imports at the top but for the heavy packages,
 	@# no import circle, no module past 600 lines, the module map complete (a second)
 	$(BIN)/pytest -q -p no:cacheprovider -n0 tests/test_imports.py

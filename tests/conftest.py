@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -82,11 +83,13 @@ def fresh_warehouse(samples_warehouse, tmp_path) -> Warehouse:
 
 
 # The suite runs on every core (pytest-xdist, `addopts` in pyproject.toml), a test file at a
-# time on a worker, so a file's module fixtures (a trained model, a pipeline's day, a built
-# image) are made once: one xdist group per file, except that the files starting a local
-# Ray instance share one group, since two on one machine at once would contend for its
-# ports. The slowest files go first (in the order one `--durations` run on 2 cores gave), so
-# the workers end together instead of one finishing the bench alone.
+# time on a worker (`--dist loadfile`), so a file's module fixtures (a trained model, a
+# pipeline's day, a built image) are made once and its tests run in order. (`--dist
+# loadgroup` is not used: xdist 3.8 marks a group in `item._nodeid`, which pytest 9 no longer
+# reads, so its groups split a file across workers.) The files starting a local Ray
+# instance run one at a time (a lock held for the file), since two on one machine at once
+# would contend for its ports. The slowest files go first (in the order one `--durations`
+# run on 2 cores gave), so the workers end together instead of one finishing the bench alone.
 RAY_FILES = ("test_dpp", "test_generate", "test_ingest", "test_ray_train")
 SLOWEST_FIRST = (
     "test_bench",
@@ -106,16 +109,21 @@ SLOWEST_FIRST = (
 )
 
 
-def _group(stem: str) -> str:
-    return "ray" if stem in RAY_FILES else stem
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    first: dict[str, int] = {}  # each group's place: its first file's in SLOWEST_FIRST
-    for place, stem in enumerate(SLOWEST_FIRST):
-        first.setdefault(_group(stem), place)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item.path.stem)))
+    place = {stem: i for i, stem in enumerate(SLOWEST_FIRST)}
     # stable: a file's tests keep their order, the files not listed theirs after the rest
-    items.sort(key=lambda item: first.get(_group(item.path.stem), len(SLOWEST_FIRST)))
+    items.sort(key=lambda item: place.get(item.path.stem, len(SLOWEST_FIRST)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_ray_file_at_a_time(request):
+    """A file that starts a local Ray instance holds the run's Ray lock while it runs."""
+    workers = getattr(request.config, "workerinput", None)
+    if workers is None or request.path.stem not in RAY_FILES:
+        yield
+        return
+    from recd_core.leftovers import flocked
+
+    with flocked(f"{tempfile.gettempdir()}/recd-tests-ray-{workers['testrunuid']}.lock"):
+        yield

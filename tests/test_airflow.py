@@ -370,19 +370,19 @@ def test_a_daily_dag_run_writes_the_partitions_records_mlflow_and_names_a_champi
     assert "champion decision: promoted" in first.stdout + first.stderr
 
 
-def test_a_second_run_of_the_same_day_is_idempotent_with_a_new_mlflow_run(daily_run):
+def test_a_second_run_of_the_same_day_keeps_its_data_and_model_with_a_new_mlflow_run(daily_run):
     root, env, _ = daily_run
     before = _partition_files(root)
     second = _run_dag(env, "--date", RUN_DATE)
     assert second.returncode == 0, second.stdout[-3000:]
     after = _partition_files(root)
-    # the same partitions with the same rows; files replaced, never duplicated
-    strip = lambda files: sorted((str(Path(f).parent), n) for f, n in files.items())  # noqa: E731
-    assert strip(after) == strip(before)
+    # the same partitions, the same files: built from the same inputs, each kept
+    assert after == before
     client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
     exp = client.get_experiment_by_name("recd")
     assert len(client.search_runs([exp.experiment_id], "tags.`recd.stage` = 'pipeline'")) == 2
-    assert len(client.search_model_versions("name='recd-dlrm'")) == 2
+    # the same model (the same batches, config and start): one registered version
+    assert len(client.search_model_versions("name='recd-dlrm'")) == 1
 
 
 def test_a_failing_stage_fails_its_task_with_its_reason_and_nothing_downstream_runs(
@@ -398,6 +398,10 @@ def test_a_failing_stage_fails_its_task_with_its_reason_and_nothing_downstream_r
     out = r.stdout + r.stderr
     assert r.returncode == 1
     assert "recd ingest: " in out and "quarantine" in out
+    # the alert names the task, the day and the reason, in the task's log
+    alert = next(ln for ln in out.splitlines() if "recd alert: " in ln)
+    assert f"task ingest failed for ds={TRAIN_DAY}: recd ingest: " in alert, alert
+    assert "quarantine" in alert and "task_failure" not in out
     assert "starting task_id=ingest " in out and "starting task_id=generate " not in out
     assert not list((tmp_path / "wh").glob(f"samples/*/ds={TRAIN_DAY}"))
     assert not (tmp_path / "wh" / "events" / f"ds={TRAIN_DAY}").exists()

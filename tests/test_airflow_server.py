@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from airflow_env import airflow_env
+from doc_blocks import block_with, run_block
 from mlflow.tracking import MlflowClient
 
 from recd_core.modeling.launch import free_port
@@ -186,14 +187,28 @@ def test_a_manual_run_of_the_scheduled_runs_day_trains_nothing_and_registers_not
     """Triggered from the form for the day the scheduled-style run above trained: its data
     stages keep that run's partitions, its training uses that run's model, its register
     stage adds no version; its logs say so, with no error."""
-    api, root, _, _ = airflow
-    final, tis = _trigger_and_wait(
-        airflow, DAILY.name, {"logical_date": None, "conf": {"ds": "2026-11-01"}}
+    api, root, server, log = airflow
+    # triggered as docs/operations.md says, pasted into a shell (this server's address)
+    said = run_block(
+        block_with("/api/v2/dags/recd_daily_retrain/dagRuns"),
+        {"http://localhost:8080": api.base, '"username": "admin"': f'"username": "{USER}"'},
+        env={"PASSWORD": PASSWORD},
     )
+    assert said.returncode == 0, said.stderr
+    run = json.loads(said.stdout)
+    assert run["conf"] == {"ds": "2026-11-01"}, run
+    path = f"/api/v2/dags/{DAILY.name}/dagRuns/{run['dag_run_id']}"
+
+    def ended():
+        api.login()
+        state = api.call("GET", path)
+        return state if state["state"] in ("success", "failed") else None
+
+    final = _wait(f"{DAILY.name} run", ended, 900, server, log)
+    tis = api.call("GET", f"{path}/taskInstances")["task_instances"]
     assert final["state"] == "success", {t["task_id"]: t["state"] for t in tis}
     client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
     assert [str(v.version) for v in client.search_model_versions("name = 'recd-dlrm'")] == ["1"]
-    path = f"/api/v2/dags/{DAILY.name}/dagRuns/{final['dag_run_id']}"
     train = _log(api, f"{path}/taskInstances/train/logs/1")
     events = [str(e.get("event", "")) for e in train]
     assert any("was trained by an earlier run" in e for e in events), events[-40:]

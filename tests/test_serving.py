@@ -16,6 +16,7 @@ from pathlib import Path
 
 import mlflow.artifacts
 import pytest
+from doc_blocks import block_with, run_block
 from mlflow.tracking import MlflowClient
 
 from recd_core.modeling.launch import free_port
@@ -504,3 +505,34 @@ def test_a_moved_alias_is_followed_and_a_broken_version_never_served(champion, r
     log = server.proc.stderr.read().decode()
     assert f"now serving models:/recd-dlrm@champion version {promoted.version}" in log
     assert f"version {promoted.version} serves on" in log
+
+
+def test_the_operations_pages_serving_and_status_commands_run_as_written(champion, tmp_path):
+    """docs/operations.md's requests pasted into a shell: the ranking request written out in
+    full and the registered version's own example, each answered with scores; `recd
+    status` of the day. Only the places that name a user's site are swapped."""
+    root, uri, _ = champion
+    server = recd_serve(uri)
+    try:
+        host = {"http://recd-serve:8080": f"http://127.0.0.1:{server.port}"}
+        direct = run_block(block_with("/invocations -d '{"), host)
+        assert direct.returncode == 0, direct.stderr
+        scores = json.loads(direct.stdout)["predictions"]
+        assert len(scores) == 2 and all(0 < p < 1 for p in scores), direct.stdout
+        saved = run_block(
+            block_with("mlflow artifacts download"),
+            {**host, "/tmp/champion": str(tmp_path / "champion")},
+            env={"MLFLOW_TRACKING_URI": uri},
+        )
+        assert saved.returncode == 0, saved.stderr[-2000:]
+        # mlflow prints the file's path, then curl the answer
+        assert json.loads(saved.stdout.splitlines()[-1])["predictions"], saved.stdout
+    finally:
+        server.stop()
+    status = run_block(
+        block_with("recd status --warehouse"),
+        {"2026-11-24": DAY},
+        env={"RECD_WAREHOUSE": str(root / "wh")},
+    )
+    assert status.returncode == 0, status.stderr
+    assert "fresh" in status.stdout + status.stderr

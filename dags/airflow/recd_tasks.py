@@ -442,6 +442,7 @@ def default_args() -> dict:
         "retry_exponential_backoff": True,
         "max_retry_delay": dt.timedelta(minutes=10),
         "execution_timeout": dt.timedelta(minutes=SETTINGS.task_timeout_minutes),
+        "on_failure_callback": on_task_failure,
     }
 
 
@@ -486,11 +487,34 @@ def dag_options(name: str) -> dict:
     }
 
 
-def on_run_failure(context) -> None:
-    """A failed DAG run: which run, which tasks failed, why (the scheduler's reason), to the
-    notifier."""
+def on_task_failure(context) -> None:
+    """A task failed for good (its retries spent): the task, the day and the one-line reason
+    to the notifier. It runs in the task's process, so the default notifier's ERROR line is
+    the last line of the task's own log, where a user looks first."""
+    from recd_core.errors import first_line
     from recd_core.orchestration.alerts import notifier
 
+    ti, task = context.get("ti"), context.get("task")
+    args = (getattr(task, "op_args", None) or [None])[0]  # the stage's arguments, rendered
+    ds = args.get("ds") if isinstance(args, dict) else None
+    error = context.get("exception")
+    notifier(SETTINGS.notifier)(
+        f"{getattr(ti, 'dag_id', '?')} task {getattr(ti, 'task_id', '?')} failed"
+        + (f" for ds={ds}" if ds else "")
+        + (f": {first_line(error, 500)}" if error else ""),
+        run_id=getattr(ti, "run_id", None),
+        try_number=getattr(ti, "try_number", None),
+    )
+
+
+def on_run_failure(context) -> None:
+    """A failed DAG run, when no task said so itself (a run timeout): which run, which tasks
+    failed, why (the scheduler's reason), to the notifier. A task's failure was told by the
+    task (`on_task_failure`), with its reason: not told twice."""
+    from recd_core.orchestration.alerts import notifier
+
+    if context.get("reason") == "task_failure":
+        return
     run = context.get("dag_run")
     failed = []
     if run is not None:
