@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import threading
@@ -124,7 +125,8 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def print_summary(title: str, summary: dict, skip_prefixes: tuple[str, ...] = ()) -> None:
+def summary_table(title: str, summary: dict, skip_prefixes: tuple[str, ...] = ()) -> Table:
+    """A summary as a two-column table: its keys, in order, and their values formatted."""
     table = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
     table.add_column(style="cyan", no_wrap=True)
     table.add_column(overflow="fold")  # a path whole, folded onto the next line, never cut
@@ -135,8 +137,21 @@ def print_summary(title: str, summary: dict, skip_prefixes: tuple[str, ...] = ()
         if ".history" in key:  # curves: MLflow plots them (metric history)
             continue
         table.add_row(key, _fmt(key, value))
-    answer.print(table)
-    answer.file.flush()  # in a task log: the block whole, before the task's own lines
+    return table
+
+
+def print_summary(title: str, summary: dict, skip_prefixes: tuple[str, ...] = ()) -> None:
+    answer.print(summary_table(title, summary, skip_prefixes))
+    answer.file.flush()
+
+
+def summary_text(title: str, summary: dict, width: int = 110) -> str:
+    """The summary table as plain text, for one log record: a task log shows it as one block
+    where it was logged (printed lines reach a task log through a pipe, timestamped on
+    arrival: after the task's own last lines, inside the group Airflow folds away)."""
+    out = Console(width=width, record=True, file=io.StringIO(), color_system=None)
+    out.print(summary_table(title, summary))
+    return out.export_text().rstrip()
 
 
 def write_summary(path: str | Path | None, summary: dict) -> None:

@@ -149,26 +149,32 @@ def shoot(af: str, ml: str, good: str, bad: str, root: Path, out: Path) -> None:
         page.keyboard.press("Escape")
 
         # Airflow: the end of a train task's log, and the failed run's failing task
-        for run, task, name in (
-            (good, "train", "airflow-train-log"),
-            (bad, "start", "airflow-failed-run"),
-        ):
+        shots = ((good, "train", "airflow-train-log"), (bad, "start", "airflow-failed-run"))
+        for run, task, name in shots:
             page.goto(f"{af}/dags/{DAG}/runs/{run}/tasks/{task}")
-            page.wait_for_timeout(4000)
-            page.keyboard.press("End")
-            page.mouse.wheel(0, 100000)
-            page.wait_for_timeout(1500)
+            for _ in range(4):  # the viewer loads a long log as it is scrolled
+                page.wait_for_timeout(2000)
+                page.mouse.move(800, 600)
+                page.mouse.wheel(0, 100000)
             page.screenshot(path=out / f"{name}.png")
 
-        # MLflow: the daily run (its description states the outcome), its charts by section,
-        # and the failed run
+        # MLflow (its model-training view): the daily run, its description stating the
+        # outcome, its charts by section, and the failed run
+        view = "?workflowType=machine_learning"
         for run, tab, name in (
             (daily, "", "mlflow-daily-run"),
             (daily, "/model-metrics", "mlflow-daily-charts"),
             (failed, "", "mlflow-failed-run"),
         ):
-            page.goto(f"{ml}/#/experiments/{exp}/runs/{run}{tab}")
-            page.wait_for_timeout(6000)
+            page.goto(f"{ml}/#/experiments/{exp}/runs/{run}{tab}{view}")
+            page.wait_for_timeout(5000)
+            close = page.get_by_role("button", name="Close")
+            if close.count():  # the assistant's side panel
+                close.first.click()
+                page.wait_for_timeout(500)
+            if not tab:
+                page.get_by_text("Description", exact=True).first.scroll_into_view_if_needed()
+                page.wait_for_timeout(500)
             page.screenshot(path=out / f"{name}.png")
         browser.close()
 

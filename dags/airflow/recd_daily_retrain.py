@@ -80,7 +80,10 @@ def recd_daily_retrain():
             "synthesize": SETTINGS.synthesize,
             "tracking_uri": SETTINGS.tracking_uri,
             # the kind, the day and how it was started (manual, scheduled, backfill)
-            "pipeline": "recd_daily_retrain " + TRAIN_DAY + " {{ dag_run.run_type }}",
+            # (an enum, written `DagRunType.MANUAL`: shown as `manual`)
+            "pipeline": "recd_daily_retrain "
+            + TRAIN_DAY
+            + " {{ dag_run.run_type | string | replace('DagRunType.', '') | lower }}",
             **override_args(exclude=("mode",)),
         },
     )

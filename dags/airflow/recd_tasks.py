@@ -17,7 +17,9 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
+import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -31,6 +33,12 @@ from recd_core.orchestration.alerts import DEFAULT as ALERTS_DEFAULT
 from recd_core.orchestration.graph import STAGES, Graph
 from recd_core.orchestration.overlay import config_words
 from recd_core.orchestration.stage_args import for_stage, override_fields, param_schema
+
+# the standard provider's sensor imports a path Airflow 3.3 deprecates: a WARNING at the top
+# of every task's log that no user can act on (ours is `@task.sensor`, the current API)
+warnings.filterwarnings(
+    "ignore", message=r"The `airflow\.utils\.operator_helpers\.determine_kwargs`"
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -231,8 +239,8 @@ def stage(name: str, args: dict, task_id: str, upstream: list[str], tables: list
     if SETTINGS.executor == "kubernetes":
         return _pod(name, task_id, args, outlets, upstream_json)
 
-    # the summary is printed as a table (print_summary) and goes on as the XCom; Airflow's
-    # "Returned value was: {...}" line of hundreds of keys would only repeat it
+    # the summary is logged as one table (report.summary_text) and goes on as the XCom;
+    # Airflow's "Returned value was: {...}" line of hundreds of keys would only repeat it
     @task(
         task_id=task_id,
         outlets=outlets,
@@ -244,9 +252,10 @@ def stage(name: str, args: dict, task_id: str, upstream: list[str], tables: list
 
         from recd_core.errors import RecdError
         from recd_core.orchestration.stages import run_stage
-        from recd_core.report import print_summary, progress
+        from recd_core.report import progress, summary_text
 
         quiet_third_parties()
+        ds = stage_args.get("ds")
         try:
             summary = run_stage(
                 name,
@@ -257,13 +266,16 @@ def stage(name: str, args: dict, task_id: str, upstream: list[str], tables: list
         except RecdError as e:
             if e.retryable:  # e.g. the tracking server: the task's retries apply
                 raise
+            # the reason as the log's last line before Airflow's own report of the failure
+            logging.getLogger("recd").error("recd %s failed for ds=%s: %s", name, ds, e)
             raise AirflowFailException(f"recd {name}: {e}") from None
         for out in outlets:
             context["outlet_events"][out].extra = {"ds": stage_args["ds"]}
         # the log ends on the answer, read like the CLI's output: the headline figures first;
         # a gathering stage's merged summary (finish, compare) only its headline (each
         # stage's own log, and MLflow, hold the rest)
-        print_summary(f"recd {name}", headline_first(summary, only=STAGES[name].gathers))
+        table = summary_text(f"recd {name}", headline_first(summary, only=STAGES[name].gathers))
+        logging.getLogger("recd").info("%s", table)
         return summary
 
     return run(args, upstream_json)
