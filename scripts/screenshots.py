@@ -150,6 +150,7 @@ def shoot(af: str, ml: str, good: str, bad: str, root: Path, out: Path) -> None:
 
         # Airflow: the end of a train task's log, and the failed run's failing task
         shots = ((good, "train", "airflow-train-log"), (bad, "start", "airflow-failed-run"))
+        page.set_viewport_size({"width": SIZE["width"], "height": 1400})  # the table whole
         for run, task, name in shots:
             page.goto(f"{af}/dags/{DAG}/runs/{run}/tasks/{task}")
             for _ in range(4):  # the viewer loads a long log as it is scrolled
@@ -158,6 +159,7 @@ def shoot(af: str, ml: str, good: str, bad: str, root: Path, out: Path) -> None:
                 page.mouse.wheel(0, 100000)
             page.screenshot(path=out / f"{name}.png")
 
+        page.set_viewport_size(SIZE)
         # MLflow (its model-training view): the daily run, its description stating the
         # outcome, its charts by section, and the failed run
         view = "?workflowType=machine_learning"
@@ -174,7 +176,9 @@ def shoot(af: str, ml: str, good: str, bad: str, root: Path, out: Path) -> None:
                 page.wait_for_timeout(500)
             if not tab:
                 page.get_by_text("Description", exact=True).first.scroll_into_view_if_needed()
-                page.wait_for_timeout(500)
+            else:  # every section's header and first charts in one view
+                page.evaluate("document.body.style.zoom = '0.5'")
+            page.wait_for_timeout(1500)
             page.screenshot(path=out / f"{name}.png")
         browser.close()
 
