@@ -53,3 +53,27 @@ def calibration(labels: np.ndarray, probs: np.ndarray) -> float:
     """Predicted clicks / observed clicks (1 = calibrated)."""
     observed = float(np.sum(labels))
     return float(np.sum(probs)) / observed if observed else float("nan")
+
+
+def throughput_parts(samples, seconds, parts: int = 5) -> list[float]:
+    """A run's throughput (samples/s) over `parts` consecutive pieces of its work (steps,
+    splits): repeats of one measurement within the run, whose spread says how far the
+    figure moves from one stretch of the run to the next (a neighbour's load, the cache)."""
+    n = len(samples)
+    bounds = np.linspace(0, n, min(parts, n) + 1).astype(int)
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        took = float(np.sum(seconds[lo:hi]))
+        if hi > lo and took > 0:
+            out.append(float(np.sum(samples[lo:hi])) / took)
+    return out
+
+
+def ratio_band(ours: list[float], theirs: list[float]) -> tuple[float, float] | None:
+    """The lowest and highest ratio of one run's parts to another's, part by part (`ours[i]
+    / theirs[i]`): the band a ratio of the two runs' throughputs moves in. None with fewer
+    than three parts a side (no spread to speak of)."""
+    if not ours or not theirs or min(len(ours), len(theirs)) < 3:
+        return None
+    rs = [a / b for a, b in zip(ours, theirs, strict=False) if b > 0]
+    return (min(rs), max(rs)) if len(rs) >= 3 else None

@@ -113,7 +113,7 @@ def _fmt(key: str, value) -> str:
     if isinstance(value, dict):
         return ", ".join(f"{k}: {v}" for k, v in value.items()) or "-"
     if isinstance(value, list):
-        return ", ".join(map(str, value))
+        return ", ".join(_fmt(key, v) for v in value)
     return str(value)
 
 

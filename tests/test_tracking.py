@@ -194,3 +194,45 @@ def test_a_ratio_is_worded_by_the_way_it_goes():
     assert by_direction(3.08, "smaller", "larger") == "**3.08x smaller** with dedup"
     assert by_direction(0.82, "faster", "slower") == "**1.22x slower** with dedup"
     assert by_direction(1.0, "faster", "slower") == "**1.00x faster** with dedup"
+
+
+def test_a_throughput_ratio_inside_its_run_to_run_noise_is_said_to_be():
+    """Each arm's throughput over five stretches of its run: a ratio whose part-by-part band
+    spans 1x claims nothing; one clear of it says how far it moves."""
+    from recd_core.metrics import ratio_band, throughput_parts
+    from recd_core.mlops.compare import ratios, table_rows
+    from recd_core.mlops.run_notes import by_direction
+
+    parts = throughput_parts([100] * 10, [1.0, 1.0, 2.0, 2.0, 1.0, 1.0, 0.5, 0.5, 1.0, 1.0])
+    assert parts == [100.0, 50.0, 100.0, 200.0, 100.0]
+    assert ratio_band([110, 95, 120, 100, 105], [100] * 5) == (0.95, 1.2)
+    assert ratio_band([1.0, 2.0], [1.0, 1.0]) is None  # too few parts to speak of a spread
+    noisy = by_direction(1.07, "faster", "slower", (0.95, 1.2))
+    assert "inside its run-to-run noise" in noisy and "no difference shown" in noisy
+    clear = by_direction(1.9, "faster", "slower", (1.7, 2.1))
+    assert clear == "**1.90x faster** with dedup (1.70x-2.10x over the runs' parts)"
+    summary = {
+        **{
+            f"{k}.{a}": v
+            for k, v in {
+                "storage.bytes": 100.0,
+                "eval.ne": 0.9,
+                "eval.auc": 0.7,
+                "eval.calibration": 1.0,
+            }.items()
+            for a in ("dedup", "baseline")
+        },
+        "dpp.samples_per_s.dedup": 107.0,
+        "dpp.samples_per_s.baseline": 100.0,
+        "train.samples_per_s.dedup": 190.0,
+        "train.samples_per_s.baseline": 100.0,
+        "dpp.parts_samples_per_s.dedup": [110, 95, 120, 100, 105],
+        "dpp.parts_samples_per_s.baseline": [100] * 5,
+        "train.parts_samples_per_s.dedup": [170, 190, 210, 180, 200],
+        "train.parts_samples_per_s.baseline": [100] * 5,
+    }
+    r = ratios(summary)
+    assert r["compare.dpp_speedup_low"] == 0.95 and r["compare.train_speedup_low"] == 1.7
+    gains = {label: gain for label, _, _, gain in table_rows(summary)}
+    assert gains["DPP samples/s"] == "1.07x (0.95-1.20, noise)"
+    assert gains["train samples/s"] == "1.90x (1.70-2.10)"

@@ -402,6 +402,10 @@ def _preprocess(
         "dpp.batches": w.extra["batches"],
         "dpp.samples_per_s": (samples + valid_samples) / seconds if seconds > 0 else 0.0,
         "dpp.worker_samples_per_s": (samples + valid_samples) / work if work > 0 else 0.0,
+        # each split's own (a worker's): the run's repeats of the figure (compare.py)
+        "dpp.parts_samples_per_s": [
+            (r["samples"] + r["valid_samples"]) / r["seconds"] for r in results if r["seconds"] > 0
+        ],
         "dpp.bytes_out": w.info.bytes,
         "dpp.kept": w.kept is not None,  # built from the same samples: unchanged
         "dpp.seconds": seconds,

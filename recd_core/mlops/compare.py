@@ -13,6 +13,8 @@ from pathlib import Path
 
 from rich.table import Table
 
+from recd_core.metrics import ratio_band
+
 
 @dataclass(frozen=True)
 class Row:
@@ -36,12 +38,23 @@ MIB = ("storage.bytes",)
 
 def ratios(summary: dict) -> dict[str, float]:
     """Dedup over baseline from a two-arm summary (`<key>.dedup`, `<key>.baseline`): storage
-    (baseline bytes / dedup bytes), DPP and training throughput, and the quality gaps."""
+    (baseline bytes / dedup bytes), DPP and training throughput, and the quality gaps; with
+    each arm's throughput over its run's parts (`*.parts_samples_per_s`), the band a
+    throughput ratio moves in (`compare.<stage>_speedup_low` / `_high`)."""
 
     def arm(key: str, mode: str) -> float:
         return summary[f"{key}.{mode}"]
 
+    bands = {}
+    for stage in ("dpp", "train"):  # the throughput ratio over the runs' parts (its noise)
+        band = ratio_band(
+            summary.get(f"{stage}.parts_samples_per_s.dedup") or [],
+            summary.get(f"{stage}.parts_samples_per_s.baseline") or [],
+        )
+        if band is not None:
+            bands[f"compare.{stage}_speedup_low"], bands[f"compare.{stage}_speedup_high"] = band
     return {
+        **bands,
         "storage.ratio": arm("storage.bytes", "baseline") / arm("storage.bytes", "dedup"),
         "dpp.speedup": arm("dpp.samples_per_s", "dedup") / arm("dpp.samples_per_s", "baseline"),
         "train.speedup": arm("train.samples_per_s", "dedup")
@@ -53,7 +66,7 @@ def ratios(summary: dict) -> dict[str, float]:
 
 def table_rows(summary: dict) -> list[tuple[str, float, float, str]]:
     """(label, dedup, baseline, dedup's advantage) per row, from a two-arm run summary."""
-    out = []
+    out, r = [], ratios(summary)
     for row in ROWS:
         d, b = summary[f"{row.key}.dedup"], summary[f"{row.key}.baseline"]
         if row.key in MIB:
@@ -63,6 +76,13 @@ def table_rows(summary: dict) -> list[tuple[str, float, float, str]]:
         else:
             ratio = d / b if row.higher_is_better else b / d
             gain = f"{ratio:.2f}x"
+            stage = row.key.split(".")[0]
+            low, high = (
+                r.get(f"compare.{stage}_speedup_low"),
+                r.get(f"compare.{stage}_speedup_high"),
+            )
+            if low is not None:  # how far it moves over the runs' parts; ~ when that spans 1x
+                gain += f" ({low:.2f}-{high:.2f}{', noise' if low <= 1 <= high else ''})"
         out.append((row.label, d, b, gain))
     return out
 

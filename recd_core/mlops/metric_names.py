@@ -10,6 +10,7 @@ alphabetical wall of single-bar charts. The summaries keep their dotted contract
     dedup.factor.user_id     ->  storage/dedup.factor.user_id
     preprocess.peak_rss_bytes -> system/preprocess.peak_rss_bytes
     registry.champion_ne     ->  eval/registry.champion_ne
+    compare.dpp_speedup_low  ->  dpp/speedup_low       (a comparison's, beside its stage's)
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def metric_name(key: str) -> str:
     if key.endswith("_rss_bytes"):  # a stage's process memory: beside the system metrics
         return f"system/{key}"
     head, _, rest = key.partition(".")
+    stage, _, figure = rest.partition("_")
+    if head == "compare" and figure and SECTIONS.get(stage) == stage:  # beside its stage's
+        return f"{stage}/{figure}"
     section = SECTIONS.get(head)
     if section is None:
         return key

@@ -36,12 +36,27 @@ def daily_outcome(summary: dict) -> str | None:
     return line
 
 
-def by_direction(ratio: float, gain: str, loss: str) -> str:
+def by_direction(
+    ratio: float, gain: str, loss: str, band: tuple[float, float] | None = None
+) -> str:
     """A baseline/dedup ratio in words that say which way it goes: 3.08 -> "3.08x smaller
-    with dedup", 0.82 -> "1.22x slower with dedup" (never "0.82x faster")."""
-    if ratio >= 1:
-        return f"**{ratio:.2f}x {gain}** with dedup"
-    return f"**{1 / ratio:.2f}x {loss}** with dedup" if ratio > 0 else f"not measured ({ratio})"
+    with dedup", 0.82 -> "1.22x slower with dedup" (never "0.82x faster"); with `band` (the
+    ratio over the runs' parts), how far it moves, and when that straddles 1x, that the
+    ratio is inside its run-to-run noise: no claim either way."""
+    if ratio <= 0:
+        return f"not measured ({ratio})"
+    said = (
+        f"**{ratio:.2f}x {gain}** with dedup"
+        if ratio >= 1
+        else f"**{1 / ratio:.2f}x {loss}** with dedup"
+    )
+    if band is None:
+        return said
+    low, high = band
+    spread = f"{low:.2f}x-{high:.2f}x over the runs' parts"
+    if low <= 1 <= high:
+        return f"{said} (inside its run-to-run noise, {spread}: no difference shown)"
+    return f"{said} ({spread})"
 
 
 def comparison_note(summary: dict) -> str:
@@ -59,8 +74,8 @@ def comparison_note(summary: dict) -> str:
         f"**{'Dedup matches' if ok else 'Dedup does NOT match'} the baseline's quality** "
         f"(next-day NE dedup − baseline {r['eval.ne_gap']:+.4f}, AUC {r['eval.auc_gap']:+.4f}) "
         f"; storage {by_direction(r['storage.ratio'], 'smaller', 'larger')}, DPP "
-        f"{by_direction(r['dpp.speedup'], 'faster', 'slower')}, training "
-        f"{by_direction(r['train.speedup'], 'faster', 'slower')}."
+        f"{by_direction(r['dpp.speedup'], 'faster', 'slower', _band(r, 'dpp'))}, training "
+        f"{by_direction(r['train.speedup'], 'faster', 'slower', _band(r, 'train'))}."
     )
     where = (
         f"Measured on {os.cpu_count()} CPUs, load {load_1m()} at the end (a load above the CPUs "
@@ -68,3 +83,11 @@ def comparison_note(summary: dict) -> str:
         "Artifacts → the comparison PNG; every stage's figures: its child run."
     )
     return f"{verdict}\n\n{table}\n{where}\n"
+
+
+def _band(ratios: dict, stage: str) -> tuple[float, float] | None:
+    low, high = (
+        ratios.get(f"compare.{stage}_speedup_low"),
+        ratios.get(f"compare.{stage}_speedup_high"),
+    )
+    return None if low is None or high is None else (low, high)

@@ -49,6 +49,7 @@ from recd_core.config import FeatureSet, TrainConfig
 from recd_core.dpp.batch_store import BatchStore
 from recd_core.errors import BadInput
 from recd_core.lineage import check_reads, record, staleness, write_ids
+from recd_core.metrics import throughput_parts
 from recd_core.modeling.calibration import calibrate
 from recd_core.modeling.checkpoints import checkpoint_state, one_writer, run_name
 from recd_core.modeling.early_stopping import EarlyStopping, TableStart, on_cpu
@@ -162,6 +163,8 @@ class Run:
     samples: int = 0
     seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
+    step_samples: list[int] = field(default_factory=list)  # each step's, for the parts
+    step_seconds: list[float] = field(default_factory=list)
 
     def optimizer_states(self) -> dict:
         return {"dense": self.opt_dense.state_dict(), "sparse": self.opt_sparse.state_dict()}
@@ -193,7 +196,10 @@ def fit(run: Run) -> None:
         run.step += 1
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
-        run.seconds += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        run.seconds += took
+        run.step_samples.append(batch.size)
+        run.step_seconds.append(took)
         early.losses.append([run.step, loss])
         step, pass_end = run.step, run.step % run.per_epoch == 0
         scores = None
@@ -397,6 +403,10 @@ def finish(run: Run) -> dict:
         "train.resumed_from_step": run.resumed_at,
         "train.samples": samples * world,
         "train.samples_per_s": samples * world / seconds if seconds > 0 and samples else 0.0,
+        # the same over five stretches of the run: how far the figure moves (compare.py)
+        "train.parts_samples_per_s": [
+            x * world for x in throughput_parts(run.step_samples, run.step_seconds)
+        ],
         "train.loss": float(np.mean(run.losses[-10:])) if run.losses else float("nan"),
         "train.seconds": seconds,
         "train.peak_mem_bytes": peak_mem(run.device),
