@@ -125,6 +125,17 @@ def test_recd_bench_writes_and_logs_its_report(tmp_path):
         b < result["sharded.budget_mb"] << 20 for b in result["sharded.table_bytes_per_rank"]
     )
     assert "no placement of the tables" in result["sharded.half_budget_refusal"]
+    # FlexShard's placement replayed on the day's lookups: fewer bytes between nodes than
+    # row-wise at 16 ranks, within at most a quarter more rows a rank
+    fs = "sharded.flexshard.baseline.w16"
+    assert (
+        result[f"{fs}.flexshard.cross_bytes_per_step"]
+        < result[f"{fs}.row_wise.cross_bytes_per_step"]
+    )
+    assert (
+        result[f"{fs}.flexshard.rows_per_rank"]
+        <= 1.25 * result[f"{fs}.row_wise.rows_per_rank"] + 10
+    )
     # the quality part: two warm-started days against the oracle, the first by both arms
     week = result["week"]
     assert [w["init"] for w in week] == ["scratch", "warm"]

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from recd_core.bench.flexshard import run as flexshard_figures
 from recd_core.bench.kept import machine
 from recd_core.bench.lineage_cost import lineage_costs
 from recd_core.bench.neighbour import neighbour_figures
@@ -123,6 +124,8 @@ def run_bench(
     result.update(dpp_figures(wh, DS))
     if train:
         result.update(_train_figures(wh, DS, out))
+        # FlexShard's placement against TorchRec's, on the day's batches DPP just wrote
+        result.update(flexshard_figures(wh, DS))
 
     rows = result["synthetic"]["rows"]
     seconds = {
