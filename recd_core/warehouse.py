@@ -51,14 +51,10 @@ the read nor deletes what it reads; every read of the partition through that `Wa
 by the next write. On object stores the pinned manifest's files stay through the next
 commit (it deletes only the files of the version before the one it replaces).
 
-Concurrent writers of one partition (an operator re-running a day while the scheduler does)
-both end cleanly on a local warehouse: each writes its own staging directory, and the short
-steps that touch shared state (removing dead writers' staging, recovery, the swap) run under
-an advisory `flock` on the partition's lock file, so the last committer wins. A staging
-directory is a dead writer's when its `_writer.lock` is not held: the kernel drops the lock
-of a killed process, so a live writer's staging is never taken for a crash's leftovers.
-Object stores and HDFS have no such lock: there the orchestrator runs one writer per day
-(the daily DAG's `max_active_runs=1`).
+Concurrent writers of one partition both end cleanly on a local warehouse: each stages its
+own, the steps on shared state run under the partition's `flock` (the last committer wins),
+and a staging directory whose `_writer.lock` nobody holds is a dead writer's. Object stores
+and HDFS have no such lock: one writer per day is the orchestrator's (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -276,8 +272,12 @@ class Warehouse:
     def exclusive(self, name: str) -> Iterator[None]:
         """One holder at a time of `name` among the processes using this warehouse
         (`<root>/_locks/<name>.lock`, blocking), e.g. registering a day's model; nothing
-        where the warehouse has no locks (object stores: the orchestrator runs one)."""
-        with flocked(f"{self.root}/_locks/{name}.lock") if self.locks else contextlib.nullcontext():
+        where the warehouse has no locks (object stores: the orchestrator runs one) or is
+        read-only (no writer to wait for)."""
+        if not self.locks:
+            yield
+            return
+        with flocked(f"{self.root}/_locks/{name}.lock", optional=True):
             yield
 
     @contextlib.contextmanager

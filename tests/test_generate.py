@@ -1,3 +1,4 @@
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -161,10 +162,13 @@ def test_the_ray_engine_writes_the_same_partitions_and_figures(generated):
     layouts = ("clustered", "shuffled")
     figures, files = {}, {}
     for cfg in (local, on_ray):
+        # each engine writes afresh (a build of what is there would keep the first's files)
+        shutil.rmtree(Path(wh.root) / "samples", ignore_errors=True)
         s = generate(wh, DAY, cfg, layouts=layouts)
         figures[cfg.engine] = {
             k: v for k, v in s.items() if k.split(".")[0] in ("storage", "dedup")
         }
+        assert not s["storage.kept"]
         files[cfg.engine] = [
             [Path(f).read_bytes() for f in wh.stored_files("samples", DAY, layout=lay)]
             for lay in layouts

@@ -40,8 +40,10 @@ def run_name(ds: str, cfg: TrainConfig, batches_id: str = "") -> str:
     """The training run's key: day, mode, config and the batches partition's write id. A
     retry on the same batches resumes the run's checkpoints; re-preprocessed batches (a new
     write id) start a new run instead of resuming onto other data."""
-    where = {"device", "threads", "nproc", "engine", "max_failures", "saved_layout"}
-    key = cfg.model_dump_json(exclude=where) + batches_id  # not where it runs: resumed anywhere
+    where = {"device", "threads", "nproc", "engine", "max_failures"}
+    # not where it runs (resumed anywhere); the saved layout is in it: a model asked for in
+    # another layout is another model directory, never one a registered version names
+    key = cfg.model_dump_json(exclude=where) + batches_id
     return f"{ds}-{cfg.mode}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
 
 

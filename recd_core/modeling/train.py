@@ -229,6 +229,7 @@ def trained_before(run: Run) -> dict | None:
     if run.wh.fs.get_file_info(f"{base}/model.json").type != pafs.FileType.File:
         return None
     uri = f"{run.wh.uri.rstrip('/')}/models/{run.checkpoints.run}"
+    saved = saved_summary(uri)
     try:
         load_model(uri)  # every file it names, verified
     except (BadInput, OSError, ValueError, KeyError):  # damaged, partial: trained again
@@ -240,7 +241,7 @@ def trained_before(run: Run) -> dict | None:
             flush=True,
         )
     summary = {
-        **saved_summary(uri),
+        **saved,
         "train.reused": True,
         # this run's own start (the same weights: a scratch start whatever its reason)
         "train.init_from": run.init.uri or "",
