@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from recd_core.bench.flexshard import list_tables, lookups, replay
+from recd_core.bench.flexshard import counts, list_tables, lookups, replay
 from recd_core.config import PreprocessConfig
 from recd_core.dpp.batch_store import BatchStore
 from recd_core.dpp.preprocess import preprocess
@@ -94,10 +94,7 @@ def test_on_a_days_lookups_flexshard_cuts_the_traffic_within_its_budget(fresh_wa
     store = BatchStore(fresh_warehouse, DAY, "dedup")
     tables = list_tables(store.model_features)
     assert tables  # the history and the id lists
-    seen = {t: np.zeros(rows, np.int64) for t, (_, rows) in tables.items()}
-    for i in range(len(store)):
-        for t, ids in lookups(store[i], tables).items():
-            seen[t] += np.bincount(ids, minlength=len(seen[t]))[: len(seen[t])]
+    seen = counts(store, tables)
     one_node = replay(store, tables, seen, 32, 4, 1.25, 4)
     assert one_node["flexshard"][0].total < one_node["row_wise"][0].total
     assert one_node["flexshard"][1] <= int(1.25 * one_node["row_wise"][1]) + len(tables)

@@ -52,15 +52,10 @@ class Placement:
                          holding its node's copy; HOT: -1
     """
 
-    name: str
     tier: np.ndarray
     slot: np.ndarray
     world: int
     per_node: int
-
-    @property
-    def rows(self) -> int:
-        return len(self.tier)
 
     def rows_per_rank(self) -> np.ndarray:
         """The rows each rank holds (its memory, in rows)."""
@@ -87,16 +82,16 @@ def row_wise(rows: int, world: int, per_node: int) -> Placement:
     """TorchRec's row-wise plan: contiguous blocks of ceil(rows / world) rows."""
     block = -(-rows // world)
     slot = np.arange(rows, dtype=np.int64) // block
-    return Placement("row_wise", np.full(rows, COLD, np.int8), slot, world, per_node)
+    return Placement(np.full(rows, COLD, np.int8), slot, world, per_node)
 
 
 def table_wise(rows: int, world: int, per_node: int, rank: int) -> Placement:
     """TorchRec's table-wise plan: the whole table on `rank`."""
     slot = np.full(rows, rank, np.int64)
-    return Placement("table_wise", np.full(rows, COLD, np.int8), slot, world, per_node)
+    return Placement(np.full(rows, COLD, np.int8), slot, world, per_node)
 
 
-def worth_copying(counts: np.ndarray, steps: int, world: int, copies: int, dim: int):
+def worth_copying(counts: np.ndarray, steps: int, copies: int, dim: int):
     """Whether a copy of each row on `copies` places (every rank, or every node) saves more
     bytes than it costs: its lookups a step (`counts / steps`, Poisson) stop crossing to the
     one owner, but every step that touches it combines its gradient over the copies (a ring:
@@ -132,9 +127,9 @@ def flexshard(
     slack = budget_rows - floor  # rows of memory a rank may spend on copies
     n_warm = n_hot = 0
     ranked = counts[order]
-    worth_hot = int(worth_copying(ranked, steps, world, world, dim).sum())
+    worth_hot = int(worth_copying(ranked, steps, world, dim).sum())
     if world > 1 and nodes > 1:  # a warm row costs 1/per_node - 1/world of a row a rank
-        worth_warm = int(worth_copying(ranked, steps, world, nodes, dim).sum())
+        worth_warm = int(worth_copying(ranked, steps, nodes, dim).sum())
         cost = 1 / per_node - 1 / world
         n_warm = min(worth_warm, int(slack / cost)) if cost > 0 else 0
         while n_warm and memory(0, n_warm) > budget_rows:
@@ -153,7 +148,7 @@ def flexshard(
     warm, cold = order[tier[order] == WARM], order[tier[order] == COLD]
     slot[warm] = _snake(len(warm), per_node)
     slot[cold] = _snake(len(cold), world)
-    return Placement("flexshard", tier, slot, world, per_node)
+    return Placement(tier, slot, world, per_node)
 
 
 @dataclass
