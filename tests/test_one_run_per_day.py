@@ -91,3 +91,17 @@ def test_a_training_resumes_or_reuses_only_what_its_own_batches_built(fresh_ware
     assert other["train.run"] != first["train.run"] and not other.get("train.reused")
     assert other["train.resumed_from_step"] == 0 and other["train.steps"] == 3
     assert Path(wh.root, "models", first["train.run"], "model.json").exists()  # untouched
+
+
+def test_a_damaged_model_of_the_same_run_is_trained_again_not_used(fresh_warehouse):
+    """A model.json cut short (a crash mid-save, a damaged copy) is no model to reuse: the
+    run trains again and saves it whole."""
+    wh = fresh_warehouse
+    cfg = TrainConfig(batch_size=512, epochs=1, max_steps=3)
+    preprocess(wh, DAY, PreprocessConfig(batch_size=512))
+    first = train(wh, DAY, cfg)
+    meta = Path(wh.root, "models", first["train.run"], "model.json")
+    meta.write_text(meta.read_text()[:40])
+    again = train(wh, DAY, cfg)
+    assert not again.get("train.reused") and again["train.model_uri"] == first["train.model_uri"]
+    assert train(wh, DAY, cfg)["train.reused"]  # whole again: used

@@ -232,12 +232,17 @@ def save_model(
         "checksums": {name: zlib.crc32(data) for name, data in files.items()},
     }
     write_bytes(wh, f"{base}/model.json", json.dumps(meta, indent=1).encode())
-    return f"{wh.uri.rstrip('/')}/models/{run}"
+    return model_uri(wh, run)
 
 
 def model_base(wh: Warehouse, run: str) -> str:
     """Where run `run`'s model is saved, inside the warehouse's filesystem."""
     return f"{wh.root}/models/{run}"
+
+
+def model_uri(wh: Warehouse, run: str) -> str:
+    """Run `run`'s model as a URI (`<warehouse>/models/<run>`: what the summaries name)."""
+    return f"{wh.uri.rstrip('/')}/models/{run}"
 
 
 def _model_location(uri: str) -> tuple[Warehouse, str]:

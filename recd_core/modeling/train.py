@@ -66,7 +66,7 @@ from recd_core.modeling.model import Model
 from recd_core.modeling.optim import quiet_sparse_warnings
 from recd_core.modeling.parallel import CheckpointStore, Parallelism, check, parallelism
 from recd_core.modeling.ray_engine import ray_train
-from recd_core.modeling.saved import load_model, model_base, save_model, saved_summary
+from recd_core.modeling.saved import load_model, model_base, model_uri, save_model
 from recd_core.modeling.step import cooccurrence_term, fold_in, train_step
 from recd_core.modeling.warm_start import Init, continue_optimizers, initial_state
 from recd_core.runtime import cpu_budget, launched_rank, rss
@@ -228,10 +228,9 @@ def trained_before(run: Run) -> dict | None:
     base = model_base(run.wh, run.checkpoints.run)
     if run.wh.fs.get_file_info(f"{base}/model.json").type != pafs.FileType.File:
         return None
-    uri = f"{run.wh.uri.rstrip('/')}/models/{run.checkpoints.run}"
-    saved = saved_summary(uri)
+    uri = model_uri(run.wh, run.checkpoints.run)
     try:
-        load_model(uri)  # every file it names, verified
+        _, meta = load_model(uri)  # model.json and every file it names, verified
     except (BadInput, OSError, ValueError, KeyError):  # damaged, partial: trained again
         return None
     if run.rank == 0:
@@ -241,7 +240,7 @@ def trained_before(run: Run) -> dict | None:
             flush=True,
         )
     summary = {
-        **saved,
+        **meta.get("summary", {}),
         "train.reused": True,
         # this run's own start (the same weights: a scratch start whatever its reason)
         "train.init_from": run.init.uri or "",
