@@ -254,9 +254,9 @@ class Warehouse:
         """The live manifest when it was built from exactly what this write was (the same
         lineage: inputs' write ids, config, features, logs, code) and is whole: kept, what
         was built from it stays current. None without lineage, or when anything differs."""
-        if not lineage or not self._is_dir(self.partition_path(table, ds, **keys)):
+        if not lineage:
             return None
-        try:
+        try:  # no live version: PartitionNotFound
             m = self._manifest(table, ds, keys)
             if m.get("lineage") != lineage:
                 return None

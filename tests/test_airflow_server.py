@@ -119,19 +119,24 @@ def airflow(tmp_path_factory):
 
 
 def _trigger_and_wait(airflow, dag_id: str, body: dict) -> tuple[dict, list[dict]]:
-    api, _, server, log = airflow
+    api = airflow[0]
     api.call("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False})
     run = api.call("POST", f"/api/v2/dags/{dag_id}/dagRuns", body)
     path = f"/api/v2/dags/{dag_id}/dagRuns/{run['dag_run_id']}"
+    return _ended(airflow, path)
+
+
+def _ended(airflow, path: str) -> tuple[dict, list[dict]]:
+    """The DAG run at `path` once it has ended, and its task instances."""
+    api, _, server, log = airflow
 
     def ended():
         api.login()  # tokens expire; a long run outlives one
         state = api.call("GET", path)
         return state if state["state"] in ("success", "failed") else None
 
-    final = _wait(f"{dag_id} run", ended, 900, server, log)
-    tis = api.call("GET", f"{path}/taskInstances")["task_instances"]
-    return final, tis
+    final = _wait(f"{path.split('/')[4]} run", ended, 900, server, log)
+    return final, api.call("GET", f"{path}/taskInstances")["task_instances"]
 
 
 def test_a_scheduled_style_daily_run_waits_for_complete_logs_then_succeeds(airflow):
@@ -156,14 +161,7 @@ def test_a_scheduled_style_daily_run_waits_for_complete_logs_then_succeeds(airfl
     assert not (root / "wh" / "events").exists()  # nothing read before the logs are complete
     cfg = load_pipeline_config(REPO / "tests" / "configs" / "small.yaml")
     synthesize_missing(root / "logs", ["2026-11-01", "2026-11-02"], cfg.features, cfg.synth)
-
-    def ended():
-        api.login()
-        state = api.call("GET", path)
-        return state if state["state"] in ("success", "failed") else None
-
-    final = _wait(f"{DAILY.name} run", ended, 900, server, log)
-    tis = api.call("GET", f"{path}/taskInstances")["task_instances"]
+    final, tis = _ended(airflow, path)
     states = {t["task_id"]: t["state"] for t in tis}
     assert final["state"] == "success", states
     assert set(states) == {t.id for t in DAILY.tasks} | {"wait_for_logs"}
@@ -194,7 +192,7 @@ def test_a_manual_run_of_the_scheduled_runs_day_trains_nothing_and_registers_not
     """Triggered from the form for the day the scheduled-style run above trained: its data
     stages keep that run's partitions, its training uses that run's model, its register
     stage adds no version; its logs say so, with no error."""
-    api, root, server, log = airflow
+    api, root, _, _ = airflow
     # triggered as docs/operations.md says, pasted into a shell (this server's address)
     said = run_block(
         block_with("/api/v2/dags/recd_daily_retrain/dagRuns"),
@@ -205,14 +203,7 @@ def test_a_manual_run_of_the_scheduled_runs_day_trains_nothing_and_registers_not
     run = json.loads(said.stdout)
     assert run["conf"] == {"ds": "2026-11-01"}, run
     path = f"/api/v2/dags/{DAILY.name}/dagRuns/{run['dag_run_id']}"
-
-    def ended():
-        api.login()
-        state = api.call("GET", path)
-        return state if state["state"] in ("success", "failed") else None
-
-    final = _wait(f"{DAILY.name} run", ended, 900, server, log)
-    tis = api.call("GET", f"{path}/taskInstances")["task_instances"]
+    final, tis = _ended(airflow, path)
     assert final["state"] == "success", {t["task_id"]: t["state"] for t in tis}
     client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
     assert [str(v.version) for v in client.search_model_versions("name = 'recd-dlrm'")] == ["1"]
