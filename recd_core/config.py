@@ -325,7 +325,19 @@ class DedupConfig(_Strict):
     groups: dict[str, list[str]] | None = None  # explicit groups: skip the measurement
 
 
-Sharding = Literal["none", "auto", "table_wise", "row_wise", "column_wise"]
+Sharding = Literal["none", "auto", "table_wise", "row_wise", "column_wise", "flexshard"]
+
+
+class FlexShardConfig(_Strict):
+    """`train.sharding: flexshard` (modeling/sharded/flexshard.py): the hottest rows copied
+    where their lookups pay for their gradients' sync, the rest sharded row by row."""
+
+    # the rows a process may hold of a table, over the row-wise plan's ceil(rows / N): the
+    # slack pays for the copies
+    budget: float = Field(default=1.25, ge=1.0, le=64.0)
+    # processes a node (the topology's tiers: a warm row is copied once a node, so its
+    # lookups stay inside the node); None: all the run's processes on one node
+    per_node: int | None = Field(default=None, ge=1)
 
 
 class TrainConfig(_Strict):
@@ -413,8 +425,10 @@ class TrainConfig(_Strict):
     # with several processes: "none" replicates every table in every process (data
     # parallel); otherwise the tables are sharded across the processes through TorchRec
     # (modeling/sharded/), placed by its planner (`auto`) or table-, row- or column-wise,
-    # and each process takes a slice of every batch
+    # or per row by FlexShard (`flexshard`: hot rows copied, the rest row by row), and each
+    # process takes a slice of every batch
     sharding: Sharding = "none"
+    flexshard: FlexShardConfig = FlexShardConfig()
     # with `sharding`: the memory a process may give its shards of the tables (MB), every
     # copy the run keeps (live, early stopping's best state, the passes' restart point);
     # the planner places them within it or training refuses. None: the device's memory

@@ -36,10 +36,10 @@ SHARDED = dict(
 )
 
 
-def _start(wh) -> str:
+def _start(wh, mode: str = "dedup") -> str:
     """A common starting point: one step of a one-process run, saved as a model."""
-    preprocess(wh, DAY, PreprocessConfig(batch_size=256))
-    s = train(wh, DAY, TrainConfig(**SHARDED, max_steps=1))
+    preprocess(wh, DAY, PreprocessConfig(batch_size=256, mode=mode))
+    s = train(wh, DAY, TrainConfig(**SHARDED, max_steps=1, mode=mode))
     return s["train.model_uri"]
 
 
@@ -147,15 +147,16 @@ def test_a_budget_no_placement_fits_is_refused_and_one_that_fits_is_kept(fresh_w
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["row_wise", "flexshard"])
 def test_sigkill_of_a_sharded_run_then_resume_matches_an_uninterrupted_run(
-    fresh_warehouse, samples_warehouse, tmp_path
+    fresh_warehouse, samples_warehouse, tmp_path, sharding
 ):
     import shutil
 
     from recd_core.warehouse import Warehouse
 
     other = Warehouse(shutil.copytree(samples_warehouse, tmp_path / "other"))
-    cfg = TrainConfig(**{**SHARDED, "checkpoint_every": 4}, max_steps=20, sharding="row_wise")
+    cfg = TrainConfig(**{**SHARDED, "checkpoint_every": 4}, max_steps=20, sharding=sharding)
     for wh in (fresh_warehouse, other):
         preprocess(wh, DAY, PreprocessConfig(batch_size=256))
     # rank 1 kills the whole run (every process, kill -9) right after its step-12 save: the

@@ -169,15 +169,23 @@ def check(cfg: TrainConfig, world: int) -> None:
 
 
 def parallelism(
-    cfg: TrainConfig, rank: int, world: int, device: torch.device, validating: bool = False
+    cfg: TrainConfig,
+    rank: int,
+    world: int,
+    device: torch.device,
+    validating: bool = False,
+    store: BatchStore | None = None,
 ) -> Parallelism:
     """The strategy `cfg` asks for (`train.sharding`); `validating`: the run keeps its best
-    validated state (another copy of the tables, which a sharded run's budget holds)."""
+    validated state (another copy of the tables, which a sharded run's budget holds);
+    `store`: the training batches (FlexShard places the rows by their lookups there)."""
     if cfg.sharding == "none":
         return Replicated(rank, world, device)
-    from recd_core.modeling.sharded.strategy import Sharded
+    from recd_core.modeling.sharded.strategy import FlexSharded, Sharded
 
     kept = ("the live tables",)
     kept += ("early stopping's best state",) if validating else ()
     kept += ("the passes' restart point",) if cfg.restart_tables and cfg.epochs > 1 else ()
+    if cfg.sharding == "flexshard":
+        return FlexSharded(rank, world, device, kept=kept, store=store)
     return Sharded(rank, world, device, kept=kept)

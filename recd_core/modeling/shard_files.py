@@ -281,6 +281,18 @@ class LazyAccumulator:
                 out[lo - r0 : hi - r0] += part * (s.nc / dim)
         return out
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """[len(ids)]: the accumulators of rows `ids`."""
+        u = ids.cpu().numpy()
+        out = torch.zeros(len(u))
+        dim = self.table.shape[1]
+        for s in self.table.shards:
+            mine = np.nonzero((u >= s.r0) & (u < s.r0 + s.nr))[0]
+            if len(mine) and s.accumulators is not None:
+                part = torch.from_numpy(np.array(s.accumulators[u[mine] - s.r0]))
+                out[mine] += part * (s.nc / dim)
+        return out
+
     def materialize(self) -> torch.Tensor:
         return self[:]
 

@@ -297,7 +297,7 @@ def setup(
     # the shape a day of this size trains (one model past `members_up_to_samples`)
     cfg = cfg.model_copy(update={"model": cfg.model.for_samples(store.samples())})
     validation = validation_use(valid)
-    parallel = parallelism(cfg, rank, world, device, validating=validation == "ok")
+    parallel = parallelism(cfg, rank, world, device, validation == "ok", store)
     rss_before_model = rss()  # the runtime and the batches: what the model adds is on top
     init = initial_state(init_from, store.model_features, cfg, init_label)
     model, net, init = parallel.build(store.model_features, cfg, init, store.click_rate())

@@ -75,15 +75,12 @@ class ShardedCheckpoints:
     def _write(self, path: str, part: str, state: dict, sparse: dict) -> list[tuple[str, dict]]:
         """This rank's shards of `state` (`sharded.<k>`, the loop's layout) and their
         accumulators, as shard files in `path`/`part`."""
-        n, accs = len(self.tables.boxes()), sparse["state"]
-        return rank_shards(
-            self.tables,
-            self.wh.fs,
-            path,
+        n, accs = len(self.tables.local_weights()), sparse["state"]
+        exported = self.tables.exported(
             [state[f"sharded.{k}"] for k in range(n)],
             [accs.get(k, {}).get("sum") for k in range(n)],
-            part,
         )
+        return rank_shards(self.tables, self.wh.fs, path, exported, part)
 
     def save(self, state: dict) -> str:
         path = self.path(state["step"])
@@ -158,15 +155,12 @@ class ShardedCheckpoints:
 
         early = dict(rest["early"])
         if "best" in parts:  # kept as the loop keeps it: this rank's shards, a copy
-            best, boxes = parts["best"], self.tables.boxes()
-            shards = {
-                f"sharded.{k}": best[self.tables.specs[i].key][r0 : r0 + nr, c0 : c0 + nc]
-                for k, (i, (r0, c0), (nr, nc)) in enumerate(boxes)
-            }
-            accs = {
-                k: {"sum": LazyAccumulator(best[self.tables.specs[i].key])[r0 : r0 + nr]}
-                for k, (i, (r0, _), (nr, _)) in enumerate(boxes)
-            }
+            best, specs = parts["best"], self.tables.specs
+            weights, sums = self.tables.local_of(
+                [best[s.key] for s in specs], [LazyAccumulator(best[s.key]) for s in specs]
+            )
+            shards = {f"sharded.{k}": w for k, w in enumerate(weights)}
+            accs = {k: {"sum": a} for k, a in enumerate(sums)}
             early["best_state"] = {**early.pop("best_dense"), **shards}
             early["best_optimizer"] = {
                 "dense": early.pop("best_optimizer_dense"),

@@ -64,6 +64,24 @@ class Placement:
         warm_local = np.bincount(self.slot[self.tier == WARM], minlength=self.per_node)
         return held + cold[: self.world] + np.tile(warm_local, self.world // self.per_node)
 
+    def holds(self, rank: int) -> np.ndarray:
+        """Whether `rank` holds each row (a copy or the one)."""
+        local = rank % self.per_node
+        return (self.tier == HOT) | np.where(
+            self.tier == WARM, self.slot == local, self.slot == rank
+        )
+
+    def keeps(self, rank: int) -> np.ndarray:
+        """Whether `rank` holds the copy of each row that leaves the run (a saved model, a
+        checkpoint): a cold row's one, a warm row's on the first node, a hot row's on rank 0.
+        Every row is kept by exactly one rank."""
+        first_node = rank < self.per_node
+        return np.where(
+            self.tier == HOT,
+            rank == 0,
+            np.where(self.tier == WARM, first_node & (self.slot == rank), self.slot == rank),
+        )
+
     def server(self, rank: int, ids: np.ndarray) -> np.ndarray:
         """The rank that serves each of `ids` to `rank`."""
         tier, slot = self.tier[ids], self.slot[ids]

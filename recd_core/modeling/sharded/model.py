@@ -20,9 +20,12 @@ class ShardedDLRM(DLRM):
     per rank); `load_state_dict` takes that, or the single-process layout (a saved model, a
     warm start), scattered to the shards."""
 
-    def __init__(self, features: FeatureSet, cfg: ModelConfig):
+    def __init__(self, features: FeatureSet, cfg: ModelConfig, place=None):
+        """`place(specs)`: the tables placed (FlexShard's); else TorchRec's, which its
+        DistributedModelParallel places."""
         super().__init__(features, cfg, tables=False)
-        self.sharded = ShardedTables(table_specs(self), cfg.embedding_dim)
+        specs = table_specs(self)
+        self.sharded = place(specs) if place else ShardedTables(specs, cfg.embedding_dim)
         # the per-id vectors of the batch embedded last (feature -> [nnz, d]): the
         # co-occurrence loss reads its lists there, the tables being looked up once a step
         self.looked_up: dict[str, torch.Tensor] = {}

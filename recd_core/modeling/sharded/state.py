@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from recd_core.modeling.shard_files import ROW_BLOCK
 from recd_core.modeling.sharded.tables import ShardedTables
 
 
@@ -18,9 +17,9 @@ def full_state(model, dense_optimizer: dict, opt_sparse) -> tuple[dict, dict] | 
     every rank sends its shards and their accumulators (`dense_optimizer`: Adam's state,
     the same on every rank). A collective: all ranks call it."""
     tables: ShardedTables = model.sharded
-    boxes = tables.boxes()
-    weights = [w.detach().cpu().clone() for w in tables.local_weights()]
-    accs = [a.detach().cpu().clone() for a in tables.local_accumulators()]
+    boxes, weights, accs = tables.exported()
+    weights = [w.detach().cpu().clone() for w in weights]
+    accs = [a.detach().cpu().clone() for a in accs]
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object((boxes, weights, accs), parts, dst=0)
     if dist.get_rank() != 0:
@@ -44,20 +43,19 @@ def full_state(model, dense_optimizer: dict, opt_sparse) -> tuple[dict, dict] | 
 
 
 def rank_shards(
-    tables: ShardedTables, fs, base: str, weights: list, accumulators: list, folder: str = "tables"
+    tables: ShardedTables, fs, base: str, exported: tuple, folder: str = "tables"
 ) -> list[tuple[str, dict]]:
-    """This rank's shards (`weights` and their `accumulators`, None where it has none, in
-    `boxes()` order) as shard files in `base`/`folder`: `(state key, model.json entry)`."""
+    """This rank's shards (`exported`: the tables' (boxes, weights, accumulators), None
+    where it has none) as shard files in `base`/`folder`: `(state key, model.json entry)`."""
     from recd_core.modeling.shard_files import write_shard
 
+    boxes, weights, accumulators = exported
     return [
         (
             tables.specs[i].key,
             write_shard(fs, base, tables.specs[i].name, (r0, c0, nr, nc), w, acc, folder),
         )
-        for (i, (r0, c0), (nr, nc)), w, acc in zip(
-            tables.boxes(), weights, accumulators, strict=True
-        )
+        for (i, (r0, c0), (nr, nc)), w, acc in zip(boxes, weights, accumulators, strict=True)
     ]
 
 
@@ -66,7 +64,7 @@ def write_shards(model, fs, base: str) -> list[tuple[str, dict]] | None:
     rank 0 gets every rank's `(state key, model.json entry)` (None elsewhere). A
     collective: all ranks call it."""
     tables: ShardedTables = model.sharded
-    mine = rank_shards(tables, fs, base, tables.local_weights(), tables.local_accumulators())
+    mine = rank_shards(tables, fs, base, tables.exported())
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0)
     return [entry for part in parts for entry in part] if parts is not None else None
@@ -82,16 +80,10 @@ def load_full_state(model, state: dict) -> None:
     if missing:
         raise RuntimeError(f"the state lacks tables {missing}")
     model.load_dense_state({k: v for k, v in state.items() if k not in keys})
-    with torch.no_grad():
-        for (i, (r0, c0), (nr, nc)), w in zip(tables.boxes(), tables.local_weights(), strict=True):
-            full = state[tables.specs[i].key]
-            if tuple(full.shape) != (tables.specs[i].rows, model.cfg.embedding_dim):
-                raise RuntimeError(f"{tables.specs[i].key}: shape {tuple(full.shape)}")
-            for lo in range(0, nr, ROW_BLOCK):  # in blocks: a shard file's box is not
-                hi = min(lo + ROW_BLOCK, nr)  # read into memory whole beside the shard,
-                w[lo:hi].copy_(full[r0 + lo : r0 + hi, c0 : c0 + nc])
-                if hasattr(full, "release"):  # nor are the file's pages kept resident
-                    full.release()
+    for s in tables.specs:
+        if tuple(state[s.key].shape) != (s.rows, model.cfg.embedding_dim):
+            raise RuntimeError(f"{s.key}: shape {tuple(state[s.key].shape)}")
+    tables.load_full([state[s.key] for s in tables.specs])
 
 
 class FusedAdagrad:
@@ -134,7 +126,4 @@ class FusedAdagrad:
                 for s, a in zip(saved, accs, strict=True):
                     a.copy_(s[:].view_as(a))  # s[:]: a shard file's accumulator read
                 return
-            for (i, (r0, _), (nr, _)), a in zip(self.tables.boxes(), accs, strict=True):
-                a.view(-1)[:nr].copy_(saved[i][r0 : r0 + nr])
-                if hasattr(saved[i], "release"):
-                    saved[i].release()
+            self.tables.load_full(accumulators=saved)

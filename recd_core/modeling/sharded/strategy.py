@@ -18,7 +18,7 @@ from recd_core.modeling.shard_files import layout
 from recd_core.modeling.sharded.checkpoints import ShardedCheckpoints
 from recd_core.modeling.sharded.metrics import torchrec_validation
 from recd_core.modeling.sharded.model import ShardedDLRM
-from recd_core.modeling.sharded.plan import plan_table, shard, shard_bytes
+from recd_core.modeling.sharded.plan import ShardingRefused, plan_table, shard, shard_bytes
 from recd_core.modeling.sharded.state import FusedAdagrad, full_state, write_shards
 from recd_core.modeling.step import dense_optimizer
 from recd_core.modeling.warm_start import Init, starting_model
@@ -78,6 +78,10 @@ class Sharded:
     ) -> ShardedCheckpoints:
         return ShardedCheckpoints(wh, run, keep, model.sharded)
 
+    def placement(self, model: ShardedDLRM, net: nn.Module) -> dict[str, str]:
+        """Where each table went (the run's summary)."""
+        return plan_table(net)
+
     def cross_check(self, model: ShardedDLRM, valid: BatchStore) -> dict[str, float]:
         """The chosen state by torchrec.metrics over the ranks (rank 0's figures)."""
         return torchrec_validation(model, valid, self.device)
@@ -96,7 +100,7 @@ class Sharded:
         every rank writes under `base` (`shards_saved`), or else gathered onto rank 0 in
         the single-process layout. A collective."""
         figures = {
-            "train.sharding": plan_table(net),
+            "train.sharding": self.placement(model, net),
             "train.shard_bytes_per_rank": shard_bytes(model),
         }
         opt_sparse.load_state_dict(optimizer["sparse"])
@@ -114,6 +118,61 @@ class Sharded:
             specs,
         )
         return Saved(figures, dense, rest, layout(dim, self.world, specs, entries))
+
+
+@dataclass
+class FlexSharded(Sharded):
+    """The tables placed per row by FlexShard (flexshard.py, flexshard_tables.py) from the
+    day's lookups (`store`'s batches, counted once), the dense part data parallel (DDP)."""
+
+    store: BatchStore | None = field(default=None, repr=False)
+
+    def placed(self, features: FeatureSet, cfg: TrainConfig) -> ShardedDLRM:
+        from torch.nn.parallel import DistributedDataParallel
+
+        from recd_core.modeling.sharded.flexshard import flexshard
+        from recd_core.modeling.sharded.flexshard_tables import FlexShardTables, row_counts
+
+        per_node = cfg.flexshard.per_node or self.world
+        dim = cfg.model.embedding_dim
+
+        def place(specs):
+            counts = row_counts(self.store, specs)
+            placements = [
+                flexshard(
+                    c,
+                    self.world,
+                    per_node,
+                    int(-(-s.rows // self.world) * cfg.flexshard.budget),
+                    len(self.store),
+                    dim,
+                )
+                for s, c in zip(specs, counts, strict=True)
+            ]
+            if cfg.memory_budget_mb is not None:
+                held = sum(p.rows_per_rank() for p in placements).max() * 4 * (dim + 1)
+                if held * len(self.kept) > cfg.memory_budget_mb << 20:
+                    raise ShardingRefused(
+                        f"train.sharding=flexshard: {held >> 20} MB of rows a process (at "
+                        f"train.flexshard.budget={cfg.flexshard.budget}), {len(self.kept)} "
+                        f"copies ({', '.join(self.kept)}), exceed {cfg.memory_budget_mb} MB"
+                    )
+            return FlexShardTables(
+                specs, dim, placements, self.rank, self.device, cfg.lr_sparse, cfg.seed
+            )
+
+        model = ShardedDLRM(features, cfg.model, place=place).to(self.device)
+        self.net = DistributedDataParallel(
+            model,
+            device_ids=None if self.device.type == "cpu" else [self.device],
+            gradient_as_bucket_view=True,
+            broadcast_buffers=False,
+            static_graph=True,
+        )
+        return model
+
+    def placement(self, model: ShardedDLRM, net: nn.Module) -> dict[str, str]:
+        return model.sharded.placement_table()
 
 
 def shards_saved(cfg: TrainConfig, specs) -> bool:

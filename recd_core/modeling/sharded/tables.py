@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from recd_core.dpp.batch_store import Batch
+from recd_core.modeling.shard_files import ROW_BLOCK
 from recd_core.modeling.tables import TableSpec
 
 
@@ -71,6 +72,44 @@ class ShardedTables(nn.Module):
             for i, s in enumerate(self.specs)
             for sh in weights[s.name].local_shards()
         ]
+
+    # -- the state as it leaves and comes back (flexshard_tables.py answers the same) ------
+    def exported(self, weights=None, accumulators=None):
+        """(boxes, weights, accumulators): this rank's shards (the loop's copies of them,
+        or the live ones) and where they sit in their tables."""
+        weights = weights if weights is not None else self.local_weights()
+        if accumulators is None:
+            accumulators = self.local_accumulators()
+        return self.boxes(), weights, accumulators
+
+    def local_of(self, full: list, accumulators: list | None = None):
+        """This rank's boxes of tables in the single-process layout (tensors or shard
+        files' lazy tables; `accumulators` likewise): (weights, accumulators)."""
+        boxes = self.boxes()
+        ws = [full[i][r0 : r0 + nr, c0 : c0 + nc] for i, (r0, c0), (nr, nc) in boxes]
+        accs = None
+        if accumulators is not None:
+            accs = [accumulators[i][r0 : r0 + nr] for i, (r0, _), (nr, _) in boxes]
+        return ws, accs
+
+    @torch.no_grad()
+    def load_full(self, full: list | None = None, accumulators: list | None = None) -> None:
+        """Tables and/or their accumulators in the single-process layout into this rank's
+        shards, in row blocks: a shard file's box is not read into memory whole beside the
+        shard, nor are the file's pages kept resident."""
+        boxes = self.boxes()
+        if full is not None:
+            for (i, (r0, c0), (nr, nc)), w in zip(boxes, self.local_weights(), strict=True):
+                for lo in range(0, nr, ROW_BLOCK):
+                    hi = min(lo + ROW_BLOCK, nr)
+                    w[lo:hi].copy_(full[i][r0 + lo : r0 + hi, c0 : c0 + nc])
+                    if hasattr(full[i], "release"):
+                        full[i].release()
+        if accumulators is not None:
+            for (i, (r0, _), (nr, _)), a in zip(boxes, self.local_accumulators(), strict=True):
+                a.view(-1)[:nr].copy_(accumulators[i][r0 : r0 + nr])
+                if hasattr(accumulators[i], "release"):
+                    accumulators[i].release()
 
 
 def local_shards(sharded: dict) -> list[torch.Tensor]:

@@ -1,0 +1,360 @@
+"""The DLRM's tables placed by FlexShard (flexshard.py: the tiers), trained exactly.
+
+A step, for all tables at once (one `_Lookup`: the same collectives on every rank, in order):
+
+    rank r's ids ──┬─ hot rows ───────────── its own copy (no bytes sent)
+                   ├─ warm rows ── to the node's rank holding the node's copy
+                   └─ cold rows ── to the one rank holding the row
+        ids ── all-to-all ──▶ served ── vectors ── all-to-all ──▶ rank r      (forward)
+        rank r's gradients ── all-to-all ──▶ each row's server, summed per row (backward)
+        copies' gradients combined: hot rows over every rank, warm rows over each slot's
+        ranks across nodes (a sparse all-reduce: the union of the rows touched, nothing
+        else), then every copy takes the same row-wise Adagrad step
+
+so every copy of a row sees the same gradient and stays equal to the others, and a run ends
+where the row-wise plan ends (the update is FBGEMM's EXACT_ROWWISE_ADAGRAD's: acc +=
+mean(g^2), w -= lr g / (sqrt(acc) + eps), g the row's gradient summed over the ranks and
+divided by N, the batch's gradient as one process has it: each rank's loss is scaled by N
+times its share of the batch, for DDP's mean). The update runs in the backward pass, as
+TorchRec's fused one does (state.py's `FusedAdagrad` is the loop's view of it).
+
+The tables leave the run (a saved model, a checkpoint) in TorchRec's row-wise boxes
+(`exported`: each row's kept copy sent to the rank whose block holds it), so whatever reads
+a sharded model reads this one; a model or checkpoint of any placement comes back by rows
+(`load_full`): on any N, any placement.
+
+The collectives run on a process group of their own, so their order never interleaves with
+DDP's all-reduces of the dense part. `sent` counts the bytes this rank sends (ids, vectors
+and gradients exactly; the sync as a ring all-reduce sends them: 2 (n-1)/n of the tensor).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recd_core.dpp.batch_store import Batch
+from recd_core.modeling.shard_files import ROW_BLOCK
+from recd_core.modeling.sharded.flexshard import HOT, WARM, Placement
+from recd_core.modeling.tables import TableSpec
+
+
+class FlexShardTables(nn.Module):
+    """This rank's rows of every table under its FlexShard placement. `forward(batch)` ->
+    each id feature's per-id vectors in the order of its rows' ids ([nnz, d]), as
+    tables.py's `ShardedTables` gives them.
+
+    Per table i:  held[i]    int64 [n_i]     the rows this rank holds, ascending
+                  weights[i] float32 [n_i, d] their vectors (plain tensors: no DDP param)
+                  accs[i]    float32 [n_i]    their Adagrad accumulators
+    """
+
+    def __init__(
+        self,
+        specs: list[TableSpec],
+        dim: int,
+        placements: list[Placement],
+        rank: int,
+        device: torch.device,
+        lr: float,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.specs, self.dim, self.placements = specs, dim, placements
+        self.rank, self.world = rank, placements[0].world
+        self.per_node = placements[0].per_node
+        self.device, self.lr, self.eps = device, lr, 1e-10
+        self.table_of = {f: i for i, s in enumerate(specs) for f in s.features}
+        self.held = [np.flatnonzero(p.holds(rank)) for p in placements]
+        self.position = []  # row -> its place in held[i] (-1: not held)
+        for s, held in zip(specs, self.held, strict=True):
+            pos = np.full(s.rows, -1, np.int64)
+            pos[held] = np.arange(len(held))
+            self.position.append(pos)
+        self.weights = [
+            fresh_rows(s, dim, held, seed * 1_000_003 + i).to(device)
+            for i, (s, held) in enumerate(zip(specs, self.held, strict=True))
+        ]
+        self.accs = [torch.zeros(len(h), device=device) for h in self.held]
+        self.group = dist.new_group()  # the tables' own collectives (module doc)
+        self.node_group = None  # the ranks holding the same warm slot, one a node
+        nodes = self.world // self.per_node
+        if nodes > 1:
+            slots = [[n * self.per_node + k for n in range(nodes)] for k in range(self.per_node)]
+            self.node_group, _ = dist.new_subgroups_by_enumeration(slots)
+        self.offsets = np.cumsum([0] + [s.rows for s in specs])
+        # whether any table has copies to combine (the same on every rank: it skips
+        # collectives)
+        self.copied = {tt: any((p.tier == tt).any() for p in placements) for tt in (HOT, WARM)}
+        self.sent: Counter = Counter()
+
+    # -- a step ---------------------------------------------------------------------------
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        names, values = [], []
+        kjts = [batch.kjt] if batch.kjt is not None else []
+        kjts += [ik.unique for ik in batch.groups.values()]
+        for kjt in kjts:
+            for name, jt in kjt.to_dict().items():
+                names.append(name)
+                values.append(jt.values)
+        tables = [self.table_of[n] for n in names]
+        anchor = torch.zeros((), device=self.device, requires_grad=True)
+        out = _Lookup.apply(anchor, self, tables, values)
+        return dict(zip(names, out.split([len(v) for v in values]), strict=True))
+
+    def _route(self, tables: list[int], values: list[torch.Tensor]):
+        """Each id as (table, row) to the rank serving it: (the send order, counts sent and
+        received, the received (table, position) pairs)."""
+        tab = np.concatenate(
+            [np.zeros(0, np.int64)]
+            + [np.full(len(v), t, np.int64) for t, v in zip(tables, values, strict=True)]
+        )
+        ids = np.concatenate(
+            [np.zeros(0, np.int64)] + [v.detach().cpu().numpy().astype(np.int64) for v in values]
+        )
+        server = np.empty(len(ids), np.int64)
+        for t in np.unique(tab):
+            mine = tab == t
+            server[mine] = self.placements[t].server(self.rank, ids[mine])
+        order = np.argsort(server, kind="stable")
+        send = np.bincount(server, minlength=self.world)
+        recv = self._exchange_counts(send)
+        pairs = torch.from_numpy(np.stack([tab[order], ids[order]], 1))
+        got = self._all_to_all(pairs, send, recv, "ids")
+        t_got, id_got = got[:, 0].numpy(), got[:, 1].numpy()
+        pos = np.empty(len(id_got), np.int64)
+        for t in np.unique(t_got):
+            mine = t_got == t
+            pos[mine] = self.position[t][id_got[mine]]
+        if (pos < 0).any():
+            raise RuntimeError("an id was sent to a rank that does not hold its row")
+        return order, send, recv, t_got, pos
+
+    def _exchange_counts(self, send: np.ndarray) -> np.ndarray:
+        recv = torch.empty(self.world, dtype=torch.int64)
+        dist.all_to_all_single(recv, torch.from_numpy(send), group=self.group)
+        return recv.numpy()
+
+    def _all_to_all(self, x: torch.Tensor, send, recv, what: str) -> torch.Tensor:
+        out = x.new_empty((int(recv.sum()), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv.tolist(), send.tolist(), self.group)
+        row = x[0].numel() * x.element_size() if len(x) else 0
+        self.sent[what] += row * int(send.sum() - send[self.rank])
+        return out
+
+    def _serve(self, t_got: np.ndarray, pos: np.ndarray) -> torch.Tensor:
+        out = torch.empty(len(pos), self.dim, device=self.device)
+        for t in np.unique(t_got):
+            mine = torch.from_numpy(np.flatnonzero(t_got == t)).to(self.device)
+            out[mine] = self.weights[t][torch.from_numpy(pos[t_got == t]).to(self.device)]
+        return out
+
+    @torch.no_grad()
+    def _update(self, t_got: np.ndarray, pos: np.ndarray, grads: torch.Tensor) -> None:
+        """The served rows' gradients, summed per row, the copies' combined (all tables in
+        one sparse all-reduce a tier), one Adagrad step on every copy of every row touched
+        anywhere. Rows are keyed across tables as `offsets[table] + row`."""
+        keys = np.empty(len(pos), np.int64)
+        for t in np.unique(t_got):
+            mine = t_got == t
+            keys[mine] = self.offsets[t] + self.held[t][pos[mine]]
+        keys, g = self._summed(keys, grads)
+        table = np.searchsorted(self.offsets, keys, side="right") - 1
+        tier = np.empty(len(keys), np.int8)
+        for t in np.unique(table):
+            mine = table == t
+            tier[mine] = self.placements[t].tier[keys[mine] - self.offsets[t]]
+        for tt, group in ((HOT, self.group), (WARM, self.node_group)):
+            if group is None or not self.copied[tt]:
+                continue
+            copies = tier == tt
+            ids, summed = self._sum_over(group, keys[copies], g[_index(copies, g)])
+            keep = ~copies
+            keys = np.concatenate([keys[keep], ids])
+            g = torch.cat([g[_index(keep, g)], summed])
+            tier = np.concatenate([tier[keep], np.full(len(ids), -1, np.int8)])
+        table = np.searchsorted(self.offsets, keys, side="right") - 1
+        for t in np.unique(table):
+            mine = table == t
+            local = torch.from_numpy(self.position[t][keys[mine] - self.offsets[t]])
+            self._adagrad(t, local.to(self.device), g[_index(mine, g)] / self.world)
+
+    @staticmethod
+    def _summed(keys: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+        rows, inverse = np.unique(keys, return_inverse=True)
+        g = grads.new_zeros(len(rows), grads.shape[1])
+        g.index_add_(0, torch.from_numpy(inverse).to(grads.device), grads)
+        return rows, g
+
+    def _sum_over(self, group, ids: np.ndarray, g: torch.Tensor):
+        """(the union of `ids` over `group`'s ranks, each one's gradient summed over them): a
+        sparse all-reduce (every rank of the group calls it)."""
+        n = dist.get_world_size(group)
+        count = torch.tensor([len(ids)], dtype=torch.int64)
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+        dist.all_gather(counts, count, group=group)
+        width = int(max(c.item() for c in counts))
+        padded = torch.full((width,), -1, dtype=torch.int64)
+        padded[: len(ids)] = torch.from_numpy(ids)
+        every = [torch.empty(width, dtype=torch.int64) for _ in range(n)]
+        dist.all_gather(every, padded, group=group)
+        union = np.unique(torch.cat(every).numpy())
+        union = union[union >= 0]
+        dense = g.new_zeros(len(union), self.dim)
+        dense[torch.from_numpy(np.searchsorted(union, ids)).to(g.device)] = g
+        dist.all_reduce(dense, group=group)
+        self.sent["ids"] += 8 * width * (n - 1)
+        self.sent["sync"] += int(2 * (n - 1) / n * dense.numel() * dense.element_size())
+        return union, dense
+
+    def _adagrad(self, t: int, rows: torch.Tensor, g: torch.Tensor) -> None:
+        if not len(rows):
+            return
+        acc, w = self.accs[t], self.weights[t]
+        acc.index_add_(0, rows, g.pow(2).mean(1))
+        scale = self.lr / (acc.index_select(0, rows).sqrt() + self.eps)
+        w.index_add_(0, rows, -scale.unsqueeze(1) * g)
+
+    # -- the state, as the loop and the files see it ---------------------------------------
+    def local_weights(self) -> list[torch.Tensor]:
+        return list(self.weights)
+
+    def local_accumulators(self) -> list[torch.Tensor]:
+        return list(self.accs)
+
+    def placement_table(self) -> dict[str, str]:
+        """Where each table went (the run's summary): its tiers' rows."""
+        out = {}
+        for s, p in zip(self.specs, self.placements, strict=True):
+            hot, warm = int((p.tier == HOT).sum()), int((p.tier == WARM).sum())
+            out[s.name] = (
+                f"flexshard on ranks 0-{self.world - 1}: {hot:,} rows hot, {warm:,} warm, "
+                f"{s.rows - hot - warm:,} cold"
+            )
+        return out
+
+    def exported(self, weights=None, accumulators=None):
+        """(boxes, weights, accumulators) of this rank in TorchRec's row-wise blocks (the
+        loop's `weights` and `accumulators` of this rank, or the live ones): each row's kept
+        copy (`Placement.keeps`) sent to its block's rank. A collective."""
+        weights = weights if weights is not None else self.weights
+        accumulators = accumulators if accumulators is not None else self.accs
+        boxes, ws, accs = [], [], []
+        for t, (s, p) in enumerate(zip(self.specs, self.placements, strict=True)):
+            kept = p.keeps(self.rank)[self.held[t]]
+            ids = self.held[t][kept]
+            block = -(-s.rows // self.world)
+            dest = ids // block
+            order = np.argsort(dest, kind="stable")
+            send = np.bincount(dest, minlength=self.world)
+            recv = self._exchange_counts(send)
+            mine = torch.from_numpy(np.flatnonzero(kept)[order])
+            got_ids = self._all_to_all(torch.from_numpy(ids[order]), send, recv, "export")
+            got_w = self._all_to_all(weights[t].detach().cpu()[mine], send, recv, "export")
+            acc = accumulators[t].detach().cpu().reshape(-1)
+            got_a = self._all_to_all(acc[mine], send, recv, "export")
+            r0 = self.rank * block
+            nr = max(min(block, s.rows - r0), 0)
+            if len(got_ids) != nr:
+                raise RuntimeError(f"{s.name}: {len(got_ids)} rows came to a block of {nr}")
+            if nr:
+                at = torch.argsort(got_ids)
+                boxes.append((t, [r0, 0], [nr, self.dim]))
+                ws.append(got_w[at])
+                accs.append(got_a[at])
+        return boxes, ws, accs
+
+    def local_of(self, full: list, accumulators: list | None = None):
+        """This rank's held rows of tables in the single-process layout (tensors or
+        shard_files' lazy tables; `accumulators` likewise): (weights, accumulators), in
+        `local_weights` order."""
+        ws = [_rows(f, torch.from_numpy(h)) for f, h in zip(full, self.held, strict=True)]
+        accs = None
+        if accumulators is not None:
+            accs = [
+                _rows(a, torch.from_numpy(h)) for a, h in zip(accumulators, self.held, strict=True)
+            ]
+        return ws, accs
+
+    @torch.no_grad()
+    def load_full(self, full: list | None = None, accumulators: list | None = None) -> None:
+        """Tables and/or their accumulators in the single-process layout (any placement's,
+        any N) into this rank's rows, ROW_BLOCK rows at a time."""
+        for t, held in enumerate(self.held):
+            for source, target in ((full, self.weights), (accumulators, self.accs)):
+                if source is None:
+                    continue
+                for lo in range(0, len(held), ROW_BLOCK):
+                    ids = torch.from_numpy(held[lo : lo + ROW_BLOCK])
+                    target[t][lo : lo + len(ids)] = _rows(source[t], ids).to(self.device)
+                if hasattr(source[t], "release"):  # the pages read: not kept resident
+                    source[t].release()
+
+
+def _index(mask: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.flatnonzero(mask)).to(like.device)
+
+
+def _rows(table, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (ascending) of a tensor or of a shard file's lazy table or accumulator."""
+    if hasattr(table, "rows"):
+        return table.rows(ids)
+    return table[ids]
+
+
+def fresh_rows(spec: TableSpec, dim: int, held: np.ndarray, seed: int) -> torch.Tensor:
+    """Rows `held` of a fresh table, uniform(-bound, bound), drawn row block by row block
+    from `seed`: the same rows whatever the placement or N."""
+    out = torch.empty(len(held), dim)
+    gen = torch.Generator().manual_seed(seed)
+    for lo in range(0, spec.rows, ROW_BLOCK):
+        hi = min(lo + ROW_BLOCK, spec.rows)
+        block = torch.empty(hi - lo, dim).uniform_(-spec.init_bound, spec.init_bound, generator=gen)
+        a, b = np.searchsorted(held, [lo, hi])
+        if b > a:
+            out[a:b] = block[torch.from_numpy(held[a:b] - lo)]
+    return out
+
+
+class _Lookup(torch.autograd.Function):
+    """Every table's lookups of a step in one exchange (module doc); backward sends the
+    gradients to the rows' servers and updates every copy there."""
+
+    @staticmethod
+    def forward(ctx, anchor, tables: FlexShardTables, which: list[int], values: list):
+        order, send, recv, t_got, pos = tables._route(which, values)
+        served = tables._serve(t_got, pos)
+        back = tables._all_to_all(served, recv, send, "vectors")
+        out = torch.empty_like(back)
+        out[torch.from_numpy(order).to(back.device)] = back
+        ctx.tables, ctx.route = tables, (order, send, recv, t_got, pos)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        tables = ctx.tables
+        order, send, recv, t_got, pos = ctx.route
+        grads = tables._all_to_all(
+            grad[torch.from_numpy(order).to(grad.device)], send, recv, "gradients"
+        )
+        tables._update(t_got, pos, grads)
+        return None, None, None, None
+
+
+def row_counts(store, specs: list[TableSpec]) -> list[np.ndarray]:
+    """Each table's rows' lookups over the training batches of `store` (a group's unique
+    rows once: what the run's all-to-alls carry), the same on every rank."""
+    table_of = {f: i for i, s in enumerate(specs) for f in s.features}
+    out = [np.zeros(s.rows, np.int64) for s in specs]
+    for k in range(len(store)):
+        batch = store[k]
+        kjts = [batch.kjt] if batch.kjt is not None else []
+        for kjt in kjts + [ik.unique for ik in batch.groups.values()]:
+            for name, jt in kjt.to_dict().items():
+                t = table_of[name]
+                out[t] += np.bincount(jt.values.numpy(), minlength=specs[t].rows)[: specs[t].rows]
+    return out
