@@ -77,7 +77,9 @@ def test_flexshard_ends_where_the_row_wise_plan_ends(fresh_warehouse, mode):
     # each rank holds its cold rows and every hot one: more than row-wise, within the budget
     assert all(
         r <= 2 * w
-        for r, w in zip(flex["train.shard_bytes_per_rank"], rows["train.shard_bytes_per_rank"])
+        for r, w in zip(
+            flex["train.shard_bytes_per_rank"], rows["train.shard_bytes_per_rank"], strict=True
+        )
     )
     gaps = _gaps(rows["train.model_uri"], flex["train.model_uri"])
     print(mode, {k: f"{v:.1e}" for k, v in gaps.items()})

@@ -114,8 +114,13 @@ def test_sharding_refuses_what_it_cannot_do_in_one_line(fresh_warehouse):
         ({}, 1, r"needs 2 or more processes \(train.nproc, --nproc\)"),
         ({"model": SMALL_MODEL.model_copy(update={"members": 3})}, 2, "members: 1"),
         ({"average_states": 4}, 2, "average_states: 1"),
+        (
+            {"sharding": "flexshard", "flexshard": {"per_node": 3}},
+            2,
+            "per_node=3 does not divide the 2 processes",
+        ),
     ]:
-        cfg = TrainConfig(**{**SHARDED, **update, "sharding": "auto"})
+        cfg = TrainConfig(**{**SHARDED, "sharding": "auto", **update})
         with pytest.raises(ShardingRefused, match=reason):
             train(fresh_warehouse, DAY, cfg, nproc=nproc)
 
@@ -132,6 +137,10 @@ def test_a_budget_no_placement_fits_is_refused_and_one_that_fits_is_kept(fresh_w
         r"copies of its shards \(the live tables, early stopping's best state",
     ):
         train(fresh_warehouse, DAY, cfg, nproc=2)
+    with pytest.raises(
+        Exception, match=r"train.sharding=flexshard: \d+ MB of rows a process .* exceed 30 MB"
+    ):
+        train(fresh_warehouse, DAY, cfg.model_copy(update={"sharding": "flexshard"}), nproc=2)
     s = train(fresh_warehouse, DAY, cfg.model_copy(update={"memory_budget_mb": 60}), nproc=2)
     ranks = {r for where in s["train.sharding"].values() for r in where.split()[-1].split(",")}
     assert ranks == {"0", "1"}  # both ranks hold tables

@@ -276,7 +276,9 @@ def verify_figures(rows: int = VERIFY_ROWS, dim: int = 32, world: int = 2) -> di
     }
 
 
-def _spawn(fn, nproc: int, *args) -> dict:
+def spawn_ranks(fn, nproc: int, *args) -> dict:
+    """`fn(rank, nproc, out, *args)` on `nproc` spawned processes: the figures rank 0
+    wrote to `out` (JSON)."""
     import torch.multiprocessing as mp
 
     from recd_core.modeling.launch import free_port
@@ -473,6 +475,6 @@ def counted_all_to_all():
 if __name__ == "__main__":
     part, table_path, arg, out_path = sys.argv[1:5]
     fn = _comm_rank if part == "comm" else _budget_rank
-    figures = _spawn(fn, 2, table_path, arg)
+    figures = spawn_ranks(fn, 2, table_path, arg)
     with open(out_path, "w") as f:
         json.dump(figures, f)

@@ -107,8 +107,9 @@ class FlexShardTables(nn.Module):
         return dict(zip(names, out.split([len(v) for v in values]), strict=True))
 
     def _route(self, tables: list[int], values: list[torch.Tensor]):
-        """Each id as (table, row) to the rank serving it: (the send order, counts sent and
-        received, the received (table, position) pairs)."""
+        """Each id, keyed across tables as `offsets[table] + row`, to the rank serving it:
+        (the send order, counts sent and received, the received ids' tables and positions
+        in `held`)."""
         tab = np.concatenate(
             [np.zeros(0, np.int64)]
             + [np.full(len(v), t, np.int64) for t, v in zip(tables, values, strict=True)]
@@ -123,9 +124,10 @@ class FlexShardTables(nn.Module):
         order = np.argsort(server, kind="stable")
         send = np.bincount(server, minlength=self.world)
         recv = self._exchange_counts(send)
-        pairs = torch.from_numpy(np.stack([tab[order], ids[order]], 1))
-        got = self._all_to_all(pairs, send, recv, "ids")
-        t_got, id_got = got[:, 0].numpy(), got[:, 1].numpy()
+        keys = torch.from_numpy(self.offsets[tab[order]] + ids[order])  # 8 bytes an id
+        got = self._all_to_all(keys, send, recv, "ids").numpy()
+        t_got = np.searchsorted(self.offsets, got, side="right") - 1
+        id_got = got - self.offsets[t_got]
         pos = np.empty(len(id_got), np.int64)
         for t in np.unique(t_got):
             mine = t_got == t
@@ -207,8 +209,8 @@ class FlexShardTables(nn.Module):
         dense = g.new_zeros(len(union), self.dim)
         dense[torch.from_numpy(np.searchsorted(union, ids)).to(g.device)] = g
         dist.all_reduce(dense, group=group)
-        self.sent["ids"] += 8 * width * (n - 1)
-        self.sent["sync"] += int(2 * (n - 1) / n * dense.numel() * dense.element_size())
+        ring = 2 * (n - 1) / n * dense.numel() * dense.element_size()
+        self.sent["sync"] += 8 * width * (n - 1) + int(ring)  # the ids gathered, the ring
         return union, dense
 
     def _adagrad(self, t: int, rows: torch.Tensor, g: torch.Tensor) -> None:
@@ -345,16 +347,22 @@ class _Lookup(torch.autograd.Function):
         return None, None, None, None
 
 
-def row_counts(store, specs: list[TableSpec]) -> list[np.ndarray]:
-    """Each table's rows' lookups over the training batches of `store` (a group's unique
-    rows once: what the run's all-to-alls carry), the same on every rank."""
+def table_ids(batch: Batch, specs: list[TableSpec]) -> list[np.ndarray]:
+    """The ids `batch` looks up in each table (a group's unique rows once)."""
     table_of = {f: i for i, s in enumerate(specs) for f in s.features}
+    found: list[list[np.ndarray]] = [[] for _ in specs]
+    kjts = [batch.kjt] if batch.kjt is not None else []
+    for kjt in kjts + [ik.unique for ik in batch.groups.values()]:
+        for name, jt in kjt.to_dict().items():
+            found[table_of[name]].append(jt.values.numpy().astype(np.int64))
+    return [np.concatenate([np.zeros(0, np.int64), *f]) for f in found]
+
+
+def row_counts(store, specs: list[TableSpec]) -> list[np.ndarray]:
+    """Each table's rows' lookups over the training batches of `store` (what the run's
+    all-to-alls carry), the same on every rank."""
     out = [np.zeros(s.rows, np.int64) for s in specs]
     for k in range(len(store)):
-        batch = store[k]
-        kjts = [batch.kjt] if batch.kjt is not None else []
-        for kjt in kjts + [ik.unique for ik in batch.groups.values()]:
-            for name, jt in kjt.to_dict().items():
-                t = table_of[name]
-                out[t] += np.bincount(jt.values.numpy(), minlength=specs[t].rows)[: specs[t].rows]
+        for t, ids in enumerate(table_ids(store[k], specs)):
+            out[t] += np.bincount(ids, minlength=specs[t].rows)[: specs[t].rows]
     return out

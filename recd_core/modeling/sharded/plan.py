@@ -40,6 +40,12 @@ def check_config(cfg: TrainConfig, world: int) -> None:
             "sharded training keeps the live tables, not a mean of states: "
             "set train.average_states: 1"
         )
+    per_node = cfg.flexshard.per_node
+    if cfg.sharding == "flexshard" and per_node and world % per_node:
+        raise ShardingRefused(
+            f"train.flexshard.per_node={per_node} does not divide the {world} processes "
+            "into machines"
+        )
     if cfg.adagrad_initial_accumulator:
         raise ShardingRefused(
             "sharded tables' fused Adagrad starts from a zero accumulator: "

@@ -16,6 +16,8 @@ from recd_core.dpp.batch_store import Batch, BatchStore
 from recd_core.modeling.saved import Saved, without_tables
 from recd_core.modeling.shard_files import layout
 from recd_core.modeling.sharded.checkpoints import ShardedCheckpoints
+from recd_core.modeling.sharded.flexshard import flexshard
+from recd_core.modeling.sharded.flexshard_tables import FlexShardTables, row_counts
 from recd_core.modeling.sharded.metrics import torchrec_validation
 from recd_core.modeling.sharded.model import ShardedDLRM
 from recd_core.modeling.sharded.plan import ShardingRefused, plan_table, shard, shard_bytes
@@ -129,9 +131,6 @@ class FlexSharded(Sharded):
 
     def placed(self, features: FeatureSet, cfg: TrainConfig) -> ShardedDLRM:
         from torch.nn.parallel import DistributedDataParallel
-
-        from recd_core.modeling.sharded.flexshard import flexshard
-        from recd_core.modeling.sharded.flexshard_tables import FlexShardTables, row_counts
 
         per_node = cfg.flexshard.per_node or self.world
         dim = cfg.model.embedding_dim
