@@ -119,3 +119,22 @@ def test_a_flexshard_model_saved_as_shards_loads_in_one_process_and_on_three(fre
     )
     assert flex3["train.world_size"] == 3 and flex3["train.init_from"] == shards["train.model_uri"]
     assert _gaps(rows3["train.model_uri"], flex3["train.model_uri"])["model"] < 1e-6
+
+
+@pytest.mark.slow
+def test_on_two_machines_of_two_processes_the_warm_rows_train_exactly(fresh_warehouse):
+    """4 processes as 2 machines of 2 (`per_node`): rows copied once a machine (warm, their
+    gradients combined across the machines) and on every process (hot); 20 steps end where
+    row-wise ends."""
+    start = _start(fresh_warehouse)
+    run = {**RUN, "max_steps": 20}
+    rows = train(
+        fresh_warehouse, DAY, TrainConfig(**run, sharding="row_wise"), nproc=4, init_from=start
+    )
+    flex = TrainConfig(**run, sharding="flexshard", flexshard={"budget": 2.0, "per_node": 2})
+    got = train(fresh_warehouse, DAY, flex, nproc=4, init_from=start)
+    tiers = got["train.sharding"].values()
+    assert any(" 0 warm" not in v for v in tiers) and any(" 0 rows hot" not in v for v in tiers)
+    gaps = _gaps(rows["train.model_uri"], got["train.model_uri"])
+    print({k: f"{v:.1e}" for k, v in gaps.items()})
+    assert gaps["model"] < 1e-6 and gaps["tables"] < 1e-6

@@ -40,7 +40,7 @@ MODES = ("dedup", "baseline")
 def measured(wh_uri: str, ds: str, worlds=(2, 4), steps: int = 8) -> dict:
     """`sharded.flexshard.steps.<mode>.w<N>.<plan>.*` for each N of `worlds` (a fresh set of
     processes each)."""
-    figures: dict = {"sharded.flexshard.steps.steps": steps}
+    figures: dict = {}
     for world in worlds:
         figures |= spawn_ranks(_rank, world, wh_uri, ds, str(steps))
     return figures
@@ -86,11 +86,13 @@ def _rank(rank: int, world: int, out: str, wh_uri: str, ds: str, steps: str) -> 
     device = join_process_group(rank, world, resolve_device("auto"))
     if device.type == "cpu":
         torch.set_num_threads(max(cpu_budget() // world, 1))
-    n = int(steps)
     wh = Warehouse(wh_uri)
     figures: dict = {}
     for mode in MODES:
         store = BatchStore(wh, ds, mode)
+        n = min(int(steps), len(store) - 1)  # a small day: its batches after the warm-up
+        if n < 1:
+            raise ValueError(f"batches/mode={mode}/ds={ds} holds {len(store)} batches: 2 needed")
         cfg = TrainConfig(mode=mode, batch_size=store.manifest["batch_size"])
         cfg = cfg.model_copy(update={"model": cfg.model.for_samples(store.samples())})
         dim = cfg.model.embedding_dim
@@ -148,6 +150,7 @@ def _rank(rank: int, world: int, out: str, wh_uri: str, ds: str, steps: str) -> 
                     f"{key}.predicted_vector_bytes": guess.vectors,
                     f"{key}.step_ms": 1000 * float(mine[3]) / world,
                     f"{key}.table_bytes_max": int(max(held)),
+                    f"{key}.steps": n,
                 }
             del net, model, strategy
     if rank == 0:

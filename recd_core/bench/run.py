@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from recd_core.bench.bagpipe import run as bagpipe_figures
 from recd_core.bench.flexshard import run as flexshard_figures
 from recd_core.bench.flexshard_steps import measured as flexshard_steps
 from recd_core.bench.kept import machine
@@ -74,15 +75,14 @@ def _train_figures(wh: Warehouse, ds: str, out: Path, repeats: int = 7) -> dict:
 
 
 def _movielens_flexshard(wh: Warehouse, ds: str) -> dict:
-    """FlexShard on the MovieLens day's batches (both arms preprocessed as the pipelines
-    do), measured and replayed: `sharded.flexshard.movielens.*`."""
+    """FlexShard and BagPipe on the MovieLens day's batches (both arms preprocessed as the
+    pipelines do), measured and replayed: `sharded.{flexshard,bagpipe}.movielens.*`."""
     config = str(PACKAGE_CONFIGS / "movielens.yaml")
     for mode in ("dedup", "baseline"):
         run_stage("preprocess", {"warehouse": wh.uri, "ds": ds, "mode": mode, "config": config})
-    figures = flexshard_figures(wh, ds) | flexshard_steps(wh.uri, ds)
+    figures = flexshard_figures(wh, ds) | flexshard_steps(wh.uri, ds) | bagpipe_figures(wh, ds)
     return {
-        k.replace("sharded.flexshard.", "sharded.flexshard.movielens.", 1): v
-        for k, v in figures.items()
+        ".".join([*k.split(".")[:2], "movielens", *k.split(".")[2:]]): v for k, v in figures.items()
     }
 
 
@@ -142,6 +142,8 @@ def run_bench(
         # trained on 2 and 4 processes (measured), replayed at 2 to 64 ranks (the model)
         result.update(flexshard_figures(wh, DS))
         result.update(flexshard_steps(wh.uri, DS))
+        # BagPipe's oracle cacher on the same lookups, replayed at 2 to 64 ranks
+        result.update(bagpipe_figures(wh, DS))
 
     rows = result["synthetic"]["rows"]
     seconds = {

@@ -94,13 +94,8 @@ class FlexShardTables(nn.Module):
 
     # -- a step ---------------------------------------------------------------------------
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
-        names, values = [], []
-        kjts = [batch.kjt] if batch.kjt is not None else []
-        kjts += [ik.unique for ik in batch.groups.values()]
-        for kjt in kjts:
-            for name, jt in kjt.to_dict().items():
-                names.append(name)
-                values.append(jt.values)
+        looked = id_features(batch)
+        names, values = [n for n, _ in looked], [v for _, v in looked]
         tables = [self.table_of[n] for n in names]
         anchor = torch.zeros((), device=self.device, requires_grad=True)
         out = _Lookup.apply(anchor, self, tables, values)
@@ -347,14 +342,20 @@ class _Lookup(torch.autograd.Function):
         return None, None, None, None
 
 
+def id_features(batch: Batch) -> list[tuple[str, torch.Tensor]]:
+    """(feature, its ids) of every id feature `batch` looks up: per-sample ones, then each
+    group's unique rows (once each), as TorchRec's input orders them (tables.py)."""
+    kjts = [batch.kjt] if batch.kjt is not None else []
+    kjts += [ik.unique for ik in batch.groups.values()]
+    return [(name, jt.values) for kjt in kjts for name, jt in kjt.to_dict().items()]
+
+
 def table_ids(batch: Batch, specs: list[TableSpec]) -> list[np.ndarray]:
     """The ids `batch` looks up in each table (a group's unique rows once)."""
     table_of = {f: i for i, s in enumerate(specs) for f in s.features}
     found: list[list[np.ndarray]] = [[] for _ in specs]
-    kjts = [batch.kjt] if batch.kjt is not None else []
-    for kjt in kjts + [ik.unique for ik in batch.groups.values()]:
-        for name, jt in kjt.to_dict().items():
-            found[table_of[name]].append(jt.values.numpy().astype(np.int64))
+    for name, ids in id_features(batch):
+        found[table_of[name]].append(ids.numpy().astype(np.int64))
     return [np.concatenate([np.zeros(0, np.int64), *f]) for f in found]
 
 

@@ -3,6 +3,7 @@ has the replicated one and what both answer)."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -161,13 +162,15 @@ class FlexSharded(Sharded):
             )
 
         model = ShardedDLRM(features, cfg.model, place=place).to(self.device)
-        self.net = DistributedDataParallel(
-            model,
-            device_ids=None if self.device.type == "cpu" else [self.device],
-            gradient_as_bucket_view=True,
-            broadcast_buffers=False,
-            static_graph=True,
-        )
+        with warnings.catch_warnings():  # DDP as DMP builds it, an argument torch deprecates
+            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")
+            self.net = DistributedDataParallel(
+                model,
+                device_ids=None if self.device.type == "cpu" else [self.device],
+                gradient_as_bucket_view=True,
+                broadcast_buffers=False,
+                static_graph=True,
+            )
         return model
 
     def placement(self, model: ShardedDLRM, net: nn.Module) -> dict[str, str]:

@@ -1,0 +1,120 @@
+"""BagPipe's oracle cacher replayed on a day's real lookups (modeling/sharded/bagpipe.py):
+each id-list and sequence table's reads of the first `steps` batches, split over `world`
+data-parallel ranks as training splits them, through each rank's cache under row-wise and
+FlexShard's placements, at 2 to 64 ranks; the lookahead and the cache budget swept at one
+size. The budget is in rows a rank, as a share of the row-wise plan's (0.25: the memory
+FlexShard's default budget adds).
+
+    python -m recd_core.bench.bagpipe WAREHOUSE DS OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from recd_core.bench.flexshard import PER_NODE, counts, list_tables, lookups
+from recd_core.dpp.batch_store import BatchStore
+from recd_core.modeling.sharded.bagpipe import CacheBytes, cached_bytes
+from recd_core.modeling.sharded.flexshard import flexshard, row_wise
+from recd_core.warehouse import Warehouse
+
+WORLDS = (2, 4, 8, 16, 64)
+LOOKAHEAD = 4
+BUDGET = 0.25  # cache rows a rank, over the row-wise plan's rows a rank
+LOOKAHEADS = (1, 2, 4, 8, 16)
+BUDGETS = (0.05, 0.1, 0.25, 0.5, 1.0)
+SWEEP_WORLD = 16
+
+
+def replay(store, tables, seen, dim, world, steps, lookahead, budget, plans=("row_wise",)):
+    """{placement: CacheBytes} over the first `steps` batches at `world` ranks."""
+    n = min(steps, len(store))
+    parts = [[lookups(store[s].part(r, world), tables) for r in range(world)] for s in range(n)]
+    out = {p: CacheBytes() for p in plans}
+    for t, (_, rows) in tables.items():
+        block = -(-rows // world)
+        reads = [[parts[s][r][t] for r in range(world)] for s in range(n)]
+        for name in plans:
+            placement = (
+                row_wise(rows, world, min(PER_NODE, world))
+                if name == "row_wise"
+                else flexshard(
+                    seen[t], world, min(PER_NODE, world), int(1.25 * block), len(store), dim
+                )
+            )
+            out[name].add(cached_bytes(reads, placement, dim, lookahead, int(budget * block)))
+    return {p: _per_step(b, n) for p, b in out.items()}
+
+
+def _per_step(b: CacheBytes, steps: int) -> CacheBytes:
+    return CacheBytes(
+        b.critical / steps, b.prefetched / steps, b.uncached / steps, b.hits, b.remote
+    )
+
+
+def run(wh: Warehouse, ds: str, dim: int = 32, steps: int = 20) -> dict:
+    figures: dict = {"sharded.bagpipe.lookahead": LOOKAHEAD, "sharded.bagpipe.budget": BUDGET}
+    for mode in ("dedup", "baseline"):
+        store = BatchStore(wh, ds, mode)
+        tables = list_tables(store.model_features)
+        seen = counts(store, tables)
+
+        def put(key: str, b: CacheBytes) -> None:
+            figures[f"{key}.critical_bytes_per_step"] = b.critical
+            figures[f"{key}.uncached_bytes_per_step"] = b.uncached
+            figures[f"{key}.prefetched_bytes_per_step"] = b.prefetched
+            figures[f"{key}.hit_rate"] = b.hits / max(b.remote, 1)
+
+        for world in WORLDS:
+            got = replay(
+                store, tables, seen, dim, world, steps, LOOKAHEAD, BUDGET, ("row_wise", "flexshard")
+            )
+            for name, b in got.items():
+                put(f"sharded.bagpipe.{mode}.w{world}.{name}", b)
+        for k in LOOKAHEADS:  # at a budget past one step's rows: the lookahead has room
+            b = replay(store, tables, seen, dim, SWEEP_WORLD, steps, k, 1.0)["row_wise"]
+            put(f"sharded.bagpipe.{mode}.lookahead.{k}", b)
+        for budget in BUDGETS:
+            b = replay(store, tables, seen, dim, SWEEP_WORLD, steps, LOOKAHEAD, budget)["row_wise"]
+            put(f"sharded.bagpipe.{mode}.budget.{budget:g}", b)
+    return figures
+
+
+def markdown(f: dict) -> str:
+    """docs/results/bagpipe.md's tables."""
+    head = "| critical path, uncached | with the cache | cut | hit rate | prefetched (overlapped) |"
+    rule = "|---:|---:|---:|---:|---:|"
+
+    def cells(key: str) -> str:
+        u, c = f[f"{key}.uncached_bytes_per_step"], f[f"{key}.critical_bytes_per_step"]
+        return (
+            f"{u / 1e6:.2f} MB | {c / 1e6:.2f} MB | {1 - c / max(u, 1):+.0%} | "
+            f"{f[f'{key}.hit_rate']:.0%} | {f[f'{key}.prefetched_bytes_per_step'] / 1e6:.2f} MB |"
+        )
+
+    lines = ["| mode | ranks | placement " + head, "|---|---:|---" + rule]
+    for mode in ("dedup", "baseline"):
+        for world in WORLDS:
+            for name in ("row_wise", "flexshard"):
+                key = f"sharded.bagpipe.{mode}.w{world}.{name}"
+                lines.append(f"| {mode} | {world} | {name} | {cells(key)}")
+    lines += ["", f"The lookahead swept ({SWEEP_WORLD} ranks, row-wise, budget 1):", ""]
+    lines += ["| mode | lookahead " + head, "|---|---:" + rule]
+    for mode in ("dedup", "baseline"):
+        for k in LOOKAHEADS:
+            lines.append(f"| {mode} | {k} | {cells(f'sharded.bagpipe.{mode}.lookahead.{k}')}")
+    lines += ["", f"The budget swept ({SWEEP_WORLD} ranks, row-wise, lookahead {LOOKAHEAD}):", ""]
+    lines += ["| mode | budget (x row-wise rows) " + head, "|---|---:" + rule]
+    for mode in ("dedup", "baseline"):
+        for b in BUDGETS:
+            lines.append(f"| {mode} | {b:g} | {cells(f'sharded.bagpipe.{mode}.budget.{b:g}')}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    warehouse, day, out = sys.argv[1:4]
+    result = run(Warehouse(warehouse), day)
+    with open(out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(markdown(result))

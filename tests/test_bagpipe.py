@@ -1,0 +1,75 @@
+"""BagPipe's oracle cacher (modeling/sharded/bagpipe.py): what it holds within its lookahead
+and budget, what a step then sends on its critical path and overlapped, and its replay on a
+day's lookups (bench/bagpipe.py) against the uncached run's bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_train import DAY
+
+from recd_core.bench.bagpipe import markdown, replay, run
+from recd_core.bench.flexshard import counts, list_tables, lookups
+from recd_core.config import PreprocessConfig
+from recd_core.dpp.batch_store import BatchStore
+from recd_core.dpp.preprocess import preprocess
+from recd_core.modeling.sharded.bagpipe import cached_bytes, plan
+from recd_core.modeling.sharded.flexshard import ID_BYTES, row_wise, traffic
+
+DIM = 4
+VECTOR, ROW = 4 * DIM, 4 * (DIM + 1)
+NONE = np.zeros(0, np.int64)
+
+
+def test_the_cache_holds_the_nearest_next_uses_within_lookahead_and_budget():
+    remote = [np.array([5, 9]), np.array([7]), np.array([3, 9]), np.array([1])]
+    assert plan(remote, 0, 1, 10).tolist() == [5, 9]  # one step ahead: only step 0's
+    assert plan(remote, 0, 3, 10).tolist() == [3, 5, 7, 9]  # row 1 is 4 steps away
+    assert plan(remote, 0, 3, 3).tolist() == [5, 7, 9]  # full: the farthest (3) waits
+    assert plan(remote, 2, 8, 10).tolist() == [1, 3, 9]  # past the last step: nothing
+
+
+def test_a_row_one_rank_reads_is_fetched_ahead_and_read_locally():
+    """Rank 0 reads row 2 (held by rank 1) three steps running, nobody else does: one fetch,
+    overlapped, then local reads; nothing on the critical path."""
+    reads = [[np.array([2]), NONE] for _ in range(3)]
+    got = cached_bytes(reads, row_wise(4, 2, 2), DIM, lookahead=2, budget=1)
+    assert got.uncached == 3 * (ID_BYTES + 2 * VECTOR)
+    assert got.critical == 0 and got.hits == got.remote == 3
+    assert got.prefetched == ROW + 3 * VECTOR  # the fetch, and each step's write-through
+
+
+def test_a_row_another_rank_updates_is_refreshed_on_the_critical_path():
+    """Rank 1 (the owner) also reads row 2 every step: rank 0's copy is stale each step
+    after the first (its refresh is critical), and its gradient must reach the owner before
+    the owner's next read (critical too); with no budget every read is a remote lookup."""
+    reads = [[np.array([2]), np.array([2])] for _ in range(3)]
+    got = cached_bytes(reads, row_wise(4, 2, 2), DIM, lookahead=2, budget=1)
+    assert got.critical == 2 * VECTOR + 2 * VECTOR  # steps 1, 2 refreshed; steps 0, 1 pushed
+    assert got.prefetched == ROW + VECTOR  # the first fetch, the last write-through
+    uncached = cached_bytes(reads, row_wise(4, 2, 2), DIM, lookahead=2, budget=0)
+    assert uncached.critical == uncached.uncached == 3 * (ID_BYTES + 2 * VECTOR)
+    assert uncached.hits == 0
+
+
+@pytest.mark.slow
+def test_on_a_days_lookups_the_cache_cuts_the_critical_path_more_with_more_budget(fresh_warehouse):
+    for mode in ("dedup", "baseline"):
+        preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=512, mode=mode))
+    store = BatchStore(fresh_warehouse, DAY, "dedup")
+    tables = list_tables(store.model_features)
+    seen = counts(store, tables)
+    small = replay(store, tables, seen, 32, 4, 6, 2, 0.05)["row_wise"]
+    large = replay(store, tables, seen, 32, 4, 6, 2, 1.0)["row_wise"]
+    assert small.uncached == large.uncached > large.critical
+    assert small.critical > large.critical and small.hits < large.hits <= large.remote
+    # without a cache the critical path is what the sharded lookups send (the traffic model)
+    parts = [lookups(store[s].part(r, 4), tables) for s in range(6) for r in range(4)]
+    sent = sum(
+        traffic(row_wise(rows, 4, 4), [parts[s * 4 + r][t] for r in range(4)], 32).total
+        for t, (_, rows) in tables.items()
+        for s in range(6)
+    )
+    assert large.uncached == pytest.approx(sent / 6)
+    figures = run(fresh_warehouse, DAY, steps=3)
+    assert "| dedup | 64 | flexshard |" in markdown(figures)
