@@ -51,6 +51,8 @@ class FlexShardTables(nn.Module):
     Per table i:  held[i]    int64 [n_i]     the rows this rank holds, ascending
                   weights[i] float32 [n_i, d] their vectors (plain tensors: no DDP param)
                   accs[i]    float32 [n_i]    their Adagrad accumulators
+    weights[i] and accs[i] are views of `all_weights` [sum n_i, d] and `all_accs`, where a
+    step finds its rows with one index (`local`: a row's key -> its place there).
     """
 
     def __init__(
@@ -70,23 +72,35 @@ class FlexShardTables(nn.Module):
         self.device, self.lr, self.eps = device, lr, 1e-10
         self.table_of = {f: i for i, s in enumerate(specs) for f in s.features}
         self.held = [np.flatnonzero(p.holds(rank)) for p in placements]
-        self.position = []  # row -> its place in held[i] (-1: not held)
-        for s, held in zip(specs, self.held, strict=True):
-            pos = np.full(s.rows, -1, np.int64)
-            pos[held] = np.arange(len(held))
-            self.position.append(pos)
-        self.weights = [
-            fresh_rows(s, dim, held, seed * 1_000_003 + i).to(device)
-            for i, (s, held) in enumerate(zip(specs, self.held, strict=True))
-        ]
-        self.accs = [torch.zeros(len(h), device=device) for h in self.held]
+        # a row of any table is keyed `offsets[table] + row`; this rank's held rows sit in
+        # one tensor, table after table (`weights[i]` is its view of table i)
+        self.offsets = np.cumsum([0] + [s.rows for s in specs])
+        starts = np.cumsum([0] + [len(h) for h in self.held])
+        self.held_key = np.concatenate(
+            [o + h for o, h in zip(self.offsets[:-1], self.held, strict=True)]
+        )
+        self.local = np.full(self.offsets[-1], -1, np.int64)  # key -> its place (-1: none)
+        self.local[self.held_key] = np.arange(len(self.held_key))
+        self.server = np.concatenate(  # key -> the rank serving it to this one
+            [p.server(rank, np.arange(len(p.tier))).astype(np.int32) for p in placements]
+        )
+        self.tier = np.concatenate([p.tier for p in placements])
+        self.all_weights = torch.cat(
+            [
+                fresh_rows(s, dim, held, seed * 1_000_003 + i)
+                for i, (s, held) in enumerate(zip(specs, self.held, strict=True))
+            ]
+        ).to(device)
+        self.all_accs = torch.zeros(len(self.held_key), device=device)
+        spans = list(zip(starts[:-1], starts[1:], strict=True))
+        self.weights = [self.all_weights[a:b] for a, b in spans]  # views
+        self.accs = [self.all_accs[a:b] for a, b in spans]
         self.group = dist.new_group()  # the tables' own collectives (module doc)
         self.node_group = None  # the ranks holding the same warm slot, one a node
         nodes = self.world // self.per_node
         if nodes > 1:
             slots = [[n * self.per_node + k for n in range(nodes)] for k in range(self.per_node)]
             self.node_group, _ = dist.new_subgroups_by_enumeration(slots)
-        self.offsets = np.cumsum([0] + [s.rows for s in specs])
         # whether any table has copies to combine (the same on every rank: it skips
         # collectives)
         self.copied = {tt: any((p.tier == tt).any() for p in placements) for tt in (HOT, WARM)}
@@ -103,8 +117,8 @@ class FlexShardTables(nn.Module):
 
     def _route(self, tables: list[int], values: list[torch.Tensor]):
         """Each id, keyed across tables as `offsets[table] + row`, to the rank serving it:
-        (the send order, counts sent and received, the received ids' tables and positions
-        in `held`)."""
+        (the send order, counts sent and received, the received ids' places among this
+        rank's held rows)."""
         tab = np.concatenate(
             [np.zeros(0, np.int64)]
             + [np.full(len(v), t, np.int64) for t, v in zip(tables, values, strict=True)]
@@ -112,24 +126,16 @@ class FlexShardTables(nn.Module):
         ids = np.concatenate(
             [np.zeros(0, np.int64)] + [v.detach().cpu().numpy().astype(np.int64) for v in values]
         )
-        server = np.empty(len(ids), np.int64)
-        for t in np.unique(tab):
-            mine = tab == t
-            server[mine] = self.placements[t].server(self.rank, ids[mine])
+        keys = self.offsets[tab] + ids  # 8 bytes an id, whatever its table
+        server = self.server[keys]
         order = np.argsort(server, kind="stable")
         send = np.bincount(server, minlength=self.world)
         recv = self._exchange_counts(send)
-        keys = torch.from_numpy(self.offsets[tab[order]] + ids[order])  # 8 bytes an id
-        got = self._all_to_all(keys, send, recv, "ids").numpy()
-        t_got = np.searchsorted(self.offsets, got, side="right") - 1
-        id_got = got - self.offsets[t_got]
-        pos = np.empty(len(id_got), np.int64)
-        for t in np.unique(t_got):
-            mine = t_got == t
-            pos[mine] = self.position[t][id_got[mine]]
+        got = self._all_to_all(torch.from_numpy(keys[order]), send, recv, "ids").numpy()
+        pos = self.local[got]
         if (pos < 0).any():
             raise RuntimeError("an id was sent to a rank that does not hold its row")
-        return order, send, recv, t_got, pos
+        return order, send, recv, pos
 
     def _exchange_counts(self, send: np.ndarray) -> np.ndarray:
         recv = torch.empty(self.world, dtype=torch.int64)
@@ -143,42 +149,26 @@ class FlexShardTables(nn.Module):
         self.sent[what] += row * int(send.sum() - send[self.rank])
         return out
 
-    def _serve(self, t_got: np.ndarray, pos: np.ndarray) -> torch.Tensor:
-        out = torch.empty(len(pos), self.dim, device=self.device)
-        for t in np.unique(t_got):
-            mine = torch.from_numpy(np.flatnonzero(t_got == t)).to(self.device)
-            out[mine] = self.weights[t][torch.from_numpy(pos[t_got == t]).to(self.device)]
-        return out
+    def _serve(self, pos: np.ndarray) -> torch.Tensor:
+        return self.all_weights[torch.from_numpy(pos).to(self.device)]
 
     @torch.no_grad()
-    def _update(self, t_got: np.ndarray, pos: np.ndarray, grads: torch.Tensor) -> None:
+    def _update(self, pos: np.ndarray, grads: torch.Tensor) -> None:
         """The served rows' gradients, summed per row, the copies' combined (all tables in
         one sparse all-reduce a tier), one Adagrad step on every copy of every row touched
-        anywhere. Rows are keyed across tables as `offsets[table] + row`."""
-        keys = np.empty(len(pos), np.int64)
-        for t in np.unique(t_got):
-            mine = t_got == t
-            keys[mine] = self.offsets[t] + self.held[t][pos[mine]]
-        keys, g = self._summed(keys, grads)
-        table = np.searchsorted(self.offsets, keys, side="right") - 1
-        tier = np.empty(len(keys), np.int8)
-        for t in np.unique(table):
-            mine = table == t
-            tier[mine] = self.placements[t].tier[keys[mine] - self.offsets[t]]
+        anywhere."""
+        pos, g = self._summed(pos, grads)
+        tier = self.tier[self.held_key[pos]]
         for tt, group in ((HOT, self.group), (WARM, self.node_group)):
             if group is None or not self.copied[tt]:
                 continue
             copies = tier == tt
-            ids, summed = self._sum_over(group, keys[copies], g[_index(copies, g)])
+            keys, summed = self._sum_over(group, self.held_key[pos[copies]], g[_index(copies, g)])
             keep = ~copies
-            keys = np.concatenate([keys[keep], ids])
+            pos = np.concatenate([pos[keep], self.local[keys]])
             g = torch.cat([g[_index(keep, g)], summed])
-            tier = np.concatenate([tier[keep], np.full(len(ids), -1, np.int8)])
-        table = np.searchsorted(self.offsets, keys, side="right") - 1
-        for t in np.unique(table):
-            mine = table == t
-            local = torch.from_numpy(self.position[t][keys[mine] - self.offsets[t]])
-            self._adagrad(t, local.to(self.device), g[_index(mine, g)] / self.world)
+            tier = np.concatenate([tier[keep], np.full(len(keys), -1, np.int8)])
+        self._adagrad(torch.from_numpy(pos).to(self.device), g / self.world)
 
     @staticmethod
     def _summed(keys: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
@@ -208,10 +198,10 @@ class FlexShardTables(nn.Module):
         self.sent["sync"] += 8 * width * (n - 1) + int(ring)  # the ids gathered, the ring
         return union, dense
 
-    def _adagrad(self, t: int, rows: torch.Tensor, g: torch.Tensor) -> None:
+    def _adagrad(self, rows: torch.Tensor, g: torch.Tensor) -> None:
         if not len(rows):
             return
-        acc, w = self.accs[t], self.weights[t]
+        acc, w = self.all_accs, self.all_weights
         acc.index_add_(0, rows, g.pow(2).mean(1))
         scale = self.lr / (acc.index_select(0, rows).sqrt() + self.eps)
         w.index_add_(0, rows, -scale.unsqueeze(1) * g)
@@ -323,22 +313,22 @@ class _Lookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, tables: FlexShardTables, which: list[int], values: list):
-        order, send, recv, t_got, pos = tables._route(which, values)
-        served = tables._serve(t_got, pos)
+        order, send, recv, pos = tables._route(which, values)
+        served = tables._serve(pos)
         back = tables._all_to_all(served, recv, send, "vectors")
         out = torch.empty_like(back)
         out[torch.from_numpy(order).to(back.device)] = back
-        ctx.tables, ctx.route = tables, (order, send, recv, t_got, pos)
+        ctx.tables, ctx.route = tables, (order, send, recv, pos)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         tables = ctx.tables
-        order, send, recv, t_got, pos = ctx.route
+        order, send, recv, pos = ctx.route
         grads = tables._all_to_all(
             grad[torch.from_numpy(order).to(grad.device)], send, recv, "gradients"
         )
-        tables._update(t_got, pos, grads)
+        tables._update(pos, grads)
         return None, None, None, None
 
 
