@@ -37,7 +37,7 @@ PLANS = ("table_wise", "row_wise", "flexshard")
 MODES = ("dedup", "baseline")
 
 
-def measured(wh_uri: str, ds: str, worlds=(2, 4), steps: int = 8) -> dict:
+def measured(wh_uri: str, ds: str, worlds=(2, 4), steps: int = 16) -> dict:
     """`sharded.flexshard.steps.<mode>.w<N>.<plan>.*` for each N of `worlds` (a fresh set of
     processes each)."""
     figures: dict = {}
@@ -193,7 +193,7 @@ def markdown(f: dict) -> str:
 if __name__ == "__main__":
     warehouse, day, out_path = sys.argv[1:4]
     worlds = tuple(int(w) for w in (sys.argv[4] if len(sys.argv) > 4 else "2,4").split(","))
-    n_steps = int(sys.argv[5]) if len(sys.argv) > 5 else 8
+    n_steps = int(sys.argv[5]) if len(sys.argv) > 5 else 16
     result = measured(warehouse, day, worlds, n_steps)
     with open(out_path, "w") as fh:
         json.dump(result, fh, indent=1)
