@@ -26,7 +26,14 @@ The rooms, by concern:
     checkpoints.py  a run's checkpoints as shard files (../shard_files.py; resharded
                     on load: a resume may use another N)
     metrics.py      NE and AUC by torchrec.metrics over the ranks (a cross-check)
-    strategy.py     `Sharded`: the parallelism strategy training asks (modeling/parallel.py)
+    strategy.py     `Sharded`: the parallelism strategy training asks (modeling/parallel.py);
+                    `FlexSharded`: the same with the tables placed by FlexShard
+    flexshard.py    FlexShard's tiers of a table by how often its rows are read, within a
+                    row budget, and the all-to-all traffic model of each placement
+    flexshard_tables.py  training on that placement (not TorchRec's): the step's exchange,
+                    the copies' sparse gradient sync, the fused row-wise Adagrad
+    bagpipe.py      BagPipe's oracle cacher over the known next batches (a model of the
+                    bytes; not yet in training)
 
 Why an EmbeddingCollection (one vector per id) and not a pooled EmbeddingBagCollection: the
 DLRM's tables are shared by pooled features and histories (the clicked items' history reads

@@ -133,6 +133,8 @@ class FlexSharded(Sharded):
     def placed(self, features: FeatureSet, cfg: TrainConfig) -> ShardedDLRM:
         from torch.nn.parallel import DistributedDataParallel
 
+        if self.store is None:
+            raise ValueError("FlexShard places the rows by the day's lookups: give it the batches")
         per_node = cfg.flexshard.per_node or self.world
         dim = cfg.model.embedding_dim
 
