@@ -338,6 +338,11 @@ class FlexShardConfig(_Strict):
     # processes a node (the topology's tiers: a warm row is copied once a node, so its
     # lookups stay inside the node); None: all the run's processes on one node
     per_node: int | None = Field(default=None, ge=1)
+    # BagPipe's oracle cache on these tables (modeling/sharded/bagpipe_tables.py): each
+    # process keeps the remote rows its next `cache_lookahead` steps read (0: no cache), at
+    # most `cache_budget` times the row-wise plan's rows
+    cache_lookahead: int = Field(default=0, ge=0, le=64)
+    cache_budget: float = Field(default=0.25, gt=0.0, le=64.0)
 
 
 class TrainConfig(_Strict):

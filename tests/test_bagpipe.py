@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_flexshard_training import RUN, _gaps
+from test_sharding import _start
 from test_train import DAY
 
 from recd_core.bench.bagpipe import markdown, replay, run
 from recd_core.bench.flexshard import counts, list_tables, lookups
-from recd_core.config import PreprocessConfig
+from recd_core.config import PreprocessConfig, TrainConfig
 from recd_core.dpp.batch_store import BatchStore
 from recd_core.dpp.preprocess import preprocess
 from recd_core.modeling.sharded.bagpipe import cached_bytes, plan
 from recd_core.modeling.sharded.flexshard import ID_BYTES, row_wise, traffic
+from recd_core.modeling.train import train
 
 DIM = 4
 VECTOR, ROW = 4 * DIM, 4 * (DIM + 1)
@@ -36,17 +39,19 @@ def test_a_row_one_rank_reads_is_fetched_ahead_and_read_locally():
     got = cached_bytes(reads, row_wise(4, 2, 2), DIM, lookahead=2, budget=1)
     assert got.uncached == 3 * (ID_BYTES + 2 * VECTOR)
     assert got.critical == 0 and got.hits == got.remote == 3
-    assert got.prefetched == ROW + 3 * VECTOR  # the fetch, and each step's write-through
+    # the fetch, and each step's write-through (nobody reads the row next)
+    assert got.prefetched == (ID_BYTES + ROW) + 3 * (ID_BYTES + VECTOR)
 
 
-def test_a_row_another_rank_updates_is_refreshed_on_the_critical_path():
-    """Rank 1 (the owner) also reads row 2 every step: rank 0's copy is stale each step
-    after the first (its refresh is critical), and its gradient must reach the owner before
-    the owner's next read (critical too); with no budget every read is a remote lookup."""
+def test_a_row_another_rank_updates_is_fetched_again_on_the_critical_path():
+    """Rank 1 (the owner) also reads row 2 every step: rank 0's copy goes stale each step,
+    so it is fetched again after the update (critical), and its gradient must reach the
+    owner before the owner's next read (critical too); with no budget every read is a
+    remote lookup."""
     reads = [[np.array([2]), np.array([2])] for _ in range(3)]
     got = cached_bytes(reads, row_wise(4, 2, 2), DIM, lookahead=2, budget=1)
-    assert got.critical == 2 * VECTOR + 2 * VECTOR  # steps 1, 2 refreshed; steps 0, 1 pushed
-    assert got.prefetched == ROW + VECTOR  # the first fetch, the last write-through
+    assert got.critical == 2 * (ID_BYTES + ROW) + 2 * (ID_BYTES + VECTOR)
+    assert got.prefetched == (ID_BYTES + ROW) + (ID_BYTES + VECTOR)  # the first, the last
     uncached = cached_bytes(reads, row_wise(4, 2, 2), DIM, lookahead=2, budget=0)
     assert uncached.critical == uncached.uncached == 3 * (ID_BYTES + 2 * VECTOR)
     assert uncached.hits == 0
@@ -59,7 +64,7 @@ def test_on_a_days_lookups_the_cache_cuts_the_critical_path_more_with_more_budge
     store = BatchStore(fresh_warehouse, DAY, "dedup")
     tables = list_tables(store.model_features)
     seen = counts(store, tables)
-    small = replay(store, tables, seen, 32, 4, 6, 2, 0.05)["row_wise"]
+    small = replay(store, tables, seen, 32, 4, 6, 2, 0.002)["row_wise"]
     large = replay(store, tables, seen, 32, 4, 6, 2, 1.0)["row_wise"]
     assert small.uncached == large.uncached > large.critical
     assert small.critical > large.critical and small.hits < large.hits <= large.remote
@@ -73,3 +78,35 @@ def test_on_a_days_lookups_the_cache_cuts_the_critical_path_more_with_more_budge
     assert large.uncached == pytest.approx(sent / 6)
     figures = run(fresh_warehouse, DAY, steps=3)
     assert "| dedup | 64 | flexshard |" in markdown(figures)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["dedup", "baseline"])
+def test_training_with_the_cache_ends_where_the_row_wise_plan_ends(fresh_warehouse, mode):
+    """50 steps on 2 processes from one start: FlexShard's tables with each rank's oracle
+    cache (lookahead 4, 2x row-wise's rows: most remote reads served from the cache) end
+    where TorchRec's row-wise plan ends."""
+    start = _start(fresh_warehouse, mode)
+    rows = train(
+        fresh_warehouse,
+        DAY,
+        TrainConfig(**RUN, mode=mode, sharding="row_wise"),
+        nproc=2,
+        init_from=start,
+    )
+    cache = {"budget": 1.0, "cache_lookahead": 4, "cache_budget": 2.0}
+    got = train(
+        fresh_warehouse,
+        DAY,
+        TrainConfig(**RUN, mode=mode, sharding="flexshard", flexshard=cache),
+        nproc=2,
+        init_from=start,
+    )
+    assert got["train.steps"] == rows["train.steps"] == 50
+    assert got["train.cache_hit_rate"] > 0.5  # most remote reads served from the cache
+    sent = got["train.flexshard_bytes"]
+    assert sent["fetch_rows"] > 0 and sent["write_through"] > 0
+    print(mode, got["train.cache_hit_rate"], sent)
+    gaps = _gaps(rows["train.model_uri"], got["train.model_uri"])
+    print(mode, {k: f"{v:.1e}" for k, v in gaps.items()})
+    assert gaps["model"] < 1e-6 and gaps["tables"] < 1e-6 and gaps["accumulators"] < 1e-6

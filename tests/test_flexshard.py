@@ -114,20 +114,26 @@ def test_on_a_days_lookups_flexshard_cuts_the_traffic_within_its_budget(fresh_wa
 @pytest.mark.slow
 def test_measured_steps_match_the_traffic_model_and_flexshard_sends_the_least(fresh_warehouse):
     """Two processes train each plan a few steps on the day's batches: the bytes the
-    all-to-alls (and FlexShard's sync) send are what the traffic model predicts for the same
-    lookups, within 10%; FlexShard sends fewer than row-wise in both arms, and holds no
-    more than its budget (1.25x row-wise's rows, plus the tiers' rounding)."""
+    all-to-alls (and FlexShard's sync) send are what the models (traffic, cache) predict
+    for the same lookups, within 10%; FlexShard sends fewer than row-wise in both arms and
+    holds no more than its budget (1.25x row-wise's rows, plus the tiers' rounding); its
+    cache sends fewer still."""
     for mode in ("dedup", "baseline"):
         preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=512, mode=mode))
     got = measured(fresh_warehouse.uri, DAY, worlds=(2,), steps=2)
     for mode in ("dedup", "baseline"):
         key = f"sharded.flexshard.steps.{mode}.w2"
-        for plan in ("table_wise", "row_wise", "flexshard"):
+        for plan in ("table_wise", "row_wise", "flexshard", "bagpipe"):
             measured_bytes = got[f"{key}.{plan}.bytes"]
             assert measured_bytes == pytest.approx(got[f"{key}.{plan}.predicted_bytes"], rel=0.1)
             assert got[f"{key}.{plan}.step_ms"] > 0
         assert got[f"{key}.flexshard.bytes"] < got[f"{key}.row_wise.bytes"]
+        # the cache serves most remote reads: fewer bytes still, most of them fetches
+        assert got[f"{key}.bagpipe.bytes"] < got[f"{key}.flexshard.bytes"]
+        assert got[f"{key}.bagpipe.hit_rate"] > 0.5
+        assert 0 < got[f"{key}.bagpipe.prefetchable_bytes"] < got[f"{key}.bagpipe.bytes"]
         assert got[f"{key}.flexshard.sync_bytes"] > 0 == got[f"{key}.row_wise.sync_bytes"]
         held, rows = got[f"{key}.flexshard.table_bytes_max"], got[f"{key}.row_wise.table_bytes_max"]
         assert rows <= held <= 1.3 * rows
     assert "| dedup | 2 | flexshard |" in steps_markdown(got)
+    assert "| dedup | 2 | bagpipe |" in steps_markdown(got)

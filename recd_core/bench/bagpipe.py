@@ -2,7 +2,8 @@
 each id-list and sequence table's reads of the first `steps` batches, split over `world`
 data-parallel ranks as training splits them, through each rank's cache under row-wise and
 FlexShard's placements, at 2 to 64 ranks; the lookahead and the cache budget swept at one
-size. The budget is in rows a rank, as a share of the row-wise plan's (0.25: the memory
+size. All tables' ids are keyed as one and each rank has one cache, as training holds it;
+its budget is in rows a rank, as a share of the row-wise plan's (0.25: the memory
 FlexShard's default budget adds).
 
     python -m recd_core.bench.bagpipe WAREHOUSE DS OUT.json
@@ -13,9 +14,11 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
+
 from recd_core.bench.flexshard import PER_NODE, counts, list_tables, lookups
 from recd_core.dpp.batch_store import BatchStore
-from recd_core.modeling.sharded.bagpipe import CacheBytes, cached_bytes
+from recd_core.modeling.sharded.bagpipe import CacheBytes, Keyed, cached_bytes
 from recd_core.modeling.sharded.flexshard import flexshard, row_wise
 from recd_core.warehouse import Warehouse
 
@@ -28,23 +31,40 @@ SWEEP_WORLD = 16
 
 
 def replay(store, tables, seen, dim, world, steps, lookahead, budget, plans=("row_wise",)):
-    """{placement: CacheBytes} over the first `steps` batches at `world` ranks."""
+    """{placement: CacheBytes} over the first `steps` batches at `world` ranks, all tables'
+    ids keyed as one (`offsets[table] + row`), one cache a rank of `budget` times the
+    row-wise plan's rows of them all (as training holds it: bagpipe_tables.py)."""
     n = min(steps, len(store))
-    parts = [[lookups(store[s].part(r, world), tables) for r in range(world)] for s in range(n)]
-    out = {p: CacheBytes() for p in plans}
-    for t, (_, rows) in tables.items():
-        block = -(-rows // world)
-        reads = [[parts[s][r][t] for r in range(world)] for s in range(n)]
-        for name in plans:
-            placement = (
-                row_wise(rows, world, min(PER_NODE, world))
-                if name == "row_wise"
-                else flexshard(
-                    seen[t], world, min(PER_NODE, world), int(1.25 * block), len(store), dim
-                )
+    names = list(tables)
+    offsets = np.cumsum([0] + [tables[t][1] for t in names])
+    reads = []
+    for s in range(n):
+        step = []
+        for r in range(world):
+            ids = lookups(store[s].part(r, world), tables)
+            step.append(
+                np.concatenate([o + ids[t] for o, t in zip(offsets[:-1], names, strict=True)])
             )
-            out[name].add(cached_bytes(reads, placement, dim, lookahead, int(budget * block)))
-    return {p: _per_step(b, n) for p, b in out.items()}
+        reads.append(step)
+    rows = sum(-(-tables[t][1] // world) for t in names)
+    out = {}
+    for name in plans:
+        placements = [
+            row_wise(tables[t][1], world, min(PER_NODE, world))
+            if name == "row_wise"
+            else flexshard(
+                seen[t],
+                world,
+                min(PER_NODE, world),
+                int(1.25 * -(-tables[t][1] // world)),
+                len(store),
+                dim,
+            )
+            for t in names
+        ]
+        got = cached_bytes(reads, Keyed(placements, offsets), dim, lookahead, int(budget * rows))
+        out[name] = _per_step(got, n)
+    return out
 
 
 def _per_step(b: CacheBytes, steps: int) -> CacheBytes:

@@ -32,8 +32,9 @@ The rooms, by concern:
                     row budget, and the all-to-all traffic model of each placement
     flexshard_tables.py  training on that placement (not TorchRec's): the step's exchange,
                     the copies' sparse gradient sync, the fused row-wise Adagrad
-    bagpipe.py      BagPipe's oracle cacher over the known next batches (a model of the
-                    bytes; not yet in training)
+    bagpipe.py      BagPipe's oracle cacher over the known next batches, and a model of
+                    the bytes a step then waits for and prefetches
+    bagpipe_tables.py  the cache in training, over FlexShard's tables (never read stale)
 
 Why an EmbeddingCollection (one vector per id) and not a pooled EmbeddingBagCollection: the
 DLRM's tables are shared by pooled features and histories (the clicked items' history reads

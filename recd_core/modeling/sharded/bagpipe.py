@@ -7,24 +7,27 @@ The cache a rank holds while step s runs (`plan`), Belady within the lookahead: 
 remote rows it reads in steps s .. s+k-1, the `budget` with the nearest next use (a row read
 at s first); a row read beyond the lookahead is never held, a held row whose next use falls
 out of the budget is evicted. Exact (as synchronous as the uncached run, BagPipe's
-guarantee), so a cached copy is never read stale:
+guarantee: bagpipe_tables.py trains with it), so a cached copy is never read stale:
 
-    a row entering the cache      its weights and accumulator are fetched (4 (d + 1) bytes):
-                                  during step s-1, overlapped, unless a rank updates the row
-                                  at s-1; then after it, on step s's critical path
-    a held row another rank       its copy takes the update (4 d bytes, the other ranks'
-      updates at step u           gradient): before step u+1's lookups (critical) if the
-                                  rank reads it at u+1, else overlapped with u+1
-    a held row the rank reads     its gradient also goes to the row's owner (write-through,
-                                  4 d bytes), so other ranks read the owner's copy fresh:
-                                  critical if another rank reads it at the next step
+    a row fetched (entering the   its id goes to its owner, its weights and accumulator
+      cache, or held but stale)   come back (8 + 4 (d + 1) bytes): during step s-1,
+                                  overlapped, unless a rank reads (so updates) the row at
+                                  s-1; then after it, on step s's critical path
+    a held row another rank       stale: fetched again before its next use
+      reads at a step
+    a held row the rank reads     its gradient goes to the row's owner (write-through, 8 +
+                                  4 d bytes), so the owner stays the authority: critical
+                                  when another rank reads the row at the next step, else
+                                  overlapped with it (bagpipe_tables.py sends it in the
+                                  step); a row only this rank read takes the same step in
+                                  the cache, with no bytes
     a remote row not held         the uncached lookup: its id, its vector, its gradient
                                   (8 + 8 d bytes), on the critical path
 
-A rank updates a held row it alone read locally (it holds the accumulator). Rows are those
-remote under a placement (row-wise, or FlexShard's: the cache then covers what it did not
-copy). `replay` sums the bytes over ranks and steps: the critical path's, the prefetched
-(overlapped) ones, and the hit rate, beside the uncached critical path of the same lookups.
+Rows are those remote under a placement (row-wise, or FlexShard's: the cache then covers
+what it did not copy). `replay` sums the bytes over ranks and steps: the critical path's,
+the prefetched (overlapped) ones, and the hit rate, beside the uncached critical path of
+the same lookups.
 """
 
 from __future__ import annotations
@@ -69,33 +72,27 @@ def plan(remote: list[np.ndarray], s: int, lookahead: int, budget: int) -> np.nd
 
 
 def cached_bytes(
-    reads: list[list[np.ndarray]], placement: Placement, dim: int, lookahead: int, budget: int
+    reads: list[list[np.ndarray]], placement, dim: int, lookahead: int, budget: int
 ) -> CacheBytes:
-    """The bytes of `reads[s][r]` (rank r's unique ids of one table at step s) through each
-    rank's oracle cache of `budget` rows (module doc)."""
+    """The bytes of `reads[s][r]` (rank r's ids at step s, one per lookup, as the
+    all-to-all sends them) through each rank's oracle cache of `budget` rows (module doc).
+    `placement`: anything with `server(rank, ids)` (a `Placement`, or `Keyed` for ids keyed
+    across tables)."""
     steps, world = len(reads), len(reads[0])
     vector, row = 4 * dim, 4 * (dim + 1)
+    fetch, lookup, write = ID_BYTES + row, ID_BYTES + 2 * vector, ID_BYTES + vector
     out = CacheBytes()
-    # how many ranks read each row at each step (a row read by others: its copies go stale)
-    readers = []
-    for s in range(steps):
-        ids, n = np.unique(np.concatenate(reads[s]), return_counts=True)
-        readers.append((ids, n))
+    # the rows each step reads, and how many ranks read each (a held copy goes stale when
+    # another rank reads, so updates, its row)
+    readers = [np.unique(np.concatenate(reads[s]), return_counts=True) for s in range(steps)]
 
     def read_by_others(s: int, rank_ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Whether a rank other than the one reading `rank_ids` at step s reads each row."""
         if s < 0 or s >= steps or not len(rows):
             return np.zeros(len(rows), bool)
         ids, n = readers[s]
         at = np.searchsorted(ids, rows).clip(max=max(len(ids) - 1, 0))
-        count = np.where(len(ids) and ids[at] == rows, n[at], 0) if len(ids) else 0 * rows
-        mine = np.isin(rows, rank_ids, assume_unique=False)
-        return count - mine > 0
-
-    def read_at(s: int, rows: np.ndarray) -> np.ndarray:
-        if s < 0 or s >= steps or not len(rows):
-            return np.zeros(len(rows), bool)
-        return np.isin(rows, readers[s][0])
+        count = np.where(ids[at] == rows, n[at], 0) if len(ids) else np.zeros(len(rows), int)
+        return count - np.isin(rows, rank_ids) > 0
 
     for rank in range(world):
         looked = []  # the remote lookups, each as sent (a row read twice is sent twice)
@@ -103,32 +100,42 @@ def cached_bytes(
             ids = reads[s][rank]
             looked.append(ids[placement.server(rank, ids) != rank])
         remote = [np.unique(x) for x in looked]
-        held = np.zeros(0, np.int64)
+        held, stale = np.zeros(0, np.int64), np.zeros(0, bool)
         for s in range(steps):
-            now = plan(remote, s, lookahead, budget)
-            prev = reads[s - 1][rank] if s else np.zeros(0, np.int64)
-            entering = np.setdiff1d(now, held, assume_unique=True)
-            staying = np.intersect1d(now, held, assume_unique=True)
-            # entering rows: fetched overlapped unless updated at s-1
-            late = read_at(s - 1, entering)
-            out.critical += row * float(late.sum())
-            out.prefetched += row * float((~late).sum())
-            # staying rows another rank updated at s-1: refreshed, critical if read now
-            stale = read_by_others(s - 1, prev, staying)
-            used = np.isin(staying, remote[s])
-            out.critical += vector * float((stale & used).sum())
-            out.prefetched += vector * float((stale & ~used).sum())
-            hit = np.isin(looked[s], now)
+            want = plan(remote, s, lookahead, budget)
+            kept = held[np.isin(held, want) & ~stale]
+            fetched = np.setdiff1d(want, kept, assume_unique=True)
+            before = readers[s - 1][0] if s else np.zeros(0, np.int64)
+            late = np.isin(fetched, before)  # updated at s-1: only after it, critical
+            out.critical += fetch * float(late.sum())
+            out.prefetched += fetch * float((~late).sum())
+            hit = np.isin(looked[s], want)
             out.hits += int(hit.sum())
             out.remote += len(looked[s])
-            miss = len(looked[s]) - int(hit.sum())
-            out.critical += (ID_BYTES + 2 * vector) * miss
-            out.uncached += (ID_BYTES + 2 * vector) * len(looked[s])
-            # write-through of the held rows read now: critical if another rank reads next
-            hits = np.intersect1d(remote[s], now, assume_unique=True)
+            out.critical += lookup * (len(looked[s]) - int(hit.sum()))
+            out.uncached += lookup * len(looked[s])
+            # the held rows read now: written through to their owners, on the critical path
+            # when another rank reads the row at the next step, else overlapped with it
+            wrote = np.intersect1d(remote[s], want, assume_unique=True)
             nxt = reads[s + 1][rank] if s + 1 < steps else np.zeros(0, np.int64)
-            soon = read_by_others(s + 1, nxt, hits)
-            out.critical += vector * float(soon.sum())
-            out.prefetched += vector * float((~soon).sum())
-            held = now
+            soon = read_by_others(s + 1, nxt, wrote)
+            out.critical += write * float(soon.sum())
+            out.prefetched += write * float((~soon).sum())
+            held = want
+            stale = read_by_others(s, reads[s][rank], held)
     return out
+
+
+class Keyed:
+    """Tables' placements as one, for ids keyed across tables (`offsets[table] + row`)."""
+
+    def __init__(self, placements: list[Placement], offsets: np.ndarray):
+        self.placements, self.offsets = placements, offsets
+
+    def server(self, rank: int, keys: np.ndarray) -> np.ndarray:
+        table = np.searchsorted(self.offsets, keys, side="right") - 1
+        out = np.empty(len(keys), np.int64)
+        for t in np.unique(table):
+            mine = table == t
+            out[mine] = self.placements[t].server(rank, keys[mine] - self.offsets[t])
+        return out

@@ -111,14 +111,16 @@ class FlexShardTables(nn.Module):
         looked = id_features(batch)
         names, values = [n for n, _ in looked], [v for _, v in looked]
         tables = [self.table_of[n] for n in names]
-        anchor = torch.zeros((), device=self.device, requires_grad=True)
-        out = _Lookup.apply(anchor, self, tables, values)
+        out = self._lookup(tables, values)
         return dict(zip(names, out.split([len(v) for v in values]), strict=True))
 
-    def _route(self, tables: list[int], values: list[torch.Tensor]):
-        """Each id, keyed across tables as `offsets[table] + row`, to the rank serving it:
-        (the send order, counts sent and received, the received ids' places among this
-        rank's held rows)."""
+    def _lookup(self, tables: list[int], values: list[torch.Tensor]) -> torch.Tensor:
+        """Every feature's ids (`values`, of `tables`) looked up: [sum of ids, d]."""
+        anchor = torch.zeros((), device=self.device, requires_grad=True)
+        return _Lookup.apply(anchor, self, tables, values)
+
+    def keys_of(self, tables: list[int], values: list[torch.Tensor]) -> np.ndarray:
+        """Each id keyed across tables: `offsets[table] + row`."""
         tab = np.concatenate(
             [np.zeros(0, np.int64)]
             + [np.full(len(v), t, np.int64) for t, v in zip(tables, values, strict=True)]
@@ -126,7 +128,17 @@ class FlexShardTables(nn.Module):
         ids = np.concatenate(
             [np.zeros(0, np.int64)] + [v.detach().cpu().numpy().astype(np.int64) for v in values]
         )
-        keys = self.offsets[tab] + ids  # 8 bytes an id, whatever its table
+        return self.offsets[tab] + ids
+
+    def keys_of_batch(self, batch: Batch) -> np.ndarray:
+        """Every id `batch` looks up, keyed across tables (a group's unique rows once)."""
+        ids = table_ids(batch, self.specs)
+        return np.concatenate([o + x for o, x in zip(self.offsets[:-1], ids, strict=True)])
+
+    def _route_keys(self, keys: np.ndarray):
+        """Each key to the rank serving it (8 bytes an id, whatever its table): (the send
+        order, counts sent and received, the received keys' places among this rank's held
+        rows). A collective."""
         server = self.server[keys]
         order = np.argsort(server, kind="stable")
         send = np.bincount(server, minlength=self.world)
@@ -313,7 +325,7 @@ class _Lookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, tables: FlexShardTables, which: list[int], values: list):
-        order, send, recv, pos = tables._route(which, values)
+        order, send, recv, pos = tables._route_keys(tables.keys_of(which, values))
         served = tables._serve(pos)
         back = tables._all_to_all(served, recv, send, "vectors")
         out = torch.empty_like(back)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 # TorchRec's import is part of a sharded run's fixed cost: here, before the model is measured
@@ -14,8 +15,10 @@ from torch import nn
 
 from recd_core.config import FeatureSet, TrainConfig
 from recd_core.dpp.batch_store import Batch, BatchStore
+from recd_core.modeling.launch import every_rank
 from recd_core.modeling.saved import Saved, without_tables
 from recd_core.modeling.shard_files import layout
+from recd_core.modeling.sharded.bagpipe_tables import CachedTables
 from recd_core.modeling.sharded.checkpoints import ShardedCheckpoints
 from recd_core.modeling.sharded.flexshard import flexshard
 from recd_core.modeling.sharded.flexshard_tables import FlexShardTables, row_counts
@@ -85,6 +88,10 @@ class Sharded:
         """Where each table went (the run's summary)."""
         return plan_table(net)
 
+    def figures(self, model: ShardedDLRM) -> dict:
+        """What the placement adds to the run's summary (a collective)."""
+        return {}
+
     def cross_check(self, model: ShardedDLRM, valid: BatchStore) -> dict[str, float]:
         """The chosen state by torchrec.metrics over the ranks (rank 0's figures)."""
         return torchrec_validation(model, valid, self.device)
@@ -105,6 +112,7 @@ class Sharded:
         figures = {
             "train.sharding": self.placement(model, net),
             "train.shard_bytes_per_rank": shard_bytes(model),
+            **self.figures(model),
         }
         opt_sparse.load_state_dict(optimizer["sparse"])
         if not shards_saved(cfg, model.sharded.specs):
@@ -129,6 +137,7 @@ class FlexSharded(Sharded):
     day's lookups (`store`'s batches, counted once), the dense part data parallel (DDP)."""
 
     store: BatchStore | None = field(default=None, repr=False)
+    seen: dict = field(default_factory=dict, repr=False)  # batch -> every rank's keys
 
     def placed(self, features: FeatureSet, cfg: TrainConfig) -> ShardedDLRM:
         from torch.nn.parallel import DistributedDataParallel
@@ -159,8 +168,14 @@ class FlexSharded(Sharded):
                         f"train.flexshard.budget={cfg.flexshard.budget}), {len(self.kept)} "
                         f"copies ({', '.join(self.kept)}), exceed {cfg.memory_budget_mb} MB"
                     )
-            return FlexShardTables(
-                specs, dim, placements, self.rank, self.device, cfg.lr_sparse, cfg.seed
+            args = (specs, dim, placements, self.rank, self.device, cfg.lr_sparse, cfg.seed)
+            if not cfg.flexshard.cache_lookahead:
+                return FlexShardTables(*args)
+            rows = sum(-(-s.rows // self.world) for s in specs)
+            return CachedTables(
+                *args,
+                lookahead=cfg.flexshard.cache_lookahead,
+                budget_rows=int(cfg.flexshard.cache_budget * rows),
             )
 
         model = ShardedDLRM(features, cfg.model, place=place).to(self.device)
@@ -177,6 +192,49 @@ class FlexSharded(Sharded):
 
     def placement(self, model: ShardedDLRM, net: nn.Module) -> dict[str, str]:
         return model.sharded.placement_table()
+
+    def figures(self, model: ShardedDLRM) -> dict:
+        """The bytes the tables' exchanges sent over the run, summed over the ranks, by
+        kind (`train.flexshard_bytes`); with the cache, its hit rate over the remote reads.
+        A collective."""
+        tables = model.sharded
+        sent = every_rank(dict(tables.sent), self.world)
+        total: dict = {}
+        for part in sent:
+            for kind, n in part.items():
+                total[kind] = total.get(kind, 0) + n
+        out = {"train.flexshard_bytes": total}
+        if isinstance(tables, CachedTables):
+            hits = every_rank((tables.hits, tables.lookups), self.world)
+            out["train.cache_hit_rate"] = sum(h for h, _ in hits) / max(sum(n for _, n in hits), 1)
+        return out
+
+    def step_batch(self, store: BatchStore, order, k: int) -> tuple[Batch, float]:
+        """As `Sharded`'s; with the cache, the oracle's view of the steps ahead first."""
+        tables = self.net.module.sharded if self.net is not None else None
+        if isinstance(tables, CachedTables):
+            if k == 0:  # a new pass (its tables may be restored): nothing held is known
+                tables._empty()
+            ahead = [int(order[j]) for j in range(k, min(k + tables.lookahead, len(order)))]
+            before = self._keys(store, int(order[k - 1]), tables) if k else []
+            now = self._keys(store, ahead[0], tables)
+            tables.before_step(
+                [self._keys(store, b, tables)[self.rank] for b in ahead],
+                np.unique(np.concatenate([x for q, x in enumerate(now) if q != self.rank])),
+                np.unique(np.concatenate([np.zeros(0, np.int64), *before])),
+            )
+        return super().step_batch(store, order, k)
+
+    def _keys(self, store: BatchStore, i: int, tables) -> list[np.ndarray]:
+        """Every rank's keys read at batch `i` (kept for the steps that look at it again)."""
+        if i not in self.seen:
+            whole = store[i]
+            self.seen[i] = [
+                tables.keys_of_batch(whole.part(q, self.world)) for q in range(self.world)
+            ]
+            while len(self.seen) > 4 * tables.lookahead + 4:
+                self.seen.pop(next(iter(self.seen)))
+        return self.seen[i]
 
 
 def shards_saved(cfg: TrainConfig, specs) -> bool:
