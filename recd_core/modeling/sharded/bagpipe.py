@@ -6,7 +6,8 @@ row's last update allows, so the step's lookups of them are local.
 The cache a rank holds while step s runs (`plan`), Belady within the lookahead: of the
 remote rows it reads in steps s .. s+k-1, the `budget` with the nearest next use (a row read
 at s first); a row read beyond the lookahead is never held, a held row whose next use falls
-out of the budget is evicted. Exact (as synchronous as the uncached run, BagPipe's
+out of the budget is evicted, and a row another rank reads (so updates) before this rank's
+next use is not held for it (the oracle sees every rank's batches: the copy would be stale). Exact (as synchronous as the uncached run, BagPipe's
 guarantee: bagpipe_tables.py trains with it), so a cached copy is never read stale:
 
     a row fetched (entering the   its id goes to its owner, its weights and accumulator
@@ -54,21 +55,33 @@ class CacheBytes:
             setattr(self, f, getattr(self, f) + getattr(other, f))
 
 
-def plan(remote: list[np.ndarray], s: int, lookahead: int, budget: int) -> np.ndarray:
+def plan(
+    remote: list[np.ndarray],
+    s: int,
+    lookahead: int,
+    budget: int,
+    others: list[np.ndarray] | None = None,
+) -> np.ndarray:
     """The rows held while step s runs: of the rows in `remote[s .. s+k-1]` (one rank's
-    remote reads a step, unique), the `budget` with the nearest next use, ties by id."""
-    seen: dict[int, int] = {}
-    rows, first = [], []
-    for j in range(s, min(s + lookahead, len(remote))):
-        new = np.setdiff1d(remote[j], np.fromiter(seen, np.int64, len(seen)), assume_unique=True)
-        seen.update(dict.fromkeys(new.tolist(), j))
-        rows.append(new)
-        first.append(np.full(len(new), j))
-    if not rows:
+    remote reads a step, unique), the `budget` with the nearest next use, ties by id. With
+    `others` (the rows other ranks read, a step each, from s on), a row read by another rank
+    before this rank's next use is not held for it: it would be stale by then, and fetched
+    again."""
+    window = remote[s : s + lookahead]
+    if not window or budget <= 0:
         return np.zeros(0, np.int64)
-    rows_a, first_a = np.concatenate(rows), np.concatenate(first)
-    order = np.lexsort((rows_a, first_a))[:budget]
-    return np.sort(rows_a[order])
+    rows = np.concatenate(window)
+    step = np.repeat(np.arange(len(window)), [len(w) for w in window])
+    rows, first = np.unique(rows, return_index=True)  # each row's first step: its next use
+    use = step[first]
+    if others is not None:
+        fresh = np.ones(len(rows), bool)
+        for t in range(min(len(window) - 1, len(others))):  # read elsewhere before its use
+            later = use > t
+            fresh[later] &= ~np.isin(rows[later], others[t])
+        rows, use = rows[fresh], use[fresh]
+    nearest = np.lexsort((rows, use))[:budget]
+    return np.sort(rows[nearest])
 
 
 def cached_bytes(
@@ -100,9 +113,14 @@ def cached_bytes(
             ids = reads[s][rank]
             looked.append(ids[placement.server(rank, ids) != rank])
         remote = [np.unique(x) for x in looked]
+        # the rows other ranks read at each step (what makes a held copy stale)
+        elsewhere = []
+        for s in range(steps):
+            ids, n = readers[s]
+            elsewhere.append(ids[n - np.isin(ids, reads[s][rank]) > 0])
         held, stale = np.zeros(0, np.int64), np.zeros(0, bool)
         for s in range(steps):
-            want = plan(remote, s, lookahead, budget)
+            want = plan(remote, s, lookahead, budget, elsewhere[s:])
             kept = held[np.isin(held, want) & ~stale]
             fetched = np.setdiff1d(want, kept, assume_unique=True)
             before = readers[s - 1][0] if s else np.zeros(0, np.int64)

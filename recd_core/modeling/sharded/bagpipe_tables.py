@@ -57,16 +57,17 @@ class CachedTables(FlexShardTables):
         self.stale = np.zeros(0, bool)
 
     # -- before a step ------------------------------------------------------------------
-    def before_step(self, mine: list[np.ndarray], others_now: np.ndarray, others_before):
+    def before_step(self, mine: list[np.ndarray], others: list[np.ndarray], before):
         """Prepare the cache for the next forward: `mine`: this rank's keys read at this
-        step and the next ones (one array a step, `lookahead` at most); `others_now`: the
-        keys other ranks read at this step (what goes stale); `others_before`: the keys
-        read by anyone at the step before (what a prefetch could not have moved)."""
+        step and the next ones (one array a step, `lookahead` at most); `others`: the keys
+        other ranks read at the same steps (the first: what goes stale in this one);
+        `before`: the keys read by anyone at the step before (what a prefetch could not
+        have moved)."""
         remote = [np.unique(k[self.server[k] != self.rank]) for k in mine]
-        want = plan(remote, 0, self.lookahead, self.budget_rows)
+        want = plan(remote, 0, self.lookahead, self.budget_rows, others)
         keep = np.isin(self.cache_key, want) & ~self.stale
         fetch = np.setdiff1d(want, self.cache_key[keep], assume_unique=True)
-        late = np.isin(fetch, others_before)
+        late = np.isin(fetch, before)
         w, acc = self._fetch(fetch, late)
         key = np.concatenate([self.cache_key[keep], fetch])
         order = np.argsort(key)
@@ -76,7 +77,7 @@ class CachedTables(FlexShardTables):
         self.cache_w = torch.cat([self.cache_w[idx], w])[at]
         self.cache_acc = torch.cat([self.cache_acc[idx], acc])[at]
         self.stale = np.zeros(len(self.cache_key), bool)
-        self.others = others_now
+        self.others = others[0]
         self.armed = True
 
     def _fetch(self, keys: np.ndarray, late: np.ndarray):

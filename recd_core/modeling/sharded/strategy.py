@@ -216,11 +216,14 @@ class FlexSharded(Sharded):
             if k == 0:  # a new pass (its tables may be restored): nothing held is known
                 tables._empty()
             ahead = [int(order[j]) for j in range(k, min(k + tables.lookahead, len(order)))]
+            every = [self._keys(store, b, tables) for b in ahead]
             before = self._keys(store, int(order[k - 1]), tables) if k else []
-            now = self._keys(store, ahead[0], tables)
             tables.before_step(
-                [self._keys(store, b, tables)[self.rank] for b in ahead],
-                np.unique(np.concatenate([x for q, x in enumerate(now) if q != self.rank])),
+                [keys[self.rank] for keys in every],
+                [
+                    np.unique(np.concatenate([x for q, x in enumerate(keys) if q != self.rank]))
+                    for keys in every
+                ],
                 np.unique(np.concatenate([np.zeros(0, np.int64), *before])),
             )
         return super().step_batch(store, order, k)
