@@ -26,14 +26,17 @@ NONE = np.zeros(0, np.int64)
 
 def test_the_cache_holds_the_nearest_next_uses_within_lookahead_and_budget():
     remote = [np.array([5, 9]), np.array([7]), np.array([3, 9]), np.array([1])]
-    assert plan(remote, 0, 1, 10).tolist() == [5, 9]  # one step ahead: only step 0's
-    assert plan(remote, 0, 3, 10).tolist() == [3, 5, 7, 9]  # row 1 is 4 steps away
-    assert plan(remote, 0, 3, 3).tolist() == [5, 7, 9]  # full: the farthest (3) waits
-    assert plan(remote, 2, 8, 10).tolist() == [1, 3, 9]  # past the last step: nothing
-    # a row another rank reads before this one's next use would be stale by then: not held
+    assert plan(remote, 0, 1, 10).tolist() == [5, 9]  # a row is fetched for its step
+    assert plan(remote, 0, 3, 10).tolist() == [5, 9]  # not earlier
+    held = np.array([3, 7])  # read again within the lookahead: they stay
+    assert plan(remote, 0, 3, 10, held=held).tolist() == [3, 5, 7, 9]
+    assert plan(remote, 0, 1, 10, held=held).tolist() == [5, 9]  # beyond it: evicted
+    assert plan(remote, 0, 3, 3, held=held).tolist() == [5, 7, 9]  # full: the farthest goes
+    assert plan(remote, 2, 8, 10, held=np.array([1])).tolist() == [1, 3, 9]
+    # a row another rank reads before this one's next use would be stale by then: let go
     others = [np.array([7]), NONE, NONE, NONE]
-    assert plan(remote, 0, 3, 10, others).tolist() == [3, 5, 9]
-    assert plan(remote, 1, 3, 10, others[1:]).tolist() == [1, 3, 7, 9]
+    assert plan(remote, 0, 3, 10, others, held).tolist() == [3, 5, 9]
+    assert plan(remote, 1, 3, 10, others[1:], np.array([1, 3, 9])).tolist() == [1, 3, 7, 9]
 
 
 def test_a_row_one_rank_reads_is_fetched_ahead_and_read_locally():

@@ -3,11 +3,13 @@ before training starts, so the rows every step will read are known; each rank ke
 cache budget, the remote rows its next `lookahead` steps read, fetched ahead of use where the
 row's last update allows, so the step's lookups of them are local.
 
-The cache a rank holds while step s runs (`plan`), Belady within the lookahead: of the
-remote rows it reads in steps s .. s+k-1, the `budget` with the nearest next use (a row read
-at s first); a row read beyond the lookahead is never held, a held row whose next use falls
-out of the budget is evicted, and a row another rank reads (so updates) before this rank's
-next use is not held for it (the oracle sees every rank's batches: the copy would be stale). Exact (as synchronous as the uncached run, BagPipe's
+The cache a rank holds while step s runs (`plan`), Belady within the lookahead: the remote
+rows it reads at s, then the rows it already holds that it reads again within the next k
+steps, nearest next use first, up to the `budget`; a row is fetched for the step that reads
+it (as late as it can be, so as few copies as can go stale), a held row read beyond the
+lookahead or whose next use falls out of the budget is evicted, and a row another rank reads
+(so updates) before this rank's next use is let go (the oracle sees every rank's batches:
+the copy would be stale). Exact (as synchronous as the uncached run, BagPipe's
 guarantee: bagpipe_tables.py trains with it), so a cached copy is never read stale:
 
     a row fetched (entering the   its id goes to its owner, its weights and accumulator
@@ -61,12 +63,15 @@ def plan(
     lookahead: int,
     budget: int,
     others: list[np.ndarray] | None = None,
+    held: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The rows held while step s runs: of the rows in `remote[s .. s+k-1]` (one rank's
-    remote reads a step, unique), the `budget` with the nearest next use, ties by id. With
-    `others` (the rows other ranks read, a step each, from s on), a row read by another rank
-    before this rank's next use is not held for it: it would be stale by then, and fetched
-    again."""
+    """The rows held while step s runs: the rows `remote[s]` reads (one rank's remote reads
+    a step, unique), then of the `held` rows (fresh copies from before) those read again
+    within `remote[s+1 .. s+k-1]`, nearest next use first, `budget` in all, ties by id: a
+    row is fetched for the step that reads it (during the step before, overlapped), and the
+    lookahead decides what stays (Belady: the farthest next use goes first). With `others`
+    (the rows other ranks read, a step each, from s on), a row another rank reads before
+    this rank's next use does not stay: its copy would be stale by then."""
     window = remote[s : s + lookahead]
     if not window or budget <= 0:
         return np.zeros(0, np.int64)
@@ -74,12 +79,14 @@ def plan(
     step = np.repeat(np.arange(len(window)), [len(w) for w in window])
     rows, first = np.unique(rows, return_index=True)  # each row's first step: its next use
     use = step[first]
+    keep = use == 0
+    if held is not None:
+        keep |= np.isin(rows, held)
     if others is not None:
-        fresh = np.ones(len(rows), bool)
         for t in range(min(len(window) - 1, len(others))):  # read elsewhere before its use
-            later = use > t
-            fresh[later] &= ~np.isin(rows[later], others[t])
-        rows, use = rows[fresh], use[fresh]
+            later = keep & (use > t)
+            keep[later] &= ~np.isin(rows[later], others[t])
+    rows, use = rows[keep], use[keep]
     nearest = np.lexsort((rows, use))[:budget]
     return np.sort(rows[nearest])
 
@@ -120,7 +127,7 @@ def cached_bytes(
             elsewhere.append(ids[n - np.isin(ids, reads[s][rank]) > 0])
         held, stale = np.zeros(0, np.int64), np.zeros(0, bool)
         for s in range(steps):
-            want = plan(remote, s, lookahead, budget, elsewhere[s:])
+            want = plan(remote, s, lookahead, budget, elsewhere[s:], held[~stale])
             kept = held[np.isin(held, want) & ~stale]
             fetched = np.setdiff1d(want, kept, assume_unique=True)
             before = readers[s - 1][0] if s else np.zeros(0, np.int64)

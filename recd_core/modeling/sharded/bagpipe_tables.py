@@ -64,7 +64,9 @@ class CachedTables(FlexShardTables):
         `before`: the keys read by anyone at the step before (what a prefetch could not
         have moved)."""
         remote = [np.unique(k[self.server[k] != self.rank]) for k in mine]
-        want = plan(remote, 0, self.lookahead, self.budget_rows, others)
+        want = plan(
+            remote, 0, self.lookahead, self.budget_rows, others, self.cache_key[~self.stale]
+        )
         keep = np.isin(self.cache_key, want) & ~self.stale
         fetch = np.setdiff1d(want, self.cache_key[keep], assume_unique=True)
         late = np.isin(fetch, before)
