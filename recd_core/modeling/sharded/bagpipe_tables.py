@@ -1,11 +1,13 @@
 """BagPipe's cache in training (bagpipe.py: the oracle), over FlexShard's tables
-(flexshard_tables.py): before each step a rank brings into its cache the remote rows its
-next `lookahead` steps read (within `budget` rows), and reads them there.
+(flexshard_tables.py): before each step a rank brings into its cache the remote rows the
+step reads, keeps those its next `lookahead` steps read again (within `budget` rows), and
+reads them there.
 
-    before step s   the oracle's plan for s (the rank's reads of s .. s+k-1, known from
-                    the batches): rows entering the cache, and held rows another rank
-                    updated at s-1, fetched from their owners (weights and accumulators,
-                    one exchange)
+    before step s   the oracle's plan (bagpipe.py): the remote rows the rank reads at s,
+                    and of those it holds, the ones it reads again within the lookahead
+                    before any other rank does, within the budget; rows not held, or
+                    stale, fetched from their owners (weights and accumulators, one
+                    exchange)
     forward         a cached row's lookups are served from the cache; the rest as before
     backward        a cached row's gradient, summed over the rank's lookups, goes to its
                     owner with the other gradients (write-through): the owner stays the
