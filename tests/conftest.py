@@ -97,6 +97,7 @@ SLOWEST_FIRST = (
     "test_airflow_server",
     "test_pipeline",
     "test_sharding",
+    "test_flexshard_training",
     "test_serving",
     "test_airflow",
     "test_ray_train",
@@ -104,6 +105,7 @@ SLOWEST_FIRST = (
     "test_kubeflow",
     "test_failure_semantics",
     "test_train",
+    "test_bagpipe",
     "test_faults",
     "test_sharded_pipeline",
 )
