@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_flexshard_training import RUN, _gaps
-from test_sharding import _start
+from test_flexshard_training import _gaps, beside_row_wise
 from test_train import DAY
 
 from recd_core.bench.bagpipe import markdown, replay, run
 from recd_core.bench.flexshard import counts, list_tables, lookups
-from recd_core.config import PreprocessConfig, TrainConfig
+from recd_core.config import PreprocessConfig
 from recd_core.dpp.batch_store import BatchStore
 from recd_core.dpp.preprocess import preprocess
 from recd_core.modeling.sharded.bagpipe import cached_bytes, plan
 from recd_core.modeling.sharded.flexshard import ID_BYTES, row_wise, traffic
-from recd_core.modeling.train import train
 
 DIM = 4
 VECTOR, ROW = 4 * DIM, 4 * (DIM + 1)
@@ -93,21 +91,9 @@ def test_training_with_the_cache_ends_where_the_row_wise_plan_ends(fresh_warehou
     """50 steps on 2 processes from one start: FlexShard's tables with each rank's oracle
     cache (lookahead 4, 2x row-wise's rows: most remote reads served from the cache) end
     where TorchRec's row-wise plan ends."""
-    start = _start(fresh_warehouse, mode)
-    rows = train(
-        fresh_warehouse,
-        DAY,
-        TrainConfig(**RUN, mode=mode, sharding="row_wise"),
-        nproc=2,
-        init_from=start,
-    )
     cache = {"budget": 1.0, "cache_lookahead": 4, "cache_budget": 2.0}
-    got = train(
-        fresh_warehouse,
-        DAY,
-        TrainConfig(**RUN, mode=mode, sharding="flexshard", flexshard=cache),
-        nproc=2,
-        init_from=start,
+    rows, got = beside_row_wise(
+        fresh_warehouse, {"sharding": "flexshard", "flexshard": cache}, mode
     )
     assert got["train.steps"] == rows["train.steps"] == 50
     assert got["train.cache_hit_rate"] > 0.5  # most remote reads served from the cache

@@ -56,20 +56,19 @@ def _gaps(a_uri: str, b_uri: str) -> dict[str, float]:
     return gaps
 
 
+def beside_row_wise(wh, plan: dict, mode: str = "dedup", nproc: int = 2, run: dict = RUN):
+    """(TorchRec's row-wise run, `plan`'s run): the same config and start (one step of a
+    one-process run), on `nproc` processes."""
+    start = _start(wh, mode)
+    rows = TrainConfig(**run, mode=mode, sharding="row_wise")
+    rows = train(wh, DAY, rows, nproc=nproc, init_from=start)
+    return rows, train(wh, DAY, TrainConfig(**run, mode=mode, **plan), nproc=nproc, init_from=start)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dedup", "baseline"])
 def test_flexshard_ends_where_the_row_wise_plan_ends(fresh_warehouse, mode):
-    start = _start(fresh_warehouse, mode)
-    rows = train(
-        fresh_warehouse,
-        DAY,
-        TrainConfig(**RUN, mode=mode, sharding="row_wise"),
-        nproc=2,
-        init_from=start,
-    )
-    flex = train(
-        fresh_warehouse, DAY, TrainConfig(**RUN, mode=mode, **FLEX), nproc=2, init_from=start
-    )
+    rows, flex = beside_row_wise(fresh_warehouse, FLEX, mode)
     assert flex["train.steps"] == rows["train.steps"] == 50
     placed = flex["train.sharding"]
     assert all(v.startswith("flexshard on ranks 0-1") for v in placed.values())
@@ -126,13 +125,8 @@ def test_on_two_machines_of_two_processes_the_warm_rows_train_exactly(fresh_ware
     """4 processes as 2 machines of 2 (`per_node`): rows copied once a machine (warm, their
     gradients combined across the machines) and on every process (hot); 20 steps end where
     row-wise ends."""
-    start = _start(fresh_warehouse)
-    run = {**RUN, "max_steps": 20}
-    rows = train(
-        fresh_warehouse, DAY, TrainConfig(**run, sharding="row_wise"), nproc=4, init_from=start
-    )
-    flex = TrainConfig(**run, sharding="flexshard", flexshard={"budget": 2.0, "per_node": 2})
-    got = train(fresh_warehouse, DAY, flex, nproc=4, init_from=start)
+    flex = {"sharding": "flexshard", "flexshard": {"budget": 2.0, "per_node": 2}}
+    rows, got = beside_row_wise(fresh_warehouse, flex, nproc=4, run={**RUN, "max_steps": 20})
     tiers = got["train.sharding"].values()
     assert any(" 0 warm" not in v for v in tiers) and any(" 0 rows hot" not in v for v in tiers)
     gaps = _gaps(rows["train.model_uri"], got["train.model_uri"])

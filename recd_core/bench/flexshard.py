@@ -20,6 +20,7 @@ import numpy as np
 
 from recd_core.dpp.batch_store import Batch, BatchStore
 from recd_core.modeling.sharded.flexshard import Traffic, flexshard, row_wise, table_wise, traffic
+from recd_core.modeling.sharded.flexshard_tables import id_features
 from recd_core.warehouse import Warehouse
 
 WORLDS = (2, 4, 8, 16, 64)
@@ -45,12 +46,9 @@ def lookups(batch: Batch, tables: dict[str, tuple[list[str], int]]) -> dict[str,
     once (dedup), every sample's otherwise."""
     found: dict[str, list[np.ndarray]] = {t: [] for t in tables}
     owner = {n: t for t, (names, _) in tables.items() for n in names}
-    kjts = [batch.kjt] if batch.kjt is not None else []
-    kjts += [ikjt.unique for ikjt in batch.groups.values()]
-    for kjt in kjts:
-        for name, jagged in kjt.to_dict().items():
-            if name in owner:
-                found[owner[name]].append(jagged.values.numpy().astype(np.int64))
+    for name, ids in id_features(batch):
+        if name in owner:
+            found[owner[name]].append(ids.numpy().astype(np.int64))
     return {t: np.concatenate(v) if v else np.zeros(0, np.int64) for t, v in found.items()}
 
 

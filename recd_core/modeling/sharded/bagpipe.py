@@ -52,10 +52,6 @@ class CacheBytes:
     hits: int = 0
     remote: int = 0  # remote reads in all
 
-    def add(self, other: CacheBytes) -> None:
-        for f in ("critical", "prefetched", "uncached", "hits", "remote"):
-            setattr(self, f, getattr(self, f) + getattr(other, f))
-
 
 def plan(
     remote: list[np.ndarray],
