@@ -343,6 +343,9 @@ class FlexShardConfig(_Strict):
     # most `cache_budget` times the row-wise plan's rows
     cache_lookahead: int = Field(default=0, ge=0, le=64)
     cache_budget: float = Field(default=0.25, gt=0.0, le=64.0)
+    # the oracle and the fetches of the next step in the background while a step computes
+    # (BagPipe's prefetch); false: both at the step's start, on its critical path
+    cache_background: bool = True
 
 
 class TrainConfig(_Strict):

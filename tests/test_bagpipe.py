@@ -39,24 +39,23 @@ def test_the_cache_holds_the_nearest_next_uses_within_lookahead_and_budget():
 
 def test_a_row_one_rank_reads_is_fetched_ahead_and_read_locally():
     """Rank 0 reads row 2 (held by rank 1) three steps running, nobody else does: one fetch,
-    overlapped, then local reads; nothing on the critical path."""
+    overlapped, then local reads; on the critical path only the gradient written through."""
     reads = [[np.array([2]), NONE] for _ in range(3)]
     got = cached_bytes(reads, row_wise(4, 2, 2), DIM, lookahead=2, budget=1)
     assert got.uncached == 3 * (ID_BYTES + 2 * VECTOR)
-    assert got.critical == 0 and got.hits == got.remote == 3
-    # the fetch, and each step's write-through (nobody reads the row next)
-    assert got.prefetched == (ID_BYTES + ROW) + 3 * (ID_BYTES + VECTOR)
+    assert got.hits == got.remote == 3
+    assert got.prefetched == ID_BYTES + ROW  # the fetch, during the step before
+    assert got.critical == 3 * (ID_BYTES + VECTOR)  # each step's write-through
 
 
 def test_a_row_another_rank_updates_is_fetched_again_on_the_critical_path():
     """Rank 1 (the owner) also reads row 2 every step: rank 0's copy goes stale each step,
-    so it is fetched again after the update (critical), and its gradient must reach the
-    owner before the owner's next read (critical too); with no budget every read is a
-    remote lookup."""
+    so it is fetched again after the update (critical), and its gradient is written through
+    each step; with no budget every read is a remote lookup."""
     reads = [[np.array([2]), np.array([2])] for _ in range(3)]
     got = cached_bytes(reads, row_wise(4, 2, 2), DIM, lookahead=2, budget=1)
-    assert got.critical == 2 * (ID_BYTES + ROW) + 2 * (ID_BYTES + VECTOR)
-    assert got.prefetched == (ID_BYTES + ROW) + (ID_BYTES + VECTOR)  # the first, the last
+    assert got.critical == 2 * (ID_BYTES + ROW) + 3 * (ID_BYTES + VECTOR)
+    assert got.prefetched == ID_BYTES + ROW  # the first fetch: nothing updated it before
     uncached = cached_bytes(reads, row_wise(4, 2, 2), DIM, lookahead=2, budget=0)
     assert uncached.critical == uncached.uncached == 3 * (ID_BYTES + 2 * VECTOR)
     assert uncached.hits == 0
@@ -86,12 +85,20 @@ def test_on_a_days_lookups_the_cache_cuts_the_critical_path_more_with_more_budge
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["dedup", "baseline"])
-def test_training_with_the_cache_ends_where_the_row_wise_plan_ends(fresh_warehouse, mode):
+@pytest.mark.parametrize(("mode", "background"), [("dedup", True), ("baseline", False)])
+def test_training_with_the_cache_ends_where_the_row_wise_plan_ends(
+    fresh_warehouse, mode, background
+):
     """50 steps on 2 processes from one start: FlexShard's tables with each rank's oracle
-    cache (lookahead 4, 2x row-wise's rows: most remote reads served from the cache) end
-    where TorchRec's row-wise plan ends."""
-    cache = {"budget": 1.0, "cache_lookahead": 4, "cache_budget": 2.0}
+    cache (lookahead 4, 2x row-wise's rows: most remote reads served from the cache; its
+    rows fetched in the background while the step before computes, or at the step's start)
+    end where TorchRec's row-wise plan ends."""
+    cache = {
+        "budget": 1.0,
+        "cache_lookahead": 4,
+        "cache_budget": 2.0,
+        "cache_background": background,
+    }
     rows, got = beside_row_wise(
         fresh_warehouse, {"sharding": "flexshard", "flexshard": cache}, mode
     )
@@ -99,6 +106,8 @@ def test_training_with_the_cache_ends_where_the_row_wise_plan_ends(fresh_warehou
     assert got["train.cache_hit_rate"] > 0.5  # most remote reads served from the cache
     sent = got["train.flexshard_bytes"]
     assert sent["fetch_rows"] > 0 and sent["write_through"] > 0
+    # in the background, most rows come while the step before computes
+    assert (sent.get("prefetch_rows", 0) > sent["fetch_rows"]) == background
     print(mode, got["train.cache_hit_rate"], sent)
     gaps = _gaps(rows["train.model_uri"], got["train.model_uri"])
     print(mode, {k: f"{v:.1e}" for k, v in gaps.items()})

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from recd_core.bench.flexshard import counts, list_tables, lookups, replay
+from recd_core.bench.flexshard_steps import cache_markdown, measured
 from recd_core.bench.flexshard_steps import markdown as steps_markdown
-from recd_core.bench.flexshard_steps import measured
 from recd_core.config import PreprocessConfig
 from recd_core.dpp.batch_store import BatchStore
 from recd_core.dpp.preprocess import preprocess
@@ -25,6 +25,7 @@ from recd_core.modeling.sharded.flexshard import (
     table_wise,
     traffic,
 )
+from recd_core.modeling.sharded.flexshard_tables import id_features, keys_of_parts
 
 DAY = "2026-11-01"
 
@@ -109,6 +110,18 @@ def test_on_a_days_lookups_flexshard_cuts_the_traffic_within_its_budget(fresh_wa
     for t in tables:
         split = np.concatenate([p[t] for p in parts])
         assert set(split.tolist()) == set(whole[t].tolist()) and len(split) >= len(whole[t])
+    # BagPipe's oracle reads every rank's rows off the whole batch: the slices' own
+    names = sorted({n for n, _ in id_features(store[0])})
+    table_of, offsets = {n: i for i, n in enumerate(names)}, np.arange(len(names)) << 40
+
+    def keyed(batch):
+        return {int(offsets[table_of[n]] + i) for n, ids in id_features(batch) for i in ids}
+
+    for world in (2, 3):
+        got = keys_of_parts(store[1], world, offsets, table_of)
+        assert [set(g.tolist()) for g in got] == [
+            keyed(store[1].part(r, world)) for r in range(world)
+        ]
 
 
 @pytest.mark.slow
@@ -117,23 +130,33 @@ def test_measured_steps_match_the_traffic_model_and_flexshard_sends_the_least(fr
     all-to-alls (and FlexShard's sync) send are what the models (traffic, cache) predict
     for the same lookups, within 10%; FlexShard sends fewer than row-wise in both arms and
     holds no more than its budget (1.25x row-wise's rows, plus the tiers' rounding); its
-    cache sends fewer still."""
+    cache sends fewer still, part of it in the background while the step before computes
+    (or all of it at the step's start, the same rows)."""
     for mode in ("dedup", "baseline"):
         preprocess(fresh_warehouse, DAY, PreprocessConfig(batch_size=512, mode=mode))
-    got = measured(fresh_warehouse.uri, DAY, worlds=(2,), steps=2)
+    variants = ("k4_b25", "k4_b25_at_step")
+    got = measured(fresh_warehouse.uri, DAY, worlds=(2,), steps=2, cached=variants)
     for mode in ("dedup", "baseline"):
         key = f"sharded.flexshard.steps.{mode}.w2"
-        for plan in ("table_wise", "row_wise", "flexshard", "bagpipe"):
-            measured_bytes = got[f"{key}.{plan}.bytes"]
-            assert measured_bytes == pytest.approx(got[f"{key}.{plan}.predicted_bytes"], rel=0.1)
-            assert got[f"{key}.{plan}.step_ms"] > 0
+        cached = [f"sharded.bagpipe.steps.{mode}.w2.{v}" for v in variants]
+        for k in [f"{key}.{plan}" for plan in ("table_wise", "row_wise", "flexshard")] + cached:
+            assert got[f"{k}.bytes"] == pytest.approx(got[f"{k}.predicted_bytes"], rel=0.1)
+            assert got[f"{k}.step_ms"] > 0
         assert got[f"{key}.flexshard.bytes"] < got[f"{key}.row_wise.bytes"]
-        # the cache serves most remote reads: fewer bytes still, most of them fetches
-        assert got[f"{key}.bagpipe.bytes"] < got[f"{key}.flexshard.bytes"]
-        assert got[f"{key}.bagpipe.hit_rate"] > 0.5
-        assert 0 < got[f"{key}.bagpipe.prefetchable_bytes"] < got[f"{key}.bagpipe.bytes"]
+        background, at_step = cached
+        for k in cached:  # the cache serves most remote reads: fewer bytes still
+            assert got[f"{k}.bytes"] < got[f"{key}.flexshard.bytes"]
+            assert got[f"{k}.hit_rate"] > 0.5
+        assert 0 < got[f"{background}.prefetched_bytes"] < got[f"{background}.bytes"]
+        assert got[f"{background}.on_step_bytes"] < got[f"{at_step}.on_step_bytes"]
+        assert got[f"{at_step}.prefetched_bytes"] == 0
+        assert got[f"{background}.bytes"] == pytest.approx(got[f"{at_step}.bytes"], rel=0.01)
+        # where a FlexShard step's time goes: its parts within the step
+        parts = sum(got[f"{background}.{p}_ms"] for p in ("prepare", "lookup", "backward"))
+        assert 0 < parts < got[f"{background}.step_mean_ms"]
+        assert got[f"{background}.oracle_ms"] > 0 and got[f"{at_step}.prefetch_ms"] == 0
         assert got[f"{key}.flexshard.sync_bytes"] > 0 == got[f"{key}.row_wise.sync_bytes"]
         held, rows = got[f"{key}.flexshard.table_bytes_max"], got[f"{key}.row_wise.table_bytes_max"]
         assert rows <= held <= 1.3 * rows
     assert "| dedup | 2 | flexshard |" in steps_markdown(got)
-    assert "| dedup | 2 | bagpipe |" in steps_markdown(got)
+    assert "| dedup | 2 | k4_b25_at_step |" in cache_markdown(got)

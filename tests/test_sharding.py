@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_train import DAY, SMALL_MODEL
 
-from recd_core.config import PreprocessConfig, TrainConfig
+from recd_core.config import FlexShardConfig, PreprocessConfig, TrainConfig
 from recd_core.dedup.sparse import (
     InverseKeyedJaggedTensor,
     KeyedJaggedTensor,
@@ -160,12 +160,17 @@ def test_a_budget_no_placement_fits_is_refused_and_one_that_fits_is_kept(fresh_w
 def test_sigkill_of_a_sharded_run_then_resume_matches_an_uninterrupted_run(
     fresh_warehouse, samples_warehouse, tmp_path, sharding
 ):
+    """Killed after a checkpoint, resumed on 2 and 3 processes: the uninterrupted run's
+    model. FlexShard runs with BagPipe's cache (its copies are not in the checkpoint: the
+    resumed run fetches from the owners what the killed one held)."""
     import shutil
 
     from recd_core.warehouse import Warehouse
 
     other = Warehouse(shutil.copytree(samples_warehouse, tmp_path / "other"))
     cfg = TrainConfig(**{**SHARDED, "checkpoint_every": 4}, max_steps=20, sharding=sharding)
+    if sharding == "flexshard":
+        cfg = cfg.model_copy(update={"flexshard": FlexShardConfig(cache_lookahead=4)})
     for wh in (fresh_warehouse, other):
         preprocess(wh, DAY, PreprocessConfig(batch_size=256))
     # rank 1 kills the whole run (every process, kill -9) right after its step-12 save: the

@@ -28,6 +28,9 @@ BUDGET = 0.25  # cache rows a rank, over the row-wise plan's rows a rank
 LOOKAHEADS = (1, 2, 4, 8, 16)
 BUDGETS = (0.05, 0.1, 0.25, 0.5, 1.0)
 SWEEP_WORLD = 16
+# a rank's link where the network is the bottleneck (25 Gb/s, a common cloud NIC), in bytes
+# a second: a step's critical-path bytes a rank over it are the time the step waits on them
+LINK = 25e9 / 8
 
 
 def replay(store, tables, seen, dim, world, steps, lookahead, budget, plans=("row_wise",)):
@@ -113,12 +116,19 @@ def markdown(f: dict) -> str:
             f"{f[f'{key}.hit_rate']:.0%} | {f[f'{key}.prefetched_bytes_per_step'] / 1e6:.2f} MB |"
         )
 
-    lines = ["| mode | ranks | placement " + head, "|---|---:|---" + rule]
+    def waits(key: str, world: int) -> str:  # a rank's wait on its link, bytes alone
+        u, c = f[f"{key}.uncached_bytes_per_step"], f[f"{key}.critical_bytes_per_step"]
+        return f" {1e6 * u / world / LINK:.0f} / {1e6 * c / world / LINK:.0f} µs |"
+
+    lines = [
+        "| mode | ranks | placement " + head + " a rank's wait at 25 Gb/s, uncached / cached |",
+        "|---|---:|---" + rule + "---:|",
+    ]
     for mode in ("dedup", "baseline"):
         for world in WORLDS:
             for name in ("row_wise", "flexshard"):
                 key = f"sharded.bagpipe.{mode}.w{world}.{name}"
-                lines.append(f"| {mode} | {world} | {name} | {cells(key)}")
+                lines.append(f"| {mode} | {world} | {name} | {cells(key)}{waits(key, world)}")
     lines += ["", f"The lookahead swept ({SWEEP_WORLD} ranks, row-wise, budget 1):", ""]
     lines += ["| mode | lookahead " + head, "|---|---:" + rule]
     for mode in ("dedup", "baseline"):

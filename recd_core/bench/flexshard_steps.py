@@ -13,10 +13,18 @@ a warm-up, its slice of each batch as training takes it. Measured, summed over t
     sync      FlexShard's copies: the touched rows' ids gathered and their gradients
               all-reduced (counted as a ring sends them; TorchRec's plans have none)
 
-With the cache also: its hit rate over the remote reads, the bytes fetched ahead (those a
-prefetch during the step before could move: the cache's fetches still run at the step's
-start, and the step's time includes them and the oracle's reading of the batches ahead),
-and the bytes the model classes as critical. The cache's memory is its capacity.
+The cache's variants (`CACHED`: lookahead k, budget as a share of row-wise's rows, the
+prefetch in the background or at the step's start) go under `sharded.bagpipe.steps.`, beside
+the plans' figures of the same run: its hit rate, the bytes moved in the background (those
+the prefetch group sent while the step before computed), the bytes the step itself sent,
+and the model's classification of them. The cache's memory is its capacity.
+
+Where a step's time goes (FlexShard's tables and the cache, means over the steps):
+`prepare` (the cache made ready: the background job waited for, the late rows fetched),
+`lookup` (forward: ids out, vectors back), `backward` (gradients to the servers, the
+write-throughs, the copies' sync, the update), `rest` (the dense model forward and
+backward, DDP's all-reduce, the loss); and off the step, in the background thread (on the
+same cores): `oracle` (the batches ahead read and planned) and `prefetch` (its fetches).
 
 The dense layers' all-reduce (DDP, the same under every plan) is left out. Predicted: each
 rank's lookups of the same steps through each plan's placement (TorchRec's table-wise ranks
@@ -32,6 +40,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,18 +52,32 @@ from recd_core.modeling.sharded.flexshard import Traffic, row_wise, table_wise, 
 from recd_core.runtime import cpu_budget
 from recd_core.warehouse import Warehouse
 
-PLANS = ("table_wise", "row_wise", "flexshard", "bagpipe")
-# `bagpipe`: FlexShard's default placement with each rank's oracle cache of remote rows
-CACHE = FlexShardConfig(cache_lookahead=4, cache_budget=0.25)
+PLANS = ("table_wise", "row_wise", "flexshard")
+# BagPipe's cache on FlexShard's default placement: variant -> (lookahead, budget as a share
+# of row-wise's rows, prefetch in the background); the first is the default
+CACHED = {
+    "k4_b25": (4, 0.25, True),
+    "k4_b25_at_step": (4, 0.25, False),
+    "k1_b25": (1, 0.25, True),
+    "k8_b25": (8, 0.25, True),
+    "k4_b5": (4, 0.05, True),
+    "k4_b100": (4, 1.0, True),
+}
 MODES = ("dedup", "baseline")
+PARTS = ("prepare", "lookup", "backward", "oracle", "prefetch")  # a step's time (module doc)
 
 
-def measured(wh_uri: str, ds: str, worlds=(2, 4), steps: int = 16) -> dict:
-    """`sharded.flexshard.steps.<mode>.w<N>.<plan>.*` for each N of `worlds` (a fresh set of
-    processes each)."""
+def measured(
+    wh_uri: str, ds: str, worlds=(2, 4), steps: int = 16, cached: tuple = tuple(CACHED)
+) -> dict:
+    """`sharded.flexshard.steps.<mode>.w<N>.<plan>.*` and `sharded.bagpipe.steps.<mode>.w<N>.
+    <variant>.*` for each N of `worlds` (a fresh set of processes each): `cached`, the
+    variants of `CACHED`; the first two (the default, in the background and at the step's
+    start) at every N, the rest (the sweep) at the smallest."""
     figures: dict = {}
     for world in worlds:
-        figures |= spawn_ranks(_rank, world, wh_uri, ds, str(steps))
+        variants = cached if world == min(worlds) else cached[:2]
+        figures |= spawn_ranks(_rank, world, wh_uri, ds, str(steps), ",".join(variants))
     return figures
 
 
@@ -96,7 +119,7 @@ class _Cached:
 
 def _placements(plan: str, model, net, world: int) -> list:
     specs = model.sharded.specs
-    if plan in ("flexshard", "bagpipe"):
+    if plan != "table_wise" and plan != "row_wise":
         return model.sharded.placements
     if plan == "row_wise":
         return [row_wise(s.rows, world, world) for s in specs]
@@ -109,15 +132,12 @@ def _placements(plan: str, model, net, world: int) -> list:
     ]
 
 
-def _rank(rank: int, world: int, out: str, wh_uri: str, ds: str, steps: str) -> None:
+def _rank(rank: int, world: int, out: str, wh_uri: str, ds: str, steps: str, cached: str):
     import torch
     import torch.distributed as dist
 
     from recd_core.dpp.batch_store import BatchStore
     from recd_core.modeling.launch import join_process_group, resolve_device
-    from recd_core.modeling.sharded.plan import shard_bytes
-    from recd_core.modeling.sharded.strategy import FlexSharded, Sharded
-    from recd_core.modeling.step import cooccurrence_term, train_step
 
     warnings.filterwarnings("ignore")
     device = join_process_group(rank, world, resolve_device("auto"))
@@ -132,91 +152,122 @@ def _rank(rank: int, world: int, out: str, wh_uri: str, ds: str, steps: str) -> 
             raise ValueError(f"batches/mode={mode}/ds={ds} holds {len(store)} batches: 2 needed")
         cfg = TrainConfig(mode=mode, batch_size=store.manifest["batch_size"])
         cfg = cfg.model_copy(update={"model": cfg.model.for_samples(store.samples())})
-        dim = cfg.model.embedding_dim
-        order = np.arange(len(store))
-        for plan in PLANS:
-            torch.manual_seed(cfg.seed)
-            flex = plan in ("flexshard", "bagpipe")
-            if flex:
-                strategy = FlexSharded(rank, world, device, store=store)
-                c = cfg.model_copy(update={"sharding": "flexshard"})
-                if plan == "bagpipe":
-                    c = c.model_copy(update={"flexshard": CACHE})
-            else:
-                strategy = Sharded(rank, world, device)
-                c = cfg.model_copy(update={"sharding": plan})
-            model = strategy.placed(store.model_features, c)
-            net = strategy.net
-            opt_dense, fused = strategy.optimizers(model, c, warm=False)
-            times, ints, floats, sync = [], [], [], []
-            tables = model.sharded
-            counted = {"sync": 0, "fetch_ahead": 0, "hits": 0, "lookups": 0}
-            for k in range(n + 1):
-                aux = cooccurrence_term(model, c, k)
-                before = dict(tables.sent) if flex else {}
-                hits = (getattr(tables, "hits", 0), getattr(tables, "lookups", 0))
-                dist.barrier()
-                with counted_all_to_all() as sent:
-                    t0 = time.perf_counter()
-                    batch, scale = strategy.step_batch(store, order, k)  # the oracle's too
-                    train_step(net, batch, opt_dense, fused, False, aux, scale)
-                    elapsed = time.perf_counter() - t0
-                if k == 0:  # the warm-up
-                    continue
-                times.append(elapsed)
-                ints.append(sum(v for d, v in sent.items() if d.startswith("int")))
-                floats.append(sum(v for d, v in sent.items() if d.startswith("float")))
-                after = dict(tables.sent) if flex else {}
-                sync.append(after.get("sync", 0) - before.get("sync", 0))
-                counted["fetch_ahead"] += after.get("fetch_ahead", 0) - before.get("fetch_ahead", 0)
-                counted["hits"] += getattr(tables, "hits", 0) - hits[0]
-                counted["lookups"] += getattr(tables, "lookups", 0) - hits[1]
-            mine = torch.tensor(
-                [
-                    statistics.mean(ints),
-                    statistics.mean(floats),
-                    statistics.mean(sync),
-                    statistics.median(times),
-                ],
-                dtype=torch.float64,
-            )
-            dist.all_reduce(mine)  # bytes: every rank's sum; time: the ranks' mean
-            cache = torch.tensor(
-                [counted["fetch_ahead"] / n, counted["hits"], counted["lookups"]],
-                dtype=torch.float64,
-            )
-            dist.all_reduce(cache)
-            held = shard_bytes(model)
-            if rank == 0:
-                key = f"sharded.flexshard.steps.{mode}.w{world}.{plan}"
-                guess = _predicted(
-                    store, model.sharded.specs, _placements(plan, model, net, world), world, n, dim
-                )
-                if plan == "bagpipe":
-                    guess = _predicted_cached(store, model.sharded, world, n, dim, guess.sync)
-                    figures |= {
-                        f"{key}.prefetchable_bytes": float(cache[0]),
-                        f"{key}.hit_rate": float(cache[1] / max(cache[2], 1)),
-                        f"{key}.predicted_critical_bytes": guess.critical,
-                        # the cache's capacity: weights and accumulators of its rows
-                        f"{key}.cache_bytes": model.sharded.budget_rows * 4 * (dim + 1),
-                    }
-                figures |= {
-                    f"{key}.id_bytes": float(mine[0]),
-                    f"{key}.vector_bytes": float(mine[1]),
-                    f"{key}.sync_bytes": float(mine[2]),
-                    f"{key}.bytes": float(mine[0] + mine[1] + mine[2]),
-                    f"{key}.predicted_bytes": guess.total,
-                    f"{key}.step_ms": 1000 * float(mine[3]) / world,
-                    f"{key}.table_bytes_max": int(max(held)),
-                    f"{key}.steps": n,
-                }
-            del net, model, strategy
+        runs = [(f"sharded.flexshard.steps.{mode}.w{world}.{p}", p, None) for p in PLANS]
+        runs += [
+            (f"sharded.bagpipe.steps.{mode}.w{world}.{v}", "flexshard", CACHED[v])
+            for v in cached.split(",")
+            if v
+        ]
+        for key, plan, cache in runs:
+            figures |= _measure(rank, world, device, store, cfg, n, key, plan, cache)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(figures, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _measure(rank, world, device, store, cfg, n: int, key: str, plan: str, cache) -> dict:
+    """One plan (or cache variant) trained n steps after a warm-up: rank 0's figures."""
+    import torch
+    import torch.distributed as dist
+
+    from recd_core.modeling.sharded.bagpipe_tables import CachedTables
+    from recd_core.modeling.sharded.plan import shard_bytes
+    from recd_core.modeling.sharded.strategy import FlexSharded, Sharded
+    from recd_core.modeling.step import cooccurrence_term, train_step
+
+    torch.manual_seed(cfg.seed)
+    dim = cfg.model.embedding_dim
+    order = np.arange(len(store))
+    if plan == "flexshard":
+        strategy = FlexSharded(rank, world, device, store=store)
+        c = cfg.model_copy(update={"sharding": "flexshard"})
+        if cache is not None:
+            k, budget, background = cache
+            flex = FlexShardConfig(
+                cache_lookahead=k, cache_budget=budget, cache_background=background
+            )
+            c = c.model_copy(update={"flexshard": flex})
+    else:
+        strategy = Sharded(rank, world, device)
+        c = cfg.model_copy(update={"sharding": plan})
+    model = strategy.placed(store.model_features, c)
+    net, tables = strategy.net, model.sharded
+    opt_dense, fused = strategy.optimizers(model, c, warm=False)
+    cached = isinstance(tables, CachedTables)
+    times, ints, floats, sync, ahead, parts = [], [], [], [], [], []
+    hits = [0, 0]
+    for k in range(n + 1):
+        aux = cooccurrence_term(model, c, k)
+        sent0, timed0 = Counter(getattr(tables, "sent", {})), Counter(getattr(tables, "timed", {}))
+        hits0 = (getattr(tables, "hits", 0), getattr(tables, "lookups", 0))
+        dist.barrier()
+        with counted_all_to_all() as sent:  # this thread's: the step's own exchanges
+            t0 = time.perf_counter()
+            batch, scale = strategy.step_batch(store, order, k)  # the cache made ready too
+            train_step(net, batch, opt_dense, fused, False, aux, scale)
+            elapsed = time.perf_counter() - t0
+        if k == 0:  # the warm-up
+            continue
+        delta = Counter(getattr(tables, "sent", {}))
+        delta.subtract(sent0)
+        spent = Counter(getattr(tables, "timed", {}))
+        spent.subtract(timed0)
+        times.append(elapsed)
+        ints.append(sum(v for d, v in sent.items() if d.startswith("int")))
+        floats.append(sum(v for d, v in sent.items() if d.startswith("float")))
+        sync.append(delta["sync"])
+        ahead.append(delta["prefetch_ids"] + delta["prefetch_rows"])  # the background's
+        parts.append([spent[p] for p in PARTS])
+        hits[0] += getattr(tables, "hits", 0) - hits0[0]
+        hits[1] += getattr(tables, "lookups", 0) - hits0[1]
+    means = [statistics.mean(x) for x in (ints, floats, sync, ahead)]
+    mine = torch.tensor(
+        [*means, statistics.median(times), statistics.mean(times), *np.mean(parts, 0), *hits],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(mine)  # bytes and counts: every rank's sum; times: / world below
+    ids, vectors, synced, fetched_ahead, median, mean = mine[:6].tolist()
+    part = dict(zip(PARTS, mine[6 : 6 + len(PARTS)].tolist(), strict=True))
+    held = shard_bytes(model)
+    if cached:
+        tables.drain()
+    out: dict = {}
+    if rank == 0:
+        guess = _predicted(
+            store, model.sharded.specs, _placements(plan, model, net, world), world, n, dim
+        )
+        on_step = ids + vectors + synced
+        out = {
+            f"{key}.id_bytes": ids,
+            f"{key}.vector_bytes": vectors,
+            f"{key}.sync_bytes": synced,
+            f"{key}.bytes": on_step + fetched_ahead,
+            f"{key}.predicted_bytes": guess.total,
+            f"{key}.step_ms": 1000 * median / world,
+            f"{key}.table_bytes_max": int(max(held)),
+            f"{key}.steps": n,
+        }
+        if plan == "flexshard":
+            out[f"{key}.step_mean_ms"] = 1000 * mean / world
+            for name, seconds in part.items():
+                out[f"{key}.{name}_ms"] = 1000 * seconds / world
+        if cached:
+            g = _predicted_cached(store, tables, world, n, dim, guess.sync)
+            out |= {
+                f"{key}.on_step_bytes": on_step,
+                f"{key}.prefetched_bytes": fetched_ahead,
+                f"{key}.hit_rate": float(mine[-2] / max(mine[-1], 1)),
+                f"{key}.predicted_bytes": g.total,
+                f"{key}.predicted_critical_bytes": g.critical,
+                f"{key}.lookahead": tables.lookahead,
+                f"{key}.background": tables.worker is not None,
+                # the cache's capacity: weights and accumulators of its rows
+                f"{key}.cache_bytes": tables.budget_rows * 4 * (dim + 1),
+            }
+    del net, model, strategy
+    return out
 
 
 def markdown(f: dict) -> str:
@@ -246,25 +297,63 @@ def markdown(f: dict) -> str:
                     f"{total / max(f[f'{k}.predicted_bytes'], 1):.2f} | {1 - total / base:+.0%} | "
                     f"{f[f'{k}.step_ms']:.0f} ms | {f[f'{k}.table_bytes_max'] / 1e6:.1f} MB |"
                 )
-    lines += [
-        "",
-        "BagPipe's cache (FlexShard's placement, lookahead 4, 0.25x row-wise's rows):",
-        "",
-        "| mode | procs | hit rate | bytes/step, all | fetched ahead (could overlap) | "
-        "critical, by the model | cache a rank |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+    return "\n".join(lines) + "\n"
+
+
+def cache_markdown(f: dict) -> str:
+    """docs/results/bagpipe.md's tables of the measured steps: the cache's variants beside
+    row-wise and FlexShard without it, then where a step's time goes."""
+    worlds = sorted(
+        {int(k.split(".w")[1].split(".")[0]) for k in f if k.startswith("sharded.bagpipe.steps.")}
+    )
+    variants = [v for v in CACHED if any(f".{v}.bytes" in k for k in f)]
+    lines = [
+        "| mode | procs | plan | bytes/step | on the step | in the background | predicted "
+        "(all / critical) | hit rate | step | vs row-wise | cache a rank |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for mode in MODES:
         for world in worlds:
-            k = f"sharded.flexshard.steps.{mode}.w{world}.bagpipe"
-            if f"{k}.hit_rate" not in f:
-                continue
-            lines.append(
-                f"| {mode} | {world} | {f[f'{k}.hit_rate']:.0%} | {f[f'{k}.bytes'] / 1e6:.2f} MB | "
-                f"{f[f'{k}.prefetchable_bytes'] / 1e6:.2f} MB | "
-                f"{f[f'{k}.predicted_critical_bytes'] / 1e6:.2f} MB | "
-                f"{f[f'{k}.cache_bytes'] / 1e6:.1f} MB |"
-            )
+            plans = f"sharded.flexshard.steps.{mode}.w{world}"
+            base = f[f"{plans}.row_wise.step_ms"]
+            keys = [(p, f"{plans}.{p}") for p in ("row_wise", "flexshard")]
+            keys += [(v, f"sharded.bagpipe.steps.{mode}.w{world}.{v}") for v in variants]
+            keys = [(name, k) for name, k in keys if f"{k}.bytes" in f]
+            for name, k in keys:
+                total, step = f[f"{k}.bytes"], f[f"{k}.step_ms"]
+                cache = f"{k}.hit_rate" in f
+                on_step = f[f"{k}.on_step_bytes"] if cache else total
+                lines.append(
+                    f"| {mode} | {world} | {name} | {total / 1e6:.2f} MB | {on_step / 1e6:.2f} MB"
+                    f" | {f[f'{k}.prefetched_bytes'] / 1e6 if cache else 0:.2f} MB | "
+                    + (
+                        f"{f[f'{k}.predicted_bytes'] / 1e6:.2f} / "
+                        f"{f[f'{k}.predicted_critical_bytes'] / 1e6:.2f} MB | "
+                        f"{f[f'{k}.hit_rate']:.0%} | "
+                        if cache
+                        else f"{f[f'{k}.predicted_bytes'] / 1e6:.2f} MB | - | "
+                    )
+                    + f"{step:.0f} ms | {step / base - 1:+.0%} | "
+                    + (f"{f[f'{k}.cache_bytes'] / 1e6:.1f} MB |" if cache else "- |")
+                )
+                if name != "row_wise":
+                    rows.append((mode, world, name, k))
+    lines += [
+        "",
+        "| mode | procs | plan | step (mean) | prepare | lookup | backward | rest | "
+        "in the background: oracle | prefetch |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode, world, name, k in rows:
+        got = {p: f[f"{k}.{p}_ms"] for p in PARTS}
+        mean = f[f"{k}.step_mean_ms"]
+        rest = mean - got["prepare"] - got["lookup"] - got["backward"]
+        lines.append(
+            f"| {mode} | {world} | {name} | {mean:.0f} ms | {got['prepare']:.1f} | "
+            f"{got['lookup']:.1f} | {got['backward']:.1f} | {rest:.1f} | {got['oracle']:.1f} | "
+            f"{got['prefetch']:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -276,3 +365,4 @@ if __name__ == "__main__":
     with open(out_path, "w") as fh:
         json.dump(result, fh, indent=1)
     print(markdown(result))
+    print(cache_markdown(result))

@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections import Counter
@@ -446,17 +447,21 @@ def _budget_rank(
 @contextlib.contextmanager
 def counted_all_to_all():
     """Count the bytes this rank sends to other ranks through `all_to_all_single` (what
-    TorchRec's input and output distributions use) while inside; yields a Counter by
-    dtype (int64/int32: ids and lengths; float32: vectors and their gradients)."""
+    TorchRec's input and output distributions use) while inside, from this thread (a
+    step's own exchanges: not a background prefetch's); yields a Counter by dtype
+    (int64/int32: ids and lengths; float32: vectors and their gradients)."""
     import torch.distributed as dist
 
     sent: Counter = Counter()
     original = dist.all_to_all_single
     rank, world = dist.get_rank(), dist.get_world_size()
+    caller = threading.get_ident()
 
     def counting(
         output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False
     ):
+        if threading.get_ident() != caller:
+            return original(output, input, output_split_sizes, input_split_sizes, group, async_op)
         rows = input.shape[0] if input.dim() else 0
         row_bytes = input[0].numel() * input.element_size() if rows else 0
         splits = input_split_sizes or [rows // world] * world

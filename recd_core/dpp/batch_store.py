@@ -7,6 +7,7 @@ does not depend on the network.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -136,6 +137,8 @@ class BatchStore:
         self.fs = wh.fs
         self.left_out: dict[str, str] = {}  # window days not trained on, and why
         self._readers: dict[str, ipc.RecordBatchFileReader] = {}
+        # the readers are shared by threads (a run's oracle reads ahead in the background)
+        self._lock = threading.Lock()
         self.refs: list[tuple[str, int]] = []  # (file, batch within it), in order
         prefix = SPLIT_PREFIX[split]
         for path in wh.files("batches", ds, mode=mode):
@@ -156,7 +159,7 @@ class BatchStore:
 
     def record(self, i: int) -> pa.RecordBatch:
         path, k = self.refs[i]
-        with damage_named(path):
+        with damage_named(path), self._lock:
             return self._reader(path).get_batch(k)
 
     def __len__(self) -> int:

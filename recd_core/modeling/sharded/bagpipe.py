@@ -19,11 +19,12 @@ guarantee: bagpipe_tables.py trains with it), so a cached copy is never read sta
     a held row another rank       stale: fetched again before its next use
       reads at a step
     a held row the rank reads     its gradient goes to the row's owner (write-through, 8 +
-                                  4 d bytes), so the owner stays the authority: critical
-                                  when another rank reads the row at the next step, else
-                                  overlapped with it (bagpipe_tables.py sends it in the
-                                  step); a row only this rank read takes the same step in
-                                  the cache, with no bytes
+                                  4 d bytes) with the step's other gradients, so the owner
+                                  stays the authority: on the critical path (BagPipe
+                                  overlaps the ones nobody reads at the next step; here
+                                  they go with the step's backward, as bagpipe_tables.py
+                                  sends them); a row only this rank read takes the same
+                                  step in the cache, with no bytes
     a remote row not held         the uncached lookup: its id, its vector, its gradient
                                   (8 + 8 d bytes), on the critical path
 
@@ -47,7 +48,7 @@ class CacheBytes:
     """One table's bytes over the replayed steps, summed over ranks."""
 
     critical: float = 0.0  # on the steps' critical path, with the cache
-    prefetched: float = 0.0  # fetched or refreshed overlapped with a step
+    prefetched: float = 0.0  # fetched or refreshed overlapped with the step before
     uncached: float = 0.0  # the critical path without a cache (every remote read)
     hits: int = 0
     remote: int = 0  # remote reads in all
@@ -102,14 +103,6 @@ def cached_bytes(
     # another rank reads, so updates, its row)
     readers = [np.unique(np.concatenate(reads[s]), return_counts=True) for s in range(steps)]
 
-    def read_by_others(s: int, rank_ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        if s < 0 or s >= steps or not len(rows):
-            return np.zeros(len(rows), bool)
-        ids, n = readers[s]
-        at = np.searchsorted(ids, rows).clip(max=max(len(ids) - 1, 0))
-        count = np.where(ids[at] == rows, n[at], 0) if len(ids) else np.zeros(len(rows), int)
-        return count - np.isin(rows, rank_ids) > 0
-
     for rank in range(world):
         looked = []  # the remote lookups, each as sent (a row read twice is sent twice)
         for s in range(steps):
@@ -135,15 +128,11 @@ def cached_bytes(
             out.remote += len(looked[s])
             out.critical += lookup * (len(looked[s]) - int(hit.sum()))
             out.uncached += lookup * len(looked[s])
-            # the held rows read now: written through to their owners, on the critical path
-            # when another rank reads the row at the next step, else overlapped with it
+            # the held rows read now: written through to their owners in the step
             wrote = np.intersect1d(remote[s], want, assume_unique=True)
-            nxt = reads[s + 1][rank] if s + 1 < steps else np.zeros(0, np.int64)
-            soon = read_by_others(s + 1, nxt, wrote)
-            out.critical += write * float(soon.sum())
-            out.prefetched += write * float((~soon).sum())
+            out.critical += write * float(len(wrote))
             held = want
-            stale = read_by_others(s, reads[s][rank], held)
+            stale = np.isin(held, elsewhere[s])
     return out
 
 

@@ -30,6 +30,7 @@ and gradients exactly; the sync as a ring all-reduce sends them: 2 (n-1)/n of th
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import numpy as np
@@ -105,6 +106,9 @@ class FlexShardTables(nn.Module):
         # collectives)
         self.copied = {tt: any((p.tier == tt).any() for p in placements) for tt in (HOT, WARM)}
         self.sent: Counter = Counter()
+        # seconds spent in the tables' parts of the steps (a step's breakdown, the bench's):
+        # `lookup` (forward), `backward` (gradients to the servers, the sync, the update)
+        self.timed: Counter = Counter()
 
     # -- a step ---------------------------------------------------------------------------
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
@@ -135,6 +139,10 @@ class FlexShardTables(nn.Module):
         ids = table_ids(batch, self.specs)
         return np.concatenate([o + x for o, x in zip(self.offsets[:-1], ids, strict=True)])
 
+    def keys_of_parts(self, batch: Batch, parts: int) -> list[np.ndarray]:
+        """`keys_of_parts` of this run's tables."""
+        return keys_of_parts(batch, parts, self.offsets, self.table_of)
+
     def _route_keys(self, keys: np.ndarray):
         """Each key to the rank serving it (8 bytes an id, whatever its table): (the send
         order, counts sent and received, the received keys' places among this rank's held
@@ -149,16 +157,22 @@ class FlexShardTables(nn.Module):
             raise RuntimeError("an id was sent to a rank that does not hold its row")
         return order, send, recv, pos
 
-    def _exchange_counts(self, send: np.ndarray) -> np.ndarray:
+    def _exchange_counts(self, send: np.ndarray, group=None) -> np.ndarray:
         recv = torch.empty(self.world, dtype=torch.int64)
-        dist.all_to_all_single(recv, torch.from_numpy(send), group=self.group)
+        dist.all_to_all_single(recv, torch.from_numpy(send), group=group or self.group)
         return recv.numpy()
 
-    def _all_to_all(self, x: torch.Tensor, send, recv, what: str) -> torch.Tensor:
+    def _all_to_all(
+        self, x: torch.Tensor, send, recv, what: str, group=None, sent: Counter | None = None
+    ) -> torch.Tensor:
+        """`x`'s rows, `send[j]` to rank j, on `group` (the tables'), counted in `sent` (the
+        tables')."""
         out = x.new_empty((int(recv.sum()), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv.tolist(), send.tolist(), self.group)
+        dist.all_to_all_single(
+            out, x.contiguous(), recv.tolist(), send.tolist(), group or self.group
+        )
         row = x[0].numel() * x.element_size() if len(x) else 0
-        self.sent[what] += row * int(send.sum() - send[self.rank])
+        (self.sent if sent is None else sent)[what] += row * int(send.sum() - send[self.rank])
         return out
 
     def _serve(self, pos: np.ndarray) -> torch.Tensor:
@@ -325,22 +339,26 @@ class _Lookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, tables: FlexShardTables, which: list[int], values: list):
+        t0 = time.perf_counter()
         order, send, recv, pos = tables._route_keys(tables.keys_of(which, values))
         served = tables._serve(pos)
         back = tables._all_to_all(served, recv, send, "vectors")
         out = torch.empty_like(back)
         out[torch.from_numpy(order).to(back.device)] = back
         ctx.tables, ctx.route = tables, (order, send, recv, pos)
+        tables.timed["lookup"] += time.perf_counter() - t0
         return out
 
     @staticmethod
     def backward(ctx, grad):
+        t0 = time.perf_counter()
         tables = ctx.tables
         order, send, recv, pos = ctx.route
         grads = tables._all_to_all(
             grad[torch.from_numpy(order).to(grad.device)], send, recv, "gradients"
         )
         tables._update(pos, grads)
+        tables.timed["backward"] += time.perf_counter() - t0
         return None, None, None, None
 
 
@@ -358,6 +376,34 @@ def table_ids(batch: Batch, specs: list[TableSpec]) -> list[np.ndarray]:
     found: list[list[np.ndarray]] = [[] for _ in specs]
     for name, ids in id_features(batch):
         found[table_of[name]].append(ids.numpy().astype(np.int64))
+    return [np.concatenate([np.zeros(0, np.int64), *f]) for f in found]
+
+
+def keys_of_parts(
+    batch: Batch, parts: int, offsets: np.ndarray, table_of: dict
+) -> list[np.ndarray]:
+    """The rows each of `parts` slices of `batch` (`Batch.part`'s) looks up, keyed across
+    tables (`offsets[table_of[feature]] + id`), without slicing the batch (the oracle reads
+    every rank's): a per-sample id goes to its sample's slice, a group's unique row to each
+    slice whose samples use it. Sets (a row may repeat), as `keys_of_batch` of the slice."""
+    bounds = [q * batch.size // parts for q in range(parts + 1)]
+    found: list[list[np.ndarray]] = [[] for _ in range(parts)]
+    if batch.kjt is not None:
+        for name, jt in batch.kjt.to_dict().items():
+            ids = jt.values.numpy().astype(np.int64) + offsets[table_of[name]]
+            ends = np.concatenate([[0], np.cumsum(jt.lengths.numpy())])
+            for q in range(parts):
+                found[q].append(ids[ends[bounds[q]] : ends[bounds[q + 1]]])
+    for ik in batch.groups.values():
+        inverse = ik.inverse_indices.numpy()
+        used = np.zeros((parts, ik.unique.lengths.numel() // len(ik.unique.keys)), bool)
+        for q in range(parts):
+            used[q, inverse[bounds[q] : bounds[q + 1]]] = True
+        for name, jt in ik.unique.to_dict().items():
+            ids = jt.values.numpy().astype(np.int64) + offsets[table_of[name]]
+            row = np.repeat(np.arange(len(jt.lengths)), jt.lengths.numpy())
+            for q in range(parts):
+                found[q].append(ids[used[q, row]])
     return [np.concatenate([np.zeros(0, np.int64), *f]) for f in found]
 
 

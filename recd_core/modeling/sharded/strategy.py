@@ -6,7 +6,6 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 # TorchRec's import is part of a sharded run's fixed cost: here, before the model is measured
@@ -137,7 +136,6 @@ class FlexSharded(Sharded):
     day's lookups (`store`'s batches, counted once), the dense part data parallel (DDP)."""
 
     store: BatchStore | None = field(default=None, repr=False)
-    seen: dict = field(default_factory=dict, repr=False)  # batch -> every rank's keys
 
     def placed(self, features: FeatureSet, cfg: TrainConfig) -> ShardedDLRM:
         from torch.nn.parallel import DistributedDataParallel
@@ -176,6 +174,7 @@ class FlexSharded(Sharded):
                 *args,
                 lookahead=cfg.flexshard.cache_lookahead,
                 budget_rows=int(cfg.flexshard.cache_budget * rows),
+                background=cfg.flexshard.cache_background,
             )
 
         model = ShardedDLRM(features, cfg.model, place=place).to(self.device)
@@ -198,6 +197,8 @@ class FlexSharded(Sharded):
         kind (`train.flexshard_bytes`); with the cache, its hit rate over the remote reads.
         A collective."""
         tables = model.sharded
+        if isinstance(tables, CachedTables):
+            tables.drain()  # the run's end: no step follows
         sent = every_rank(dict(tables.sent), self.world)
         total: dict = {}
         for part in sent:
@@ -210,34 +211,11 @@ class FlexSharded(Sharded):
         return out
 
     def step_batch(self, store: BatchStore, order, k: int) -> tuple[Batch, float]:
-        """As `Sharded`'s; with the cache, the oracle's view of the steps ahead first."""
+        """As `Sharded`'s; with the cache, the cache prepared for the step first."""
         tables = self.net.module.sharded if self.net is not None else None
         if isinstance(tables, CachedTables):
-            if k == 0:  # a new pass (its tables may be restored): nothing held is known
-                tables._empty()
-            ahead = [int(order[j]) for j in range(k, min(k + tables.lookahead, len(order)))]
-            every = [self._keys(store, b, tables) for b in ahead]
-            before = self._keys(store, int(order[k - 1]), tables) if k else []
-            tables.before_step(
-                [keys[self.rank] for keys in every],
-                [
-                    np.unique(np.concatenate([x for q, x in enumerate(keys) if q != self.rank]))
-                    for keys in every
-                ],
-                np.unique(np.concatenate([np.zeros(0, np.int64), *before])),
-            )
+            tables.before_step(k, order, lambda i: tables.keys_of_parts(store[i], self.world))
         return super().step_batch(store, order, k)
-
-    def _keys(self, store: BatchStore, i: int, tables) -> list[np.ndarray]:
-        """Every rank's keys read at batch `i` (kept for the steps that look at it again)."""
-        if i not in self.seen:
-            whole = store[i]
-            self.seen[i] = [
-                tables.keys_of_batch(whole.part(q, self.world)) for q in range(self.world)
-            ]
-            while len(self.seen) > 4 * tables.lookahead + 4:
-                self.seen.pop(next(iter(self.seen)))
-        return self.seen[i]
 
 
 def shards_saved(cfg: TrainConfig, specs) -> bool:
