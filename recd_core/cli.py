@@ -505,7 +505,13 @@ def _serve_command() -> None:
     for name, f in ServeConfig.model_fields.items():
         flag = f"--{name.replace('_', '-')}"
         is_bool = f.annotation is bool
-        built_in = str(f.default).lower() if is_bool else f"{f.default:,}"
+        built_in = (
+            str(f.default).lower()
+            if is_bool
+            else "from the others"
+            if f.default is None
+            else f"{f.default:,}"
+        )
         option = typer.Option(
             f"{flag}/--no-{flag[2:]}" if is_bool else flag,
             help=f"{f.description} (default: the config's serve.{name}, built in {built_in})",
@@ -558,6 +564,8 @@ def _serve_command() -> None:
                 "serve.model": served.uri,
                 "serve.url": f"http://{host}:{port}",
                 **{f"serve.{k}": v for k, v in cfg.model_dump().items()},
+                "serve.queue_rows": cfg.rows_held,
+                "serve.max_in_flight": cfg.requests_held,
             },
         )
         log_to_stderr()

@@ -547,8 +547,23 @@ class ServeConfig(_Strict):
     batch_rows: int = Field(
         default=1024, gt=0, description="rows scored at a time (the model's working memory)"
     )
-    max_in_flight: int = Field(
-        default=4, gt=0, description="requests held at once; more are answered 503 (retry)"
+    queue_rows: int | None = Field(
+        default=None,
+        gt=0,
+        description="rows (candidates) held at once, checked and waiting or being scored; a "
+        "request past it is answered 503 (retry); none: 8 batches of batch_rows",
+    )
+    max_in_flight: int | None = Field(
+        default=None,
+        gt=0,
+        description="requests held at once (being read, checked, waiting or scored); more are "
+        "answered 503 (retry); none: from the row budget, queue_rows / 16, at least 4",
+    )
+    batch_wait_ms: float = Field(
+        default=0.0,
+        ge=0,
+        description="how long a model call waits for more ranking requests to score with it "
+        "(0: only those that arrived while the one before was scored)",
     )
     timeout_s: float = Field(
         default=60.0, gt=0, description="seconds a request may take; longer is a 504"
@@ -564,6 +579,17 @@ class ServeConfig(_Strict):
         description="seconds between checks of a models:/NAME@ALIAS model's alias; a version "
         "it moves to is loaded, checked and swapped in (0: loaded once)",
     )
+
+    @property
+    def rows_held(self) -> int:
+        """`queue_rows`, or 8 model calls' rows."""
+        return self.queue_rows or 8 * self.batch_rows
+
+    @property
+    def requests_held(self) -> int:
+        """`max_in_flight`, or from the row budget: a request of 16 rows or more on average
+        fills the queue first."""
+        return self.max_in_flight or max(4, self.rows_held // 16)
 
 
 class PipelineConfig(_Strict):

@@ -21,7 +21,9 @@ from recd_core.scoring.ranking import (
     probe_request,
     ranking_batch,
     ranking_requests,
+    rankings_batch,
     score_ranking,
+    score_together,
     user_side,
 )
 from recd_core.scoring.request import RequestError, request_columns
@@ -66,6 +68,32 @@ def test_a_ranking_request_scores_as_its_rows_with_and_without_dedup(served, fea
     per_candidate = score_ranking(model, prep, ranking, batch_rows=128, dedup=False)
     np.testing.assert_allclose(per_candidate, by_rows, rtol=0, atol=1e-6)
     assert by_request.std() > 0  # the candidates differ, and so do their scores
+
+
+def test_requests_of_several_users_scored_in_one_call_score_as_each_alone(served, features):
+    """The server's dynamic batching: three users' requests (their candidates of different
+    counts) in one batch score as each scored alone; each user's row is one unique row."""
+    model, _, prep, rows = served
+    starts, sizes = (0, 40, 130), (40, 90, 7)
+    requests = []
+    for lo, n in zip(starts, sizes, strict=True):
+        part = rows.slice(lo, n)
+        requests.append(
+            Ranking(
+                part.select(user_side(features)).slice(0, 1), part.select(candidate_side(features))
+            )
+        )
+    assert len({r.user["user_id"][0].as_py() for r in requests}) == 3
+    together = score_together(model, prep, requests)
+    for request, got in zip(requests, together, strict=True):
+        alone = score_ranking(model, prep, request, batch_rows=1024)
+        np.testing.assert_allclose(got, alone, rtol=0, atol=1e-6)
+    batch = rankings_batch(requests, prep)
+    for ik in batch.groups.values():
+        assert ik.num_unique == 3
+        assert ik.inverse_indices.tolist() == [0] * 40 + [1] * 90 + [2] * 7
+    off = score_together(model, prep, requests, dedup=False)  # the user side per candidate
+    np.testing.assert_allclose(np.concatenate(off), np.concatenate(together), rtol=0, atol=1e-6)
 
 
 def test_the_user_side_is_one_unique_row_every_candidate_points_at(served, features):

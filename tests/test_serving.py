@@ -338,6 +338,48 @@ def test_requests_past_the_in_flight_limit_are_told_to_retry(champion):
         server.stop()
 
 
+def test_concurrent_ranking_requests_share_model_calls_and_score_as_alone(champion, ranking):
+    """Eight clients at once, each its own user (`--batch-wait-ms`: a model call waits for
+    the requests arriving with it): every answer is the one its request gets alone, and
+    requests were scored together; a request whose rows would pass `--queue-rows` is a 503
+    naming the limit."""
+    import concurrent.futures
+
+    _, uri, _ = champion
+    columns = ranking["dataframe_split"]["columns"]
+    bodies = []
+    for k in range(8):
+        split = json.loads(json.dumps(ranking["dataframe_split"]))
+        split["data"][0][columns.index("user_id")] = k + 1
+        bodies.append(json.dumps({"dataframe_split": split}).encode())
+    server = recd_serve(uri, "--batch-wait-ms", "300")
+    try:
+
+        def scores(body: bytes) -> list[float]:
+            status, answer = server.post(body)
+            assert status == 200, answer
+            return json.loads(answer)["predictions"]
+
+        alone = [scores(b) for b in bodies]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(scores, bodies))
+        assert len({tuple(a) for a in alone}) > 1  # the users' answers differ
+        for a, b in zip(alone, together, strict=True):
+            assert b == pytest.approx(a, abs=1e-6)
+        with urllib.request.urlopen(server.url("/stats"), timeout=30) as r:
+            stats = json.loads(r.read())
+        assert stats["requests_batched"] >= 2 and stats["in_flight"] == stats["rows_held"] == 0
+        assert stats["model_calls"] < 16
+    finally:
+        server.stop()
+    server = recd_serve(uri, "--queue-rows", "1")
+    try:
+        status, answer = server.post(bodies[0])
+        one_line_refusal(status, answer, 503, "serve.queue_rows")
+    finally:
+        server.stop()
+
+
 def mlflow_serve(uri: str) -> Server:
     port = free_port()
     return Server(

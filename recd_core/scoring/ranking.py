@@ -46,7 +46,7 @@ from recd_core.data.checks import first_failure, semantic_checks
 from recd_core.dedup.sparse import InverseKeyedJaggedTensor, KeyedJaggedTensor
 from recd_core.dpp.batch_store import Batch, expand
 from recd_core.dpp.encode import Prepared, feature_ids, transformed_dense
-from recd_core.scoring.request import RequestError, typed_column
+from recd_core.scoring.request import RequestError, compatible_type, typed_column
 
 CANDIDATES = "candidates"
 
@@ -107,17 +107,54 @@ def ranking_requests(
             features,
             where + "user ",
         )
-        rows: dict[str, list] = {c: [] for c in cands}
-        for i, cand in enumerate(lists[r]):
-            if not isinstance(cand, dict):
-                raise RequestError(f"{where}candidate {i}: expected an object of item features")
-            lacking = [c for c in cands if c not in cand and features[c].required]
-            if lacking:
-                raise RequestError(f"{where}candidate {i}: lacks {', '.join(map(repr, lacking))}")
-            for c in cands:  # an optional feature left out is missing (null), as in a log
-                rows[c].append(cand.get(c))
-        out.append(Ranking(user, _table(rows, fields, features, where + "candidate ")))
+        table = _candidates_at_once(lists[r], cands, fields, features)
+        if table is None:  # a refusal to name, or a request the fast path does not take
+            rows: dict[str, list] = {c: [] for c in cands}
+            for i, cand in enumerate(lists[r]):
+                if not isinstance(cand, dict):
+                    raise RequestError(f"{where}candidate {i}: expected an object of item features")
+                lacking = [c for c in cands if c not in cand and features[c].required]
+                if lacking:
+                    raise RequestError(
+                        f"{where}candidate {i}: lacks {', '.join(map(repr, lacking))}"
+                    )
+                for c in cands:  # an optional feature left out is missing (null), as in a log
+                    rows[c].append(cand.get(c))
+            table = _typed(rows, fields, where + "candidate ")
+        out.append(Ranking(user, _checked(table, features, where + "candidate ")))
     return out
+
+
+def _candidates_at_once(
+    cl: list, cands: list[str], fields: dict[str, pa.Field], features: FeatureSet
+) -> pa.Table | None:
+    """The candidates typed as whole columns (Arrow reads the objects in one pass, no Python
+    per candidate), or None where that is not plainly right: a value of another type, a
+    required feature missing or null, anything but objects: the per-candidate path then
+    names the candidate and the field, as it always did."""
+    try:
+        objects = pa.array(cl)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
+        return None
+    if not pa.types.is_struct(objects.type) or objects.null_count:
+        return None
+    found = {objects.type.field(i).name: i for i in range(objects.type.num_fields)}
+    columns = {}
+    for c in cands:
+        f = fields[c]
+        if c not in found:
+            if features[c].required:
+                return None
+            columns[c] = pa.nulls(len(cl), f.type)
+            continue
+        seen = objects.field(found[c])
+        if (seen.null_count and features[c].required) or not compatible_type(seen.type, f.type):
+            return None
+        try:
+            columns[c] = seen.cast(f.type)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return None
+    return pa.table(columns, schema=pa.schema([fields[c] for c in cands]))
 
 
 def _table(
@@ -125,13 +162,21 @@ def _table(
 ) -> pa.Table:
     """Typed columns, checked: the first failing row named (`where` + its index; the user
     side has one row, so it is named by the field alone)."""
+    return _checked(_typed(columns, fields, where), features, where)
+
+
+def _typed(columns: dict[str, list], fields: dict[str, pa.Field], where: str) -> pa.Table:
     typed = {}
     for name, values in columns.items():
         try:
             typed[name] = typed_column(name, values, fields[name])
         except RequestError as e:
             raise RequestError(_where(str(e), where)) from None
-    table = pa.table(typed, schema=pa.schema([fields[c] for c in columns]))
+    return pa.table(typed, schema=pa.schema([fields[c] for c in columns]))
+
+
+def _checked(table: pa.Table, features: FeatureSet, where: str) -> pa.Table:
+    """Ingest's checks on typed columns; the first failing row named."""
     bad, _, reasons = first_failure(table.num_rows, semantic_checks(table, features))
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
@@ -153,18 +198,32 @@ def ranking_batch(ranking: Ranking, prep: Prepared, dedup: bool = True) -> Batch
     """The request as the model's batch (module doc): each group's features as one unique
     row that every candidate points at; the user side's other features (a user id outside
     the groups, user dense values) transformed once and repeated."""
-    user, cands, n = ranking.user, ranking.candidates, ranking.size
+    return rankings_batch([ranking], prep, dedup)
+
+
+def rankings_batch(rankings: list[Ranking], prep: Prepared, dedup: bool = True) -> Batch:
+    """Requests of several users as one batch (the server's dynamic batching): their
+    candidates one after the other, each group's unique rows one a request, every candidate
+    pointing at its own request's (as a training batch of several sessions):
+
+        group "user":  unique  = [ user 0 | user 1 | ... ]        inverse = [0 0 0 1 1 ...]
+        kjt, dense:    candidates of request 0, then of request 1, ...
+    """
+    users = pa.concat_tables([r.user for r in rankings])
+    cands = pa.concat_tables([r.candidates for r in rankings])
+    owner = np.repeat(np.arange(len(rankings)), [r.size for r in rankings])  # candidate -> request
+    n = len(owner)
     grouped = {k for ks in prep.groups.values() for k in ks}
     dense_parts, extra_ids = [], {}
     for f in prep.raw.features:
         if f.kind != "dense":
             continue
-        once = f.name in user.column_names  # the user's: transformed once, then repeated
-        out = transformed_dense((user if once else cands)[f.name], f, prep)
+        once = f.name in users.column_names  # the user's: transformed once, then repeated
+        out = transformed_dense((users if once else cands)[f.name], f, prep)
         if isinstance(out, tuple):  # bucketized: an id list
-            extra_ids[f.name] = _repeat_ids(out, n) if once else out
+            extra_ids[f.name] = _rows_of(out, owner) if once else out
         else:
-            dense_parts.append(np.repeat(out, n, axis=0) if once else out)
+            dense_parts.append(out[owner] if once else out)
     dense = np.concatenate(dense_parts, axis=1) if dense_parts else np.zeros((n, 0), np.float32)
     keys, values, lengths = [], [], []
     for f in prep.model.features:
@@ -172,8 +231,8 @@ def ranking_batch(ranking: Ranking, prep: Prepared, dedup: bool = True) -> Batch
             continue
         if f.name in extra_ids:
             v, ln = extra_ids[f.name]
-        elif f.name in user.column_names:
-            v, ln = _repeat_ids(feature_ids(user[f.name], prep, f.name), n)
+        elif f.name in users.column_names:
+            v, ln = _rows_of(feature_ids(users[f.name], prep, f.name), owner)
         else:
             v, ln = feature_ids(cands[f.name], prep, f.name)
         keys.append(f.name)
@@ -182,15 +241,13 @@ def ranking_batch(ranking: Ranking, prep: Prepared, dedup: bool = True) -> Batch
     kjt = KeyedJaggedTensor(keys, torch.cat(values), torch.cat(lengths)) if keys else None
     groups = {}
     for g, gkeys in prep.groups.items():
-        parts = [feature_ids(user[k], prep, k) for k in gkeys]
+        parts = [feature_ids(users[k], prep, k) for k in gkeys]
         unique = KeyedJaggedTensor(
             gkeys,
             torch.cat([_int64(v) for v, _ in parts]),
             torch.cat([_int64(ln) for _, ln in parts]),
         )
-        groups[g] = InverseKeyedJaggedTensor(
-            unique, torch.zeros(n, dtype=torch.int64), validate=False
-        )
+        groups[g] = InverseKeyedJaggedTensor(unique, _int64(owner), validate=False)
     batch = Batch(
         torch.from_numpy(np.ascontiguousarray(dense, np.float32)),
         kjt,
@@ -204,10 +261,15 @@ def _int64(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, np.int64))
 
 
-def _repeat_ids(parts: tuple[np.ndarray, np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """One row's ids as the same row N times."""
+def _rows_of(parts: tuple[np.ndarray, np.ndarray], rows: np.ndarray):
+    """A jagged column's rows `rows` (each request's user row once a candidate): (values,
+    lengths)."""
     values, lengths = parts
-    return np.tile(values, n), np.tile(lengths, n)
+    values, lengths = np.asarray(values), np.asarray(lengths)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    picked = lengths[rows]
+    first = np.repeat(starts[rows] - np.cumsum(picked) + picked, picked)
+    return values[first + np.arange(int(picked.sum()))], picked
 
 
 def probe_request(schema: pa.Schema, features: FeatureSet) -> dict:
@@ -247,6 +309,16 @@ def score_ranking(
             batch.shared = shared if dedup else None
             out.append(torch.sigmoid(model(batch)).numpy())
     return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+
+def score_together(
+    model, prep: Prepared, requests: list[Ranking], dedup: bool = True
+) -> list[np.ndarray]:
+    """Several requests' candidates in one model call (`rankings_batch`; their candidates
+    within the server's batch rows): each request's probabilities."""
+    with torch.no_grad():
+        probs = torch.sigmoid(model(rankings_batch(requests, prep, dedup))).numpy()
+    return np.split(probs, np.cumsum([r.size for r in requests])[:-1])
 
 
 def score_rankings(

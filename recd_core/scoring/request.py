@@ -87,7 +87,7 @@ def typed_column(name: str, values: list, field: pa.Field) -> pa.Array:
         seen = pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
         seen = None  # mixed kinds, or an integer beyond int64: named below
-    if seen is not None and _compatible(seen.type, field.type):
+    if seen is not None and compatible_type(seen.type, field.type):
         try:
             return seen.cast(field.type)  # safe: an overflowing value raises
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
@@ -98,13 +98,13 @@ def typed_column(name: str, values: list, field: pa.Field) -> pa.Array:
     raise RequestError(f"field {name!r}: values of the wrong type for {field.type}")
 
 
-def _compatible(seen: pa.DataType, want: pa.DataType) -> bool:
+def compatible_type(seen: pa.DataType, want: pa.DataType) -> bool:
     """May a JSON-inferred type stand for the field's? Integers for integers, any number
     for floats, arrays of those for lists; null (all missing, empty lists) for anything."""
     if pa.types.is_null(seen):
         return True
     if pa.types.is_list(want):
-        return pa.types.is_list(seen) and _compatible(seen.value_type, want.value_type)
+        return pa.types.is_list(seen) and compatible_type(seen.value_type, want.value_type)
     if pa.types.is_integer(want):
         return pa.types.is_integer(seen)
     if pa.types.is_floating(want):
