@@ -541,12 +541,8 @@ class ServeConfig(_Strict):
     and how much the server takes on at once, so its memory stays bounded whatever arrives."""
 
     max_rows: int = Field(default=10_000, gt=0, description="rows in one request; more is a 413")
-    max_bytes: int = Field(
-        default=64 << 20, gt=0, description="bytes of one request body; more is a 413"
-    )
-    batch_rows: int = Field(
-        default=1024, gt=0, description="rows scored at a time (the model's working memory)"
-    )
+    max_bytes: int = Field(default=64 << 20, gt=0, description="bytes of a body; more is a 413")
+    batch_rows: int = Field(default=1024, gt=0, description="rows a model call scores at most")
     queue_rows: int | None = Field(
         default=None,
         gt=0,
@@ -581,14 +577,11 @@ class ServeConfig(_Strict):
     )
 
     @property
-    def rows_held(self) -> int:
-        """`queue_rows`, or 8 model calls' rows."""
+    def rows_held(self) -> int:  # `queue_rows`, or 8 model calls' rows
         return self.queue_rows or 8 * self.batch_rows
 
     @property
-    def requests_held(self) -> int:
-        """`max_in_flight`, or from the row budget: a request of 16 rows or more on average
-        fills the queue first."""
+    def requests_held(self) -> int:  # or from the rows: requests of 16 rows fill the queue
         return self.max_in_flight or max(4, self.rows_held // 16)
 
 

@@ -380,6 +380,73 @@ def test_concurrent_ranking_requests_share_model_calls_and_score_as_alone(champi
         server.stop()
 
 
+def as_v2(split: dict) -> dict:
+    """A dataframe_split body as KServe's v2 inference request: a tensor a column, lists
+    (and a ranking request's candidates) as BYTES, a JSON text a row."""
+    inputs = []
+    for j, name in enumerate(split["columns"]):
+        values = [row[j] for row in split["data"]]
+        if any(isinstance(v, list | dict) for v in values):
+            kind, values = "BYTES", [json.dumps(v) for v in values]
+        else:
+            kind = "INT64" if all(isinstance(v, int) for v in values) else "FP64"
+        inputs.append({"name": name, "shape": [len(values)], "datatype": kind, "data": values})
+    return {"id": "req-1", "inputs": inputs}
+
+
+def test_kserve_v2_protocol_scores_as_mlflows(champion, ranking):
+    """The Open Inference Protocol beside MLflow's on one server: health and metadata, the
+    ranking request and its rows as v2 tensors score as through /invocations (1e-6); a
+    refusal names the row and field in the protocol's error body; another model's name is
+    a 404."""
+    _, uri, example = champion
+    server = recd_serve(uri)
+
+    def get(path: str) -> dict:
+        with urllib.request.urlopen(server.url(path), timeout=60) as r:
+            assert r.status == 200
+            return json.loads(r.read())
+
+    def infer(body: dict, name: str = "recd-dlrm") -> tuple[int, dict]:
+        request = urllib.request.Request(
+            server.url(f"/v2/models/{name}/infer"),
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        assert get("/v2/health/live") == {"live": True}
+        assert get("/v2/health/ready") == {"ready": True}
+        assert get("/v2/models/recd-dlrm/ready") == {"name": "recd-dlrm", "ready": True}
+        meta = get("/v2/models/recd-dlrm")
+        names = {i["name"]: i for i in meta["inputs"]}
+        assert names["user_id"]["datatype"] == "INT64" and names["candidates"]["shape"] == [-1]
+        assert meta["outputs"] == [{"name": "predictions", "datatype": "FP64", "shape": [-1]}]
+        for body in (ranking, example):
+            status, mlflows = server.post(body)
+            assert status == 200, mlflows
+            status, got = infer(as_v2(body["dataframe_split"]))
+            assert status == 200, got
+            out = got["outputs"][0]
+            assert got["model_name"] == "recd-dlrm" and got["id"] == "req-1"
+            assert out["datatype"] == "FP64" and out["shape"] == [len(out["data"])]
+            assert out["data"] == pytest.approx(json.loads(mlflows)["predictions"], abs=1e-6)
+        bad = as_v2(ranking["dataframe_split"])
+        user_id = next(i for i in bad["inputs"] if i["name"] == "user_id")
+        user_id["data"], user_id["datatype"] = [3.7], "FP64"
+        status, refusal = infer(bad)
+        assert status == 400 and "'user_id'" in refusal["error"] and "\n" not in refusal["error"]
+        status, refusal = infer(as_v2(ranking["dataframe_split"]), name="other")
+        assert status == 404 and "recd-dlrm" in refusal["error"]
+    finally:
+        server.stop()
+
+
 def mlflow_serve(uri: str) -> Server:
     port = free_port()
     return Server(
@@ -578,3 +645,38 @@ def test_the_operations_pages_serving_and_status_commands_run_as_written(champio
     )
     assert status.returncode == 0, status.stderr
     assert "fresh" in status.stdout + status.stderr
+
+
+def test_v2_tensors_become_columns_or_a_one_line_refusal():
+    """A v2 request's tensors as the columns MLflow's protocol gives: a dense vector [n, k]
+    row by row (flat or nested data), BYTES as each row's JSON; malformed tensors refused
+    naming the input, too many rows a 413."""
+    from recd_core.scoring.request import RequestError
+    from recd_core.serving.v2 import columns_of
+
+    body = {
+        "inputs": [
+            {"name": "user_id", "shape": [2], "datatype": "INT64", "data": [3, 4]},
+            {"name": "dense", "shape": [2, 3], "datatype": "FP32", "data": [1, 2, 3, 4, 5, 6]},
+            {"name": "nested", "shape": [2, 2], "datatype": "FP32", "data": [[1, 2], [3, 4]]},
+            {"name": "history", "shape": [2], "datatype": "BYTES", "data": ["[1, 2]", "[]"]},
+        ]
+    }
+    columns, n = columns_of(body, 10)
+    assert n == 2 and columns["user_id"] == [3, 4] and columns["history"] == [[1, 2], []]
+    assert columns["dense"] == [[1, 2, 3], [4, 5, 6]] and columns["nested"] == [[1, 2], [3, 4]]
+    for change, words in (
+        (lambda b: b["inputs"][0].update(shape=[3]), "2 values for shape [3]"),
+        (lambda b: b["inputs"][1].update(shape=[3, 2]), "'dense': 3 rows"),
+        (lambda b: b["inputs"][0].update(datatype="INT128"), "not one of the protocol's"),
+        (lambda b: b["inputs"][3].update(data=["[1, 2", "[]"]), "row 0, field 'history'"),
+        (lambda b: b.pop("inputs"), "'inputs'"),
+    ):
+        bad = json.loads(json.dumps(body))
+        change(bad)
+        with pytest.raises(RequestError) as refused:
+            columns_of(bad, 10)
+        assert words in str(refused.value) and refused.value.status == 400, str(refused.value)
+    with pytest.raises(RequestError) as refused:
+        columns_of(body, 1)
+    assert refused.value.status == 413 and "serve.max_rows" in str(refused.value)

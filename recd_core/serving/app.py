@@ -10,6 +10,8 @@ MLflow's scoring protocol, so a client of one works with the other:
                           the chart's readiness probe
     GET  /version         the recd version, the model served and its registry version
     GET  /stats           requests and rows held now, model calls, requests batched
+    /v2/...               KServe's Open Inference Protocol (serving/v2.py): health, the
+                          model's metadata, POST /v2/models/{name}/infer
     POST /invocations     application/json: dataframe_split | dataframe_records
                           -> {"predictions": [p, ...]}
                           sample rows (one per impression), or ranking requests (the
@@ -72,6 +74,7 @@ from recd_core.lineage import code_version
 from recd_core.modeling.saved import load_model
 from recd_core.scoring.request import RequestError, request_columns
 from recd_core.scoring.scorer import Checked, NonFinite, Scorer
+from recd_core.serving import v2
 from recd_core.serving.batching import Batcher
 
 log = logging.getLogger("recd.serving")
@@ -84,6 +87,7 @@ ERROR_CODES = {
     503: "TEMPORARILY_UNAVAILABLE",
     504: "DEADLINE_EXCEEDED",
 }
+JSON = "application/json"
 ALIASED = re.compile(r"^models:/(?P<name>[^/@]+)@(?P<alias>[\w-]+)$")
 PINNED = re.compile(r"^models:/(?P<name>[^/@]+)/(?P<version>\d+)$")
 
@@ -224,11 +228,9 @@ class Server:
         self.in_flight = 0  # requests held (being read, checked, waiting or scored)
         self.rows_held = 0  # their rows, once checked
         self.batcher = Batcher(cfg.batch_rows, cfg.batch_wait_ms / 1e3, cfg.dedup)
-
-    def checked(self, body: bytes, served: Served) -> Checked:
-        """A body parsed, typed and checked (runs in a worker thread)."""
-        columns, n = request_columns(parse_json(body), self.cfg.max_rows)
-        return served.scorer.checked(columns, n, self.cfg.max_rows)
+        # the name the v2 protocol serves it under: the registered model's, else "recd"
+        named = re.match(r"^models:/([^/@]+)", first.uri)
+        self.model_name = named[1] if named else "recd"
 
     def work(self, body: bytes, deadline: float, served: Served | None = None) -> bytes:
         """A body parsed, scored and answered as JSON (runs in a worker thread)."""
@@ -243,7 +245,7 @@ class Server:
         return orjson.dumps({"predictions": probs.tolist()})
 
     async def invocations(self, request) -> Response:
-        cfg = self.cfg
+        """MLflow's scoring protocol (module doc)."""
         mime = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if mime != "application/json":
             return answer(
@@ -251,8 +253,36 @@ class Server:
                 f"content type {mime or 'none'!r}: recd serve takes application/json "
                 "(dataframe_split or dataframe_records)",
             )
+
+        def respond(probs, body) -> Response:
+            return Response(orjson.dumps({"predictions": probs.tolist()}), 200, media_type=JSON)
+
+        return await self._scored(request, request_columns, respond, answer)
+
+    async def infer(self, request) -> Response:
+        """KServe's Open Inference Protocol (serving/v2.py)."""
+        served, name = self.served, request.path_params["name"]
+        if name != self.model_name:
+            return v2_error(404, f"no model {name!r} here: this server serves {self.model_name!r}")
+        ids: list = []
+
+        def columns(body, max_rows):
+            ids.append(body.get("id") if isinstance(body, dict) else None)
+            return v2.columns_of(body, max_rows)
+
+        def respond(probs, body) -> Response:
+            out = v2.answer_of(name, served.version, ids[0], probs.tolist())
+            return Response(out, 200, media_type=JSON)
+
+        return await self._scored(request, columns, respond, v2_error)
+
+    async def _scored(self, request, columns_of, respond, refuse) -> Response:
+        """A request of either protocol read, checked, queued and scored under the server's
+        limits: `columns_of(body, max_rows)` its columns, `respond(probs, body)` the answer,
+        `refuse(status, message, headers)` a refusal in the protocol's form."""
+        cfg = self.cfg
         if self.in_flight >= cfg.requests_held:
-            return answer(
+            return refuse(
                 503,
                 f"{self.in_flight} requests in flight, the server's limit "
                 "(serve.max_in_flight): retry shortly",
@@ -261,38 +291,41 @@ class Server:
         self.in_flight += 1
         deadline = time.monotonic() + cfg.timeout_s
         held, served = 0, self.served  # a request keeps the model it started with
+
+        def checked(body: bytes) -> Checked:  # a worker thread's
+            columns, n = columns_of(parse_json(body), cfg.max_rows)
+            return served.scorer.checked(columns, n, cfg.max_rows)
+
         try:
             body = await asyncio.wait_for(read_body(request, cfg.max_bytes), cfg.timeout_s)
             left = max(deadline - time.monotonic(), 0.001)
-            checked = await asyncio.wait_for(asyncio.to_thread(self.checked, body, served), left)
+            rows = await asyncio.wait_for(asyncio.to_thread(checked, body), left)
             del body
-            if self.rows_held + checked.rows > cfg.rows_held:
-                return answer(
+            if self.rows_held + rows.rows > cfg.rows_held:
+                return refuse(
                     503,
-                    f"{self.rows_held:,} rows held, {checked.rows:,} more would pass the "
+                    f"{self.rows_held:,} rows held, {rows.rows:,} more would pass the "
                     "server's limit (serve.queue_rows): retry shortly",
                     {"Retry-After": "1"},
                 )
-            held = checked.rows
+            held = rows.rows
             self.rows_held += held
             left = max(deadline - time.monotonic(), 0.001)
-            probs = await asyncio.wait_for(self.batcher.score(checked, served, deadline), left)
-            return Response(
-                orjson.dumps({"predictions": probs.tolist()}), 200, media_type="application/json"
-            )
+            probs = await asyncio.wait_for(self.batcher.score(rows, served, deadline), left)
+            return respond(probs, rows)
         except RequestError as e:
-            return answer(e.status, str(e))
+            return refuse(e.status, str(e))
         except TimeoutError:
-            return answer(
+            return refuse(
                 504, f"the request took longer than {cfg.timeout_s:g} s (serve.timeout_s)"
             )
         except NonFinite as e:  # never a 200 with NaN: the model is broken
             message = f"the model {served.uri} {e}: the server log has the details"
             log.error("%s", message)
-            return answer(500, message)
+            return refuse(500, message)
         except Exception as e:  # noqa: BLE001 - the traceback to the log, never to the client
             log.exception("scoring failed")
-            return answer(
+            return refuse(
                 500, f"scoring failed ({type(e).__name__}); the server log has the details"
             )
         finally:
@@ -301,6 +334,30 @@ class Server:
 
     async def ping(self, request) -> Response:
         return Response("\n", 200, media_type="application/json")
+
+    async def v2_server(self, request) -> Response:
+        about = {"name": "recd", "version": code_version(), "extensions": []}
+        return Response(orjson.dumps(about), 200, media_type=JSON)
+
+    async def v2_live(self, request) -> Response:
+        return Response(orjson.dumps({"live": True}), 200, media_type=JSON)
+
+    async def v2_ready(self, request) -> Response:
+        """Ready once the readiness request scores (`/ready`), in the protocol's words."""
+        ok = (await self.ready(request)).status_code == 200
+        name = request.path_params.get("name")
+        if name is not None and name != self.model_name:
+            return v2_error(404, f"no model {name!r} here: this server serves {self.model_name!r}")
+        out = {"ready": ok} if name is None else {"name": name, "ready": ok}
+        return Response(orjson.dumps(out), 200 if ok else 503, media_type=JSON)
+
+    async def v2_model(self, request) -> Response:
+        name, served = request.path_params["name"], self.served
+        if name != self.model_name:
+            return v2_error(404, f"no model {name!r} here: this server serves {self.model_name!r}")
+        scorer = served.scorer
+        about = v2.metadata(name, served.version, scorer.schema, scorer.features)
+        return Response(orjson.dumps(about), 200, media_type=JSON)
 
     def probed(self, served: Served) -> bytes:
         """The model's readiness request scored through `work` (ValueError if the score is
@@ -389,6 +446,12 @@ def answer(status: int, message: str, headers: dict | None = None) -> Response:
     return Response(error_body(status, message), status, headers, media_type="application/json")
 
 
+def v2_error(status: int, message: str, headers: dict | None = None) -> Response:
+    """A non-200 answer of the v2 protocol: `{"error": message}`, one line."""
+    text = " ".join(str(message).split())[:400]
+    return Response(orjson.dumps({"error": text}), status, headers, media_type=JSON)
+
+
 def build_app(first: Served, cfg: ServeConfig) -> Starlette:
     """The ASGI app (Starlette) serving `first` under the limits of `cfg`; with
     `cfg.follow_alias_s`, the model its alias names from then on (`Server.follow_alias`)."""
@@ -400,6 +463,12 @@ def build_app(first: Served, cfg: ServeConfig) -> Starlette:
         Route("/ready", server.ready),
         Route("/version", server.version),
         Route("/stats", server.stats),
+        Route("/v2", server.v2_server),
+        Route("/v2/health/live", server.v2_live),
+        Route("/v2/health/ready", server.v2_ready),
+        Route("/v2/models/{name}", server.v2_model),
+        Route("/v2/models/{name}/ready", server.v2_ready),
+        Route("/v2/models/{name}/infer", server.infer, methods=["POST"]),
     ]
     return Starlette(routes=routes, lifespan=server.lifespan)
 
