@@ -161,10 +161,19 @@ def test_recd_bench_writes_and_logs_its_report(tmp_path):
             assert 0 < result[f"{k}.p50_ms"] <= result[f"{k}.p99_ms"], k
             assert result[f"{k}.requests_per_s"] > 0 and result[f"{k}.peak_rss"] > 0, k
     assert result["serving.ranking.rows_ratio_1000"] > 0
+    # many clients: every closed-loop request answered (the load is within the limits the
+    # row budget sets), 8 and 32 clients sharing model calls
+    for c in (1, 8, 32):
+        k = f"serving.load.closed.c{c}"
+        assert result[f"{k}.answered"] > 0 and result[f"{k}.refused_503"] == 0, k
+        assert result[f"{k}.other_errors"] == 0 and result[f"{k}.p50_ms"] > 0, k
+    assert result["serving.load.closed.c32.requests_a_call"] > 1
+    assert result["serving.load.open.x0.5.answered"] > 0
     # 4,000 one-line files are read as a few texts, not 4,000 parses
     assert result["bench.small_files.events_files_many"] < 10
     md = (tmp_path / "b/bench.md").read_text()
     assert "recd serve p50" in md and "one-line files" in md and "ranking request" in md
+    assert "closed loop, 32 clients" in md
     assert "learnable bound" in md and "the features alone" in md and "Where the gap lies" in md
     assert "beside a busy neighbour, passive threads" in md
     assert "tables sharded, 2 processes" in md and "A table past a process's budget" in md

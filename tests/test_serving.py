@@ -618,8 +618,9 @@ def test_a_moved_alias_is_followed_and_a_broken_version_never_served(champion, r
 
 def test_the_operations_pages_serving_and_status_commands_run_as_written(champion, tmp_path):
     """docs/operations.md's requests pasted into a shell: the ranking request written out in
-    full and the registered version's own example, each answered with scores; `recd
-    status` of the day. Only the places that name a user's site are swapped."""
+    full (and as v2 tensors: the same scores) and the registered version's own example,
+    each answered with scores; `recd status` of the day. Only the places that name a user's
+    site are swapped."""
     root, uri, _ = champion
     server = recd_serve(uri)
     try:
@@ -628,6 +629,15 @@ def test_the_operations_pages_serving_and_status_commands_run_as_written(champio
         assert direct.returncode == 0, direct.stderr
         scores = json.loads(direct.stdout)["predictions"]
         assert len(scores) == 2 and all(0 < p < 1 for p in scores), direct.stdout
+        # the same request as KServe's v2 tensors: the same scores
+        v2 = run_block(
+            block_with("/v2/models/recd-dlrm/infer -d '{"),
+            {"http://recd-dlrm-predictor.recd": f"http://127.0.0.1:{server.port}"},
+        )
+        assert v2.returncode == 0, v2.stderr
+        answer = json.loads(v2.stdout)
+        assert answer["id"] == "rank-3"
+        assert answer["outputs"][0]["data"] == pytest.approx(scores, abs=1e-6), v2.stdout
         saved = run_block(
             block_with("mlflow artifacts download"),
             {**host, "/tmp/champion": str(tmp_path / "champion")},

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from recd_core.bench.lineage_cost import lineage_markdown
 from recd_core.bench.serving import ranking_markdown, serving_markdown
+from recd_core.bench.serving_load import load_markdown
 from recd_core.report import human_bytes
 
 PAPER = {"storage": 3.71, "DPP": 1.79, "training": 2.48}  # RecD (MLSys 2023), headline ratios
@@ -150,6 +151,8 @@ def markdown(r: dict) -> str:
             "",
             *ranking,
         ]
+    if load := load_markdown(r):
+        rows += ["", "Many clients: one `recd serve`, closed and open loop", "", *load]
     if "embedding.step_ms.ours_dedup" in r:
         rows += ["", "| embedding bags only (fwd+bwd+sparse Adagrad) | step |", "|---|---|"]
         for k in ("torchrec_kjt", "torchrec_vbe", "ours_all_rows", "ours_dedup"):

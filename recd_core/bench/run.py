@@ -185,10 +185,12 @@ def run_bench(
         if quality_days:
             result.update(synthetic_week(out, preset, days=quality_days))
             from recd_core.bench.serving import ranking_figures, serving_figures
+            from recd_core.bench.serving_load import load_figures
 
             served = result["week_model"]  # the week's last model, sent its next day's rows
             result.update(serving_figures(served["uri"], served["warehouse"], served["ds"]))
             result.update(ranking_figures(served["uri"], served["warehouse"], served["ds"]))
+            result.update(load_figures(served["uri"], served["warehouse"], served["ds"]))
     (out / "bench.md").write_text(markdown(result))
     result["artifacts"] = [str(out / "bench.md"), str(chart(result, out / "bench.png"))]
     return result

@@ -30,10 +30,12 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 from recd_core.modeling.launch import free_port
 from recd_core.report import print_summary
 from recd_core.runtime import owned_child, stop_group
+from recd_core.scoring.request import request_columns
 from recd_core.warehouse import Warehouse
 
 SIZES = (1, 100, 10_000)
@@ -247,6 +249,7 @@ def ranking_figures(model_uri: str, warehouse: str, ds: str) -> dict:
             for key, v in figures.items():
                 out[f"serving.ranking.{name}_{n}.{key}"] = v
             out[f"serving.ranking.{name}_{n}.body_bytes"] = len(bodies[(kind, n)])
+    out |= request_breakdown(model_uri, warehouse, ds, max(CANDIDATES))
     for n in CANDIDATES:
         p50 = out[f"serving.ranking.request_{n}.p50_ms"]
         out[f"serving.ranking.rows_ratio_{n}"] = out[f"serving.ranking.rows_{n}.p50_ms"] / p50
@@ -254,6 +257,46 @@ def ranking_figures(model_uri: str, warehouse: str, ds: str) -> dict:
             out[f"serving.ranking.no_dedup_{n}.p50_ms"] / p50
         )
     return out
+
+
+def request_breakdown(model_uri: str, warehouse: str, ds: str, n: int = 1_000) -> dict:
+    """Where a ranking request of n candidates spends its time in the server's process, by
+    stage, measured in-process (medians of 20): `serving.ranking.breakdown_<n>.*_ms`."""
+    import torch
+
+    from recd_core.modeling.saved import load_model, saved_meta
+    from recd_core.scoring.ranking import ranking_batch
+    from recd_core.scoring.scorer import Scorer, features_of
+    from recd_core.serving.app import parse_json
+
+    rows = Warehouse(warehouse).read_range("samples", ds, 0, n, layout="clustered")
+    body = ranking_bodies(rows, features_of(saved_meta(model_uri)), (n,))[("request", n)]
+    scorer = Scorer(*load_model(model_uri))
+    times: dict[str, list[float]] = {}
+
+    def timed(stage: str, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        times.setdefault(stage, []).append(time.perf_counter() - t0)
+        return out
+
+    def model(batch):
+        with torch.no_grad():
+            return torch.sigmoid(scorer.model(batch)).numpy()
+
+    for k in range(23):
+        parsed = timed("parse", parse_json, body)
+        columns, rows_n = request_columns(parsed, 10 * n)
+        checked = timed("check", scorer.checked, columns, rows_n, 10 * n)
+        batch = timed("batch", ranking_batch, checked.rankings[0], scorer.prep)
+        probs = timed("model", model, batch)
+        timed("answer", lambda p: orjson.dumps({"predictions": p.tolist()}), probs)
+        if k < 3:  # warm-up
+            times = {}
+    return {
+        f"serving.ranking.breakdown_{n}.{stage}_ms": 1e3 * float(np.median(v))
+        for stage, v in times.items()
+    }
 
 
 def ranking_markdown(r: dict) -> list[str]:
@@ -280,6 +323,16 @@ def ranking_markdown(r: dict) -> list[str]:
                 f"{r[a + '.requests_per_s']:,.1f} | {r[a + '.peak_rss'] / 2**20:,.0f} MiB | "
                 f"{r[a + '.body_bytes'] / 1024:,.1f} KiB | {ratio} |"
             )
+    b = f"serving.ranking.breakdown_{max(CANDIDATES)}"
+    if f"{b}.model_ms" in r:
+        stages = ("parse", "check", "batch", "model", "answer")
+        total = sum(r[f"{b}.{s}_ms"] for s in stages)
+        lines += [
+            "",
+            f"A {max(CANDIDATES):,}-candidate request in the server's process (medians): "
+            + ", ".join(f"{s} {r[f'{b}.{s}_ms']:.1f} ms" for s in stages)
+            + f"; the model {r[f'{b}.model_ms'] / total:.0%} of {total:.1f} ms.",
+        ]
     return lines
 
 
