@@ -547,7 +547,8 @@ class ServeConfig(_Strict):
         default=None,
         gt=0,
         description="rows (candidates) held at once, checked and waiting or being scored; a "
-        "request past it is answered 503 (retry); none: 8 batches of batch_rows",
+        "request past it is answered 503 (retry); none: 8 batches of batch_rows, at least "
+        "max_rows",
     )
     max_in_flight: int | None = Field(
         default=None,
@@ -577,8 +578,8 @@ class ServeConfig(_Strict):
     )
 
     @property
-    def rows_held(self) -> int:  # `queue_rows`, or 8 model calls' rows
-        return self.queue_rows or 8 * self.batch_rows
+    def rows_held(self) -> int:  # `queue_rows`, or 8 model calls' rows (a largest request)
+        return self.queue_rows or max(8 * self.batch_rows, self.max_rows)
 
     @property
     def requests_held(self) -> int:  # or from the rows: requests of 16 rows fill the queue

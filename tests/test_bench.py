@@ -168,6 +168,7 @@ def test_recd_bench_writes_and_logs_its_report(tmp_path):
         assert result[f"{k}.answered"] > 0 and result[f"{k}.refused_503"] == 0, k
         assert result[f"{k}.other_errors"] == 0 and result[f"{k}.p50_ms"] > 0, k
     assert result["serving.load.closed.c32.requests_a_call"] > 1
+    assert result["serving.load.closed.c8.n1000.rows_ratio"] > 0
     assert result["serving.load.open.x0.5.answered"] > 0
     # 4,000 one-line files are read as a few texts, not 4,000 parses
     assert result["bench.small_files.events_files_many"] < 10

@@ -341,8 +341,8 @@ def test_requests_past_the_in_flight_limit_are_told_to_retry(champion):
 def test_concurrent_ranking_requests_share_model_calls_and_score_as_alone(champion, ranking):
     """Eight clients at once, each its own user (`--batch-wait-ms`: a model call waits for
     the requests arriving with it): every answer is the one its request gets alone, and
-    requests were scored together; a request whose rows would pass `--queue-rows` is a 503
-    naming the limit."""
+    requests were scored together; a request past `--queue-rows` alone is a 413 naming the
+    limit (it could never be held)."""
     import concurrent.futures
 
     _, uri, _ = champion
@@ -375,7 +375,7 @@ def test_concurrent_ranking_requests_share_model_calls_and_score_as_alone(champi
     server = recd_serve(uri, "--queue-rows", "1")
     try:
         status, answer = server.post(bodies[0])
-        one_line_refusal(status, answer, 503, "serve.queue_rows")
+        one_line_refusal(status, answer, 413, "serve.queue_rows", "split the request")
     finally:
         server.stop()
 

@@ -15,8 +15,9 @@ candidates of the 50 rows from it).
                   throughput, spread evenly) for 6 s, latency from the arrival: below and
                   past saturation
 
-with the model calls and the requests that shared one (`/stats`) and the server's peak RSS
-per scenario; keys `serving.load.closed.c<C>.*`, `serving.load.open.x<rate>.*`. The clients
+and 8 clients of 1,000-candidate requests, as ranking requests and as the same samples in
+the row format (dedup's gain under load); with the model calls and the requests that shared
+one (`/stats`) and the server's peak RSS per scenario; keys `serving.load.closed.c<C>.*`, `serving.load.open.x<rate>.*`. The clients
 run on the same cores as the server (Python threads, one keep-alive connection each).
 """
 
@@ -42,11 +43,13 @@ from recd_core.warehouse import Warehouse
 CLIENTS = (1, 8, 32)
 RATES = (0.5, 1.5)  # the open loop's arrivals, as multiples of the 32 clients' throughput
 CANDIDATES = 50
+LARGE = 1_000  # and 8 clients of 1,000-candidate requests, as requests and as rows
 SECONDS = 6.0
 
 
-def user_bodies(rows, features, users: int, n: int = CANDIDATES) -> list[bytes]:
-    """`users` ranking requests of n candidates, each another row's user side."""
+def user_bodies(rows, features, users: int, n: int = CANDIDATES, as_rows=False) -> list[bytes]:
+    """`users` ranking requests of n candidates, each another row's user side (`as_rows`:
+    the same samples in the row format, the user side in every row)."""
     from recd_core.scoring.ranking import candidate_side, user_side
 
     cands = rows.select(candidate_side(features)).to_pylist()
@@ -54,8 +57,11 @@ def user_bodies(rows, features, users: int, n: int = CANDIDATES) -> list[bytes]:
     for u in range(users):
         lo = (u * n) % max(rows.num_rows - n, 1)
         user = {c: rows[c][lo].as_py() for c in user_side(features)}
-        request = {**user, "candidates": cands[lo : lo + n]}
-        out.append(json.dumps({"dataframe_records": [request]}).encode())
+        if as_rows:
+            body = {"dataframe_records": [{**user, **c} for c in cands[lo : lo + n]]}
+        else:
+            body = {"dataframe_records": [{**user, "candidates": cands[lo : lo + n]}]}
+        out.append(json.dumps(body).encode())
     return out
 
 
@@ -81,12 +87,12 @@ def _stats(port: int) -> dict:
     return json.loads(conn.getresponse().read())
 
 
-def _summary(done: list[tuple[int, float]], seconds: float, stats0, stats1, rss) -> dict:
+def _summary(done, seconds: float, stats0, stats1, rss, n: int = CANDIDATES) -> dict:
     ok = np.array([t for s, t in done if s == 200]) * 1e3
     calls = stats1["model_calls"] - stats0["model_calls"]
     return {
         "requests_per_s": len(ok) / seconds,
-        "candidates_per_s": len(ok) * CANDIDATES / seconds,
+        "candidates_per_s": len(ok) * n / seconds,
         "p50_ms": float(np.percentile(ok, 50)) if len(ok) else float("nan"),
         "p99_ms": float(np.percentile(ok, 99)) if len(ok) else float("nan"),
         "answered": len(ok),
@@ -98,7 +104,7 @@ def _summary(done: list[tuple[int, float]], seconds: float, stats0, stats1, rss)
     }
 
 
-def closed_loop(port: int, pid: int, bodies: list[bytes], clients: int) -> dict:
+def closed_loop(port: int, pid: int, bodies: list[bytes], clients: int, n=CANDIDATES) -> dict:
     stop = time.perf_counter() + SECONDS
     done: list[tuple[int, float]] = []
     lock = threading.Lock()
@@ -120,7 +126,7 @@ def closed_loop(port: int, pid: int, bodies: list[bytes], clients: int) -> dict:
         t.start()
     for t in threads:
         t.join()
-    return _summary(done, time.perf_counter() - t0, before, _stats(port), _peak_rss(pid))
+    return _summary(done, time.perf_counter() - t0, before, _stats(port), _peak_rss(pid), n)
 
 
 def open_loop(port: int, pid: int, bodies: list[bytes], rate: float) -> dict:
@@ -154,7 +160,12 @@ def load_figures(model_uri: str, warehouse: str, ds: str) -> dict:
     from recd_core.scoring.scorer import features_of
 
     rows = Warehouse(warehouse).read_range("samples", ds, 0, 64 * CANDIDATES, layout="clustered")
-    bodies = user_bodies(rows, features_of(saved_meta(model_uri)), 64)
+    features = features_of(saved_meta(model_uri))
+    bodies = user_bodies(rows, features, 64)
+    big = {  # 1,000 candidates, as a ranking request and as rows: 8 clients
+        kind: user_bodies(rows, features, 8, LARGE, as_rows=kind == "rows")
+        for kind in ("request", "rows")
+    }
     port = free_port()
     server = subprocess.Popen(
         recd_serve_cmd(model_uri, port),
@@ -176,8 +187,15 @@ def load_figures(model_uri: str, warehouse: str, ds: str) -> dict:
             for k, v in open_loop(port, server.pid, bodies, x * peak).items():
                 out[f"serving.load.open.x{x:g}.{k}"] = v
             out[f"serving.load.open.x{x:g}.rate"] = x * peak
+        for kind, b in big.items():
+            for k, v in closed_loop(port, server.pid, b, 8, LARGE).items():
+                out[f"serving.load.closed.c8.n{LARGE}.{kind}.{k}"] = v
     finally:
         stop_group(server)
+    big_ratio = f"serving.load.closed.c8.n{LARGE}"
+    out[f"{big_ratio}.rows_ratio"] = (
+        out[f"{big_ratio}.request.requests_per_s"] / out[f"{big_ratio}.rows.requests_per_s"]
+    )
     one = out["serving.load.closed.c1.requests_per_s"]
     for clients in CLIENTS[1:]:
         out[f"serving.load.closed.c{clients}.vs_one_client"] = (
@@ -196,11 +214,16 @@ def load_markdown(r: dict) -> list[str]:
     ]
     keys = [(f"closed loop, {c} client{'s' * (c > 1)}", f"closed.c{c}") for c in CLIENTS]
     keys += [(f"open loop, {x:g}x the 32 clients' rate", f"open.x{x:g}") for x in RATES]
+    keys += [
+        (f"8 clients, {LARGE:,} candidates, {what}", f"closed.c8.n{LARGE}.{kind}")
+        for kind, what in (("request", "ranking requests"), ("rows", "as sample rows"))
+    ]
     one = r["serving.load.closed.c1.requests_per_s"]
     for name, k in keys:
         a = f"serving.load.{k}"
+        vs = "-" if ".n" in k else f"{r[a + '.requests_per_s'] / one:.2f}x"  # 50 candidates
         lines.append(
-            f"| {name} | {r[a + '.requests_per_s']:,.1f} | {r[a + '.requests_per_s'] / one:.2f}x"
+            f"| {name} | {r[a + '.requests_per_s']:,.1f} | {vs}"
             f" | {r[a + '.candidates_per_s']:,.0f} | {r[a + '.p50_ms']:,.1f} ms | "
             f"{r[a + '.p99_ms']:,.1f} ms | {r[a + '.refused_503']:,} | "
             f"{r[a + '.requests_a_call']:.1f} | {r[a + '.peak_rss'] / 2**20:,.0f} MiB |"

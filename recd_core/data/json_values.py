@@ -77,6 +77,9 @@ def type_problem(value, typ: pa.DataType) -> str | None:
                 return f"list element {p}"
         return None
     if pa.types.is_integer(typ):
+        if isinstance(value, float) and value.is_integer() and abs(value) >= 2**64:
+            # a JSON integer past 64 bits, which a fast parser reads as a float
+            return f"integer {value:.0f} out of range for {typ}"[:120]
         if isinstance(value, bool) or not isinstance(value, int):
             return f"expected an integer, got {type(value).__name__} {value!r}"[:120]
         info = np.iinfo(typ.to_pandas_dtype())

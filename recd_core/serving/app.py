@@ -27,7 +27,8 @@ What it adds to MLflow's server is what an orchestrated service needs (`ServeCon
       requests at once                   many bodies, so its memory is bounded (by default
                                          from the row budget: serve.queue_rows / 16)
     rows past serve.queue_rows held      503 with Retry-After, once the body is checked: the
-      at once                            rows waiting or being scored stay within it
+      at once                            rows waiting or being scored stay within it (413 for
+                                         a request past it alone)
     a value of the wrong type, a bad id  400 naming the row and the field (scoring/request.py:
                                          no coercion; ingest's checks)
     a request past serve.timeout_s       504; its scoring stops at the next batch
@@ -168,19 +169,16 @@ def _too_large(size: int, cap: int, at_least: str = "") -> str:
 
 
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # an escaped surrogate, \\ud800 to \\udfff
-# an integer of 19 digits or more, which may not fit int64 (orjson reads it as a float)
-LONG_INTEGER = re.compile(rb"(?<![\d.])\d{19,}(?![\d.eE])")
 
 
 def parse_json(body: bytes) -> object:
-    """The body's JSON: orjson where it parses and no number may pass int64 (3-5x faster);
-    else the standard library's, whose answers (NaN, an id past int64, a lone surrogate,
-    the error's line and column) are the server's."""
-    if not LONG_INTEGER.search(body):
-        try:
-            return orjson.loads(body)
-        except orjson.JSONDecodeError:
-            pass  # said by the standard parser, below
+    """The body's JSON: orjson where it parses (3x faster; an integer past 64 bits reads as
+    a float, refused where an id is due as out of range); else the standard library's,
+    whose answers (NaN, a lone surrogate, the error's line and column) are the server's."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        pass  # said by the standard parser, below
     try:
         parsed = json.loads(body)
         # JSON may escape a lone UTF-16 surrogate, which is no Unicode text: refused here
@@ -301,6 +299,12 @@ class Server:
             left = max(deadline - time.monotonic(), 0.001)
             rows = await asyncio.wait_for(asyncio.to_thread(checked, body), left)
             del body
+            if rows.rows > cfg.rows_held:  # never, however idle the server
+                return refuse(
+                    413,
+                    f"{rows.rows:,} rows in one request, more than the server holds at once "
+                    f"({cfg.rows_held:,}, serve.queue_rows): split the request",
+                )
             if self.rows_held + rows.rows > cfg.rows_held:
                 return refuse(
                     503,
