@@ -252,7 +252,7 @@ class Server:
                 "(dataframe_split or dataframe_records)",
             )
 
-        def respond(probs, body) -> Response:
+        def respond(probs) -> Response:
             return Response(orjson.dumps({"predictions": probs.tolist()}), 200, media_type=JSON)
 
         return await self._scored(request, request_columns, respond, answer)
@@ -268,7 +268,7 @@ class Server:
             ids.append(body.get("id") if isinstance(body, dict) else None)
             return v2.columns_of(body, max_rows)
 
-        def respond(probs, body) -> Response:
+        def respond(probs) -> Response:
             out = v2.answer_of(name, served.version, ids[0], probs.tolist())
             return Response(out, 200, media_type=JSON)
 
@@ -276,7 +276,7 @@ class Server:
 
     async def _scored(self, request, columns_of, respond, refuse) -> Response:
         """A request of either protocol read, checked, queued and scored under the server's
-        limits: `columns_of(body, max_rows)` its columns, `respond(probs, body)` the answer,
+        limits: `columns_of(body, max_rows)` its columns, `respond(probs)` the answer,
         `refuse(status, message, headers)` a refusal in the protocol's form."""
         cfg = self.cfg
         if self.in_flight >= cfg.requests_held:
@@ -297,26 +297,26 @@ class Server:
         try:
             body = await asyncio.wait_for(read_body(request, cfg.max_bytes), cfg.timeout_s)
             left = max(deadline - time.monotonic(), 0.001)
-            rows = await asyncio.wait_for(asyncio.to_thread(checked, body), left)
+            job = await asyncio.wait_for(asyncio.to_thread(checked, body), left)
             del body
-            if rows.rows > cfg.rows_held:  # never, however idle the server
+            if job.rows > cfg.rows_held:  # never, however idle the server
                 return refuse(
                     413,
-                    f"{rows.rows:,} rows in one request, more than the server holds at once "
+                    f"{job.rows:,} rows in one request, more than the server holds at once "
                     f"({cfg.rows_held:,}, serve.queue_rows): split the request",
                 )
-            if self.rows_held + rows.rows > cfg.rows_held:
+            if self.rows_held + job.rows > cfg.rows_held:
                 return refuse(
                     503,
-                    f"{self.rows_held:,} rows held, {rows.rows:,} more would pass the "
+                    f"{self.rows_held:,} rows held, {job.rows:,} more would pass the "
                     "server's limit (serve.queue_rows): retry shortly",
                     {"Retry-After": "1"},
                 )
-            held = rows.rows
+            held = job.rows
             self.rows_held += held
             left = max(deadline - time.monotonic(), 0.001)
-            probs = await asyncio.wait_for(self.batcher.score(rows, served, deadline), left)
-            return respond(probs, rows)
+            probs = await asyncio.wait_for(self.batcher.score(job, served, deadline), left)
+            return respond(probs)
         except RequestError as e:
             return refuse(e.status, str(e))
         except TimeoutError:
@@ -348,10 +348,10 @@ class Server:
 
     async def v2_ready(self, request) -> Response:
         """Ready once the readiness request scores (`/ready`), in the protocol's words."""
-        ok = (await self.ready(request)).status_code == 200
         name = request.path_params.get("name")
         if name is not None and name != self.model_name:
             return v2_error(404, f"no model {name!r} here: this server serves {self.model_name!r}")
+        ok = (await self.ready(request)).status_code == 200
         out = {"ready": ok} if name is None else {"name": name, "ready": ok}
         return Response(orjson.dumps(out), 200 if ok else 503, media_type=JSON)
 
