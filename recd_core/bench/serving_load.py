@@ -18,7 +18,8 @@ candidates of the 50 rows from it).
 and 8 clients of 1,000-candidate requests, as ranking requests and as the same samples in
 the row format (dedup's gain under load); with the model calls and the requests that shared
 one (`/stats`) and the server's peak RSS per scenario; keys `serving.load.closed.c<C>.*`, `serving.load.open.x<rate>.*`. The clients
-run on the same cores as the server (Python threads, one keep-alive connection each).
+run on the same cores as the server (Python threads, one keep-alive connection each; the
+open loop up to 1,024 at once).
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ RATES = (0.5, 1.5)  # the open loop's arrivals, as multiples of the 32 clients' 
 CANDIDATES = 50
 LARGE = 1_000  # and 8 clients of 1,000-candidate requests, as requests and as rows
 SECONDS = 6.0
+# the open loop's connections: more than the server's default in-flight limit, so past
+# saturation the requests pile up at the server (and its 503s show), not in the client
+OPEN_CONNECTIONS = 1024
 
 
 def user_bodies(rows, features, users: int, n: int = CANDIDATES, as_rows=False) -> list[bytes]:
@@ -146,7 +150,7 @@ def open_loop(port: int, pid: int, bodies: list[bytes], rate: float) -> dict:
     _reset_peak(pid)
     before = _stats(port)
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(128) as pool:
+    with ThreadPoolExecutor(OPEN_CONNECTIONS) as pool:
         for k in range(arrivals):
             due = t0 + k / rate
             time.sleep(max(due - time.perf_counter(), 0))

@@ -47,10 +47,10 @@ A trained model's shard files are verified and copied for the server as it loads
 it serves.
 
 Every non-200 body is one JSON line, `{"error_code": ..., "message": ...}` (MLflow's keys),
-with no stack trace and no echo of the request. Requests are read and checked on worker
-threads, off the event loop (which keeps reading and refusing); one loop scores them
-(serving/batching.py): ranking requests that arrive together in one model call of up to
-serve.batch_rows rows, torch using every core the process has.
+with no stack trace and no echo of the request. Requests are checked on two worker threads,
+off the event loop (which keeps reading and refusing); one loop scores them on a thread of
+its own (serving/batching.py): ranking requests that arrive together in one model call of up
+to serve.batch_rows rows, torch using every core the process has.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ import json
 import logging
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import orjson
@@ -226,6 +227,9 @@ class Server:
         self.in_flight = 0  # requests held (being read, checked, waiting or scored)
         self.rows_held = 0  # their rows, once checked
         self.batcher = Batcher(cfg.batch_rows, cfg.batch_wait_ms / 1e3, cfg.dedup)
+        # two threads read and check bodies: more would only contend with the scoring
+        # thread for the interpreter under a burst (the rest wait their turn, bounded)
+        self.checkers = ThreadPoolExecutor(2, thread_name_prefix="recd-check")
         # the name the v2 protocol serves it under: the registered model's, else "recd"
         named = re.match(r"^models:/([^/@]+)", first.uri)
         self.model_name = named[1] if named else "recd"
@@ -297,7 +301,8 @@ class Server:
         try:
             body = await asyncio.wait_for(read_body(request, cfg.max_bytes), cfg.timeout_s)
             left = max(deadline - time.monotonic(), 0.001)
-            job = await asyncio.wait_for(asyncio.to_thread(checked, body), left)
+            checking = asyncio.get_running_loop().run_in_executor(self.checkers, checked, body)
+            job = await asyncio.wait_for(checking, left)
             del body
             if job.rows > cfg.rows_held:  # never, however idle the server
                 return refuse(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +48,9 @@ class Batcher:
         self.held: Job | None = None  # taken off the queue, not fitting the call before
         self.task: asyncio.Task | None = None
         self.calls = self.batched = 0  # model calls, and requests scored with another
+        # the scoring thread, its own: under a burst the checking of new requests queues on
+        # the loop's workers and never delays a model call
+        self.scorer = ThreadPoolExecutor(1, thread_name_prefix="recd-score")
 
     async def score(self, checked: Checked, served, deadline: float) -> np.ndarray:
         """`checked`'s probabilities, scored with whatever the loop batches it with."""
@@ -57,9 +61,10 @@ class Batcher:
         return await job.done
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             group = await self._group()
-            await asyncio.to_thread(self._score, group)
+            await loop.run_in_executor(self.scorer, self._score, group)
 
     async def _group(self) -> list[Job]:
         """The next model call's jobs: the head, then the ranking requests behind it while
@@ -93,7 +98,7 @@ class Batcher:
         return group
 
     def _score(self, group: list[Job]) -> None:
-        """A worker thread: the group's live jobs scored, each one's future resolved."""
+        """The scoring thread: the group's live jobs scored, each one's future resolved."""
         live = [j for j in group if not j.done.done()]  # a 504 already answered: skipped
         now = time.monotonic()
         for job in [j for j in live if j.deadline < now]:
