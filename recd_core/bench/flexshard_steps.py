@@ -96,10 +96,7 @@ def _predicted_cached(store, tables, world: int, steps: int, dim: int, sync: flo
     """The oracle cache's bytes a step over steps 1..`steps` (bagpipe.py's model, with the
     rows keyed and budgeted as `tables` hold them; the copies' sync as FlexShard's model
     counts it): `.total` (all bytes), `.critical` (those it classes as critical)."""
-    reads = [
-        [tables.keys_of_batch(store[k].part(r, world)) for r in range(world)]
-        for k in range(steps + 1)
-    ]
+    reads = [tables.keys_of_parts(store[k], world) for k in range(steps + 1)]
     placed = Keyed(tables.placements, tables.offsets)
 
     def run(upto: int) -> CacheBytes:

@@ -361,12 +361,18 @@ def serving_markdown(r: dict) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> None:
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def served_model_args(doc: str) -> argparse.ArgumentParser:
+    """The serving benches' command line: the model served and the day its requests come
+    from."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--model", required=True, help="<warehouse>/models/<run>")
     p.add_argument("--warehouse", required=True)
     p.add_argument("--ds", required=True, help="the day whose sample rows are sent")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = served_model_args(__doc__)
     p.add_argument("--no-reference", action="store_true", help="skip mlflow models serve")
     a = p.parse_args(argv)
     r = serving_figures(a.model, a.warehouse, a.ds, reference=not a.no_reference)

@@ -24,7 +24,6 @@ open loop up to 1,024 at once).
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import subprocess
@@ -35,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from recd_core.bench.serving import _peak_rss, _reset_peak, _wait, recd_serve_cmd
+from recd_core.bench.serving import _peak_rss, _reset_peak, _wait, recd_serve_cmd, served_model_args
 from recd_core.modeling.launch import free_port
 from recd_core.report import print_summary
 from recd_core.runtime import owned_child, stop_group
@@ -236,11 +235,7 @@ def load_markdown(r: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="<warehouse>/models/<run>")
-    p.add_argument("--warehouse", required=True)
-    p.add_argument("--ds", required=True, help="the day whose rows make the requests")
-    a = p.parse_args(argv)
+    a = served_model_args(__doc__).parse_args(argv)
     r = load_figures(a.model, a.warehouse, a.ds)
     print("\n".join(load_markdown(r)))
     print_summary("recd bench (serving under load)", r)

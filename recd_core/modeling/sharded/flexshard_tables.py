@@ -134,11 +134,6 @@ class FlexShardTables(nn.Module):
         )
         return self.offsets[tab] + ids
 
-    def keys_of_batch(self, batch: Batch) -> np.ndarray:
-        """Every id `batch` looks up, keyed across tables (a group's unique rows once)."""
-        ids = table_ids(batch, self.specs)
-        return np.concatenate([o + x for o, x in zip(self.offsets[:-1], ids, strict=True)])
-
     def keys_of_parts(self, batch: Batch, parts: int) -> list[np.ndarray]:
         """`keys_of_parts` of this run's tables."""
         return keys_of_parts(batch, parts, self.offsets, self.table_of)
@@ -385,7 +380,8 @@ def keys_of_parts(
     """The rows each of `parts` slices of `batch` (`Batch.part`'s) looks up, keyed across
     tables (`offsets[table_of[feature]] + id`), without slicing the batch (the oracle reads
     every rank's): a per-sample id goes to its sample's slice, a group's unique row to each
-    slice whose samples use it. Sets (a row may repeat), as `keys_of_batch` of the slice."""
+    slice whose samples use it: the ids the slice's lookups send (a row read twice, twice),
+    in another order."""
     bounds = [q * batch.size // parts for q in range(parts + 1)]
     found: list[list[np.ndarray]] = [[] for _ in range(parts)]
     if batch.kjt is not None:
