@@ -46,18 +46,30 @@ def _grads(model, batch):
     return logits.detach(), grads
 
 
-@pytest.mark.parametrize("cross_layers", [0, 2])
-def test_dedup_and_baseline_give_the_same_logits_and_gradients(fresh_warehouse, cross_layers):
-    """Also with DCN-v2's cross layers over the interaction vectors (MovieLens' config)."""
+@pytest.mark.parametrize(
+    ("cross_layers", "fm", "split_groups"), [(0, True, False), (2, True, False), (0, False, True)]
+)
+def test_dedup_and_baseline_give_the_same_logits_and_gradients(
+    fresh_warehouse, cross_layers, fm, split_groups
+):
+    """The dedup batch's interaction has its user side once a unique row
+    (modeling/interaction.py); the baseline's is every sample's. Also with DCN-v2's cross
+    layers over the interaction vectors (MovieLens' config: the full interaction then), and
+    with the user's features in two groups (the larger once a row, the other expanded)."""
     table = fresh_warehouse.read("samples", DAY, layout="clustered").slice(0, 700)
     features = feature_set_of(table.schema)
     plan = plan_dedup(table, features, DedupConfig(), 700)
     assert "user_history" in plan.groups["user"] and "item_id" not in plan.grouped
+    if split_groups:
+        users = plan.groups["user"]
+        cfg = DedupConfig(groups={"profile": users[:4], "user": users[4:]})
+        plan = plan_dedup(table, features, cfg, 700)
+        assert len(plan.groups) == 2
     dedup, base = make_batch(table, features, plan), make_batch(table, features, None)
     assert dedup.groups["user"].num_unique < 100 < 700 == dedup.size
-    model = DLRM(features, SMALL_MODEL.model_copy(update={"cross_layers": cross_layers}))
-    with torch.no_grad():  # cross layers start as the identity: make them count
-        for p in model.cross.parameters():
+    model = DLRM(features, SMALL_MODEL.model_copy(update={"cross_layers": cross_layers, "fm": fm}))
+    with torch.no_grad():  # cross layers and the fm start at zero: make them count
+        for p in [*model.cross.parameters(), *(model.fm.parameters() if fm else [])]:
             p.normal_(0, 0.05)
     l1, g1 = _grads(model, dedup)
     l2, g2 = _grads(model, base)

@@ -35,7 +35,9 @@ A `Batch` (dpp/batch_store.py) carries per-sample features in a KeyedJaggedTenso
 group in an InverseKeyedJaggedTensor. Modules that see only a group's features (embedding
 bags, the history encoder) run on the group's unique rows; their outputs are expanded with
 `index_select(0, inverse_indices)`, but for the history's tokens, which stay per unique row:
-each sample's item comes to them as a query (`target_attention`). Autograd sums the
+each sample's item comes to them as a query (`target_attention`); the largest group's
+vectors stay per unique row into the interaction too, their dots with each other and those
+dots' share of the top MLP computed once a row (modeling/interaction.py). Autograd sums the
 gradients of duplicates, so a dedup step and a baseline step on the same batch give the same
 loss and gradients.
 Embedding tables take sparse gradients (`sparse=True`): a dense gradient of a large table
@@ -52,6 +54,7 @@ from torch.nn import functional as F
 from recd_core.config import FeatureSet, FeatureSpec, ModelConfig
 from recd_core.dedup.sparse import JaggedError, JaggedTensor
 from recd_core.dpp.batch_store import Batch
+from recd_core.modeling.interaction import Split, full_dots, split_logit, upper_pairs
 
 
 def mlp(sizes: list[int], last_relu: bool = True) -> nn.Sequential:
@@ -286,7 +289,9 @@ class DLRM(Calibrated):
         n_dense = len(self.bottoms)
         self.order = [*self.sparse_names, *self.sequence_names]
         n_vec = 1 + n_dense + len(self.order) + len(self.targeted)
-        self.register_buffer("_tri", torch.triu_indices(n_vec, n_vec, offset=1), persistent=False)
+        flat_pairs = [i * n_vec + j for i, j in upper_pairs(n_vec)]
+        self.register_buffer("_pairs", torch.tensor(flat_pairs), persistent=False)
+        self._splits: dict = {}  # (group's features, device) -> interaction.Split
         self.cross = nn.ModuleList(
             CrossLayer(n_vec * d, cfg.cross_rank) for _ in range(cfg.cross_layers)
         )
@@ -361,40 +366,56 @@ class DLRM(Calibrated):
             pooled_, x, valid = self.history[name](jt, table)
         return pooled_, ((x, valid) if name in self.targeted else None)
 
-    def embed_features(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """[B, d] per id feature: per sample from `kjt`, unique-then-expand from `groups`
-        (the unique rows' results taken from `batch.shared` where an earlier batch of the
-        same request left them); then each history attended by the sample's item
-        (`<history>@item`)."""
+    def embedded(
+        self, batch: Batch
+    ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]]:
+        """The id features' vectors: per sample ([B, d], from `kjt`, and each history
+        attended by the sample's item, `<history>@item`), and each group's on its unique
+        rows, `{group: (inverse [B], {feature: [U, d]})}` (the unique rows' results taken
+        from `batch.shared` where an earlier batch of the same request left them)."""
         out: dict[str, torch.Tensor] = {}
         # a history's tokens and mask, per sample (inverse None) or per unique row
         tokens: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         per_sample = list(batch.kjt.to_dict().items()) if batch.kjt is not None else []
-        unique = [
-            (n, jt, ik.inverse_indices)
-            for ik in batch.groups.values()
-            for n, jt in ik.unique.to_dict().items()
-        ]
+        unique = {g: ik.unique.to_dict() for g, ik in batch.groups.items()}
         done = batch.shared if batch.shared is not None else {}
-        todo = [(n, jt) for n, jt, _ in unique if (self, n) not in done]
+        todo = [
+            (n, jt) for jts in unique.values() for n, jt in jts.items() if (self, n) not in done
+        ]
         self._check_ids(per_sample + todo)
         vectors = self.lookup(batch)  # always: a sharded lookup is a collective
         for name, jt in per_sample:
             out[name], seq = self._encode(name, jt, vectors.get(name))
             if seq is not None:
                 tokens[name] = (*seq, None)
-        for name, jt, inverse in unique:
-            if (self, name) not in done:
-                done[self, name] = self._encode(name, jt, vectors.get(name))
-            rows, seq = done[self, name]
-            out[name] = rows.index_select(0, inverse)
-            if seq is not None:  # attended per unique row (`target_attention`)
-                tokens[name] = (*seq, inverse)
-        missing = [n for n in self.order if n not in out]
+        grouped = {}
+        for g, jts in unique.items():
+            inverse, rows = batch.groups[g].inverse_indices, {}
+            for name, jt in jts.items():
+                if (self, name) not in done:
+                    done[self, name] = self._encode(name, jt, vectors.get(name))
+                rows[name], seq = done[self, name]
+                if seq is not None:  # attended per unique row (`target_attention`)
+                    tokens[name] = (*seq, inverse)
+            grouped[g] = (inverse, rows)
+        missing = [
+            n for n in self.order if n not in out and not any(n in r for _, r in grouped.values())
+        ]
         if missing:
             raise JaggedError(f"batch lacks features {missing}")
+        item = self.features.item_key
+        if tokens and item not in out:  # an item grouped (not so by default): per sample
+            inverse, rows = next((i, r) for i, r in grouped.values() if item in r)
+            out[item] = rows[item].index_select(0, inverse)
         for name, (x, valid, inverse) in tokens.items():
-            out[f"{name}@item"] = target_attention(x, valid, out[self.features.item_key], inverse)
+            out[f"{name}@item"] = target_attention(x, valid, out[item], inverse)
+        return out, grouped
+
+    def embed_features(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """[B, d] per id feature and `<history>@item` (`embedded`, the groups' expanded)."""
+        out, grouped = self.embedded(batch)
+        for inverse, rows in grouped.values():
+            out |= {n: v.index_select(0, inverse) for n, v in rows.items() if n not in out}
         return out
 
     def member_logits(self, batch: Batch) -> torch.Tensor:
@@ -409,11 +430,36 @@ class DLRM(Calibrated):
             bottom(batch.dense.index_select(1, getattr(self, f"_cols_{side}")))
             for side, bottom in self.bottoms.items()
         ]
-        emb = self.embed_features(batch)
+        emb, grouped = self.embedded(batch)
+        names = [*self.order, *(f"{n}@item" for n in self.targeted)]
+        first = 1 + len(sides)  # the vectors: [constant | sides | names]
+        # the group of most vectors has its part of the interaction once a unique row
+        # (modeling/interaction.py); the cross layers read every sample's vectors whole
+        once = (
+            None
+            if len(self.cross)
+            else max(grouped, key=lambda g: len(grouped[g][1]), default=None)
+        )
+        inverse, rows = grouped.pop(once) if once is not None else (None, {})
+        for inverse_, rows_ in grouped.values():
+            emb |= {n: v.index_select(0, inverse_) for n, v in rows_.items() if n not in emb}
+        if rows:
+            unique = [0, *(first + k for k, n in enumerate(names) if n in rows)]
+            key = (tuple(unique), self._pairs.device)
+            if key not in self._splits:
+                self._splits[key] = Split.of(first + len(names), unique, self._pairs.device)
+            split = self._splits[key]
+            vecs = [rows[names[k - first]] for k in unique[1:]]
+            u = torch.stack([self.constant.expand(vecs[0].shape[0], -1), *vecs], dim=1)
+            p = torch.stack(
+                [sides[k - 1] if k < first else emb[names[k - first]] for k in split.per_sample],
+                dim=1,
+            )
+            top = [*self.top[0], self.top[1]]
+            return split_logit(u, p, inverse, sides, split, top, self.fm)
         const = self.constant.expand(batch.size, -1)
-        order = [*self.order, *(f"{n}@item" for n in self.targeted)]
-        vecs = torch.stack([const, *sides, *(emb[n] for n in order)], dim=1)  # [B, n, d]
-        dots = torch.bmm(vecs, vecs.transpose(1, 2))[:, self._tri[0], self._tri[1]]
+        vecs = torch.stack([const, *sides, *(emb[n] for n in names)], dim=1)  # [B, n, d]
+        dots = full_dots(vecs, self._pairs)
         crossed = []
         if len(self.cross):
             x0 = x = vecs.flatten(1)
