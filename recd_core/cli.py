@@ -533,6 +533,7 @@ def _serve_command() -> None:
         import uvicorn
 
         from recd_core.serving.app import build_app, load_served, log_to_stderr
+        from recd_core.serving.batching import set_scoring_threads
 
         tracker = ctx.find_root().obj
         try:
@@ -558,6 +559,7 @@ def _serve_command() -> None:
             if err is None:
                 raise
             _fail("serve", str(err), err.exit_code)
+        threads = set_scoring_threads(cfg)
         print_summary(
             "recd serve",
             {
@@ -566,6 +568,7 @@ def _serve_command() -> None:
                 **{f"serve.{k}": v for k, v in cfg.model_dump().items()},
                 "serve.queue_rows": cfg.rows_held,
                 "serve.max_in_flight": cfg.requests_held,
+                "serve.threads": threads,
             },
         )
         log_to_stderr()

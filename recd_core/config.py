@@ -291,9 +291,8 @@ class ModelConfig(_Strict):
     # the rank of each cross layer's W (U V^T, DCN-v2's low-rank form); None: full rank
     cross_rank: int | None = Field(default=None, gt=0)
     seed: int = 0
-    # how many DLRMs of this shape (seeds seed, seed+1, ...) train side by side on the same
-    # batches, each on its own loss, scored by their mean logit (modeling/model.py,
-    # `Ensemble`): lower NE for K times the training and scoring
+    # DLRMs of this shape (seeds seed, seed+1, ...) trained side by side, each on its own loss,
+    # scored by their mean logit (`Ensemble`): lower NE for K times the training and scoring
     members: int = Field(default=1, ge=1, le=16)
     # with members > 1: a day of more training samples than this trains `members_beyond`
     # models. An average gains by the members' disagreement, which shrinks as the data
@@ -527,8 +526,7 @@ class RegistryConfig(_Strict):
     """How trained models are registered and judged (mlops/versions.py, mlops/registry.py, mlops/compare.py)."""
 
     model_name: str = Field(default="recd-dlrm", min_length=1)
-    # a challenger is promoted when its NE on the evaluation day is at most the champion's
-    # NE on that same day plus this
+    # a challenger is promoted when its NE on the evaluation day is at most the champion's + this
     ne_tolerance: float = Field(default=0.0, ge=0)
     # `recd compare` fails when the arms' NE or AUC differ by more than these
     compare_ne_tolerance: float = Field(default=0.01, ge=0)
@@ -546,9 +544,8 @@ class ServeConfig(_Strict):
     queue_rows: int | None = Field(
         default=None,
         gt=0,
-        description="rows (candidates) held at once, checked and waiting or being scored; a "
-        "request past it is answered 503 (retry); none: 8 batches of batch_rows, at least "
-        "max_rows",
+        description="rows (candidates) held at once, checked and waiting or being scored; past "
+        "it a 503 (retry); none: 8 batches of batch_rows, at least max_rows",
     )
     max_in_flight: int | None = Field(
         default=None,
@@ -562,13 +559,16 @@ class ServeConfig(_Strict):
         description="how long a model call waits for more ranking requests to score with it "
         "(0: only those that arrived while the one before was scored)",
     )
-    timeout_s: float = Field(
-        default=60.0, gt=0, description="seconds a request may take; longer is a 504"
-    )
+    timeout_s: float = Field(default=60.0, gt=0, description="seconds a request may take, or 504")
     dedup: bool = Field(
         default=True,
-        description="a ranking request's user side computed once (false: once a candidate, "
-        "to compare)",
+        description="a ranking request's user side computed once (false: once a candidate)",
+    )
+    threads: int | None = Field(
+        default=None,
+        gt=0,
+        description="torch's threads for a model call; none: the CPU budget (affinity, cgroup "
+        "quota) less the two that read and check requests, at least 1",
     )
     follow_alias_s: float = Field(
         default=0.0,

@@ -7,7 +7,8 @@ under `mlflow models serve`, the reference) on loopback, sends requests of 1, 10
 10,000 of day D's sample rows (MLflow's dataframe_split JSON, what both take), one at a
 time, and reports per size the p50 / p99 latency (after two warm-up requests) and the
 server's peak resident memory while that size was served (the kernel's high-water mark,
-reset before each size).
+reset before each size). The sizes' timed requests are spread over three passes through the
+sizes (and servers), so a slow spell of the machine weighs on each alike.
 
 Then ranking (`serving.ranking.*`): one user and 1, 100 or 1,000 candidates, sent to
 `recd serve` as a ranking request (the user side once: scoring/ranking.py), as the same
@@ -20,6 +21,7 @@ RSS, and the ratios of the row format and of dedup off to the ranking request.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -32,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from recd_core.config import ServeConfig
 from recd_core.modeling.launch import free_port
 from recd_core.report import print_summary
 from recd_core.runtime import owned_child, stop_group
@@ -42,7 +45,7 @@ SIZES = (1, 100, 10_000)
 REQUESTS = {1: 100, 100: 30, 10_000: 5}  # timed requests per size (recd serve)
 REFERENCE_REQUESTS = {1: 30, 100: 10, 10_000: 2}  # mlflow models serve: 10k rows take ~30 s
 CANDIDATES = (1, 100, 1_000)
-RANKING_REQUESTS = {1: 100, 100: 40, 1_000: 15}  # timed requests per candidate count
+RANKING_REQUESTS = {1: 100, 100: 60, 1_000: 40}  # timed requests per candidate count
 
 
 def _wait(port: int, server: subprocess.Popen, limit_s: float = 180) -> None:
@@ -98,23 +101,40 @@ def _post(port: int, body: bytes) -> float:
     return time.perf_counter() - t0
 
 
-def measure(server: subprocess.Popen, port: int, bodies: dict, requests: dict) -> dict:
-    """p50 / p99 latency (ms) and peak RSS per request size, one request at a time."""
-    _wait(port, server)
-    out = {"rss_idle": _rss(server.pid)}
-    for size, body in bodies.items():
+PASSES = 3  # each target's timed requests are spread over passes through all targets
+
+
+def measure(targets: dict) -> dict:
+    """Per target (key -> (server, port, body, timed requests)): p50 / p99 latency (ms),
+    requests a second (one at a time) and the server's peak RSS. The peaks first, target
+    after target (the kernel's high-water mark reset before each; two requests, which warm
+    the server up); then the latencies in `PASSES` passes through the targets, each a warm-up
+    request then its share of the timed ones: a slow spell of a shared machine falls on
+    every target alike (the ratios between them hold), and a request is timed after others
+    of its own kind."""
+    peaks = {}
+    for key, (server, port, body, _) in targets.items():
         _reset_peak(server.pid)
         for _ in range(2):
             _post(port, body)
-        times = np.array([_post(port, body) for _ in range(requests[size])]) * 1e3
-        rows = size[1] if isinstance(size, tuple) else size
-        out[size] = {
+        peaks[key] = _peak_rss(server.pid)
+    timed: dict = {key: [] for key in targets}
+    for k in range(PASSES):
+        for key, (_, port, body, requests) in targets.items():
+            _post(port, body)
+            share = requests * (k + 1) // PASSES - requests * k // PASSES
+            timed[key] += [_post(port, body) for _ in range(share)]
+    out = {}
+    for key, seconds in timed.items():
+        times = np.array(seconds) * 1e3
+        rows = key[-1] if isinstance(key, tuple) else key
+        out[key] = {
             "p50_ms": float(np.percentile(times, 50)),
             "p99_ms": float(np.percentile(times, 99)),
             "rows_per_s": rows / float(np.median(times)) * 1e3,
             "requests_per_s": len(times) / float(times.sum()) * 1e3,
-            "peak_rss": _peak_rss(server.pid),
-            "requests": requests[size],
+            "peak_rss": peaks[key],
+            "requests": len(times),
         }
     return out
 
@@ -125,26 +145,42 @@ def recd_serve_cmd(model_uri: str, port: int, *flags: str) -> list[str]:
     return [*cmd, "--port", str(port), *flags]
 
 
+@contextlib.contextmanager
+def started(servers: dict):
+    """Servers (name -> (command, port, extra environment)) started and answering, then
+    stopped with what they started; a bench killed meanwhile takes them with it
+    (`runtime.owned_child`). Yields name -> process."""
+    procs = {}
+    try:
+        for name, (cmd, _, env) in servers.items():
+            procs[name] = subprocess.Popen(
+                cmd,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={
+                    **os.environ,
+                    **(env or {}),
+                    "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+                },
+                **owned_child(),
+            )
+        for name, (_, port, _) in servers.items():
+            _wait(port, procs[name])
+        yield procs
+    finally:
+        for proc in procs.values():
+            stop_group(proc)
+
+
 def run_server(
     cmd: list[str], port: int, requests: dict, bodies: dict, env: dict | None = None
 ) -> dict:
-    """`cmd` (a server on `port`) measured (`measure`), then stopped with what it started;
-    a bench killed meanwhile takes the server with it (`runtime.owned_child`)."""
-    server = subprocess.Popen(
-        cmd,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={
-            **os.environ,
-            **(env or {}),
-            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-        },
-        **owned_child(),
-    )
-    try:
-        return measure(server, port, bodies, requests)
-    finally:
-        stop_group(server)
+    """`cmd` (a server on `port`) measured (`measure`, size -> figures), and its idle RSS."""
+    with started({"server": (cmd, port, env)}) as procs:
+        server = procs["server"]
+        out = {"rss_idle": _rss(server.pid)}
+        targets = {size: (server, port, body, requests[size]) for size, body in bodies.items()}
+        return out | measure(targets)
 
 
 def serving_figures(model_uri: str, warehouse: str, ds: str, reference: bool = True) -> dict:
@@ -167,45 +203,36 @@ def serving_figures(model_uri: str, warehouse: str, ds: str, reference: bool = T
         for n in SIZES
     }
     port = free_port()
-    ours = run_server(
-        recd_serve_cmd(model_uri, port, "--max-rows", str(max(SIZES))), port, REQUESTS, bodies
-    )
-    out = {"serving.rss_idle_bytes": ours["rss_idle"]}
+    servers = {"recd": (recd_serve_cmd(model_uri, port, "--max-rows", str(max(SIZES))), port, None)}
+    with contextlib.ExitStack() as stack:
+        if reference:  # the same model as MLflow's pyfunc, served beside it
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="recd-bench-pyfunc-"))
+            save_pyfunc(stack.enter_context(model_dir(model_uri)), rows, Path(tmp) / "model")
+            mlflow_bin = str(Path(sys.executable).parent / "mlflow")
+            serve = [mlflow_bin, "models", "serve", "-m", str(Path(tmp) / "model")]
+            port = free_port()
+            serve += ["--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)]
+            servers["mlflow"] = (serve, port, None)
+        procs = stack.enter_context(started(servers))
+        counts = {"recd": REQUESTS, "mlflow": REFERENCE_REQUESTS}
+        targets = {
+            (name, n): (procs[name], servers[name][1], bodies[n], counts[name][n])
+            for name in servers
+            for n in SIZES
+        }
+        idle = {name: _rss(proc.pid) for name, proc in procs.items()}
+        got = measure(targets)
+    out = {"serving.rss_idle_bytes": idle["recd"]}
     for n in SIZES:
-        for k, v in ours[n].items():
+        for k, v in got["recd", n].items():
             out[f"serving.rows_{n}.{k}"] = v
         out[f"serving.rows_{n}.body_bytes"] = len(bodies[n])
     if reference:
-        with (
-            tempfile.TemporaryDirectory(prefix="recd-bench-pyfunc-") as tmp,
-            model_dir(model_uri) as local,
-        ):
-            save_pyfunc(local, rows, Path(tmp) / "model")
-            port = free_port()
-            mlflow_bin = str(Path(sys.executable).parent / "mlflow")
-            theirs = run_server(
-                [
-                    mlflow_bin,
-                    "models",
-                    "serve",
-                    "-m",
-                    str(Path(tmp) / "model"),
-                    "--env-manager",
-                    "local",
-                    "-h",
-                    "127.0.0.1",
-                    "-p",
-                    str(port),
-                ],
-                port,
-                REFERENCE_REQUESTS,
-                bodies,
-            )
-        out["serving.mlflow.rss_idle_bytes"] = theirs["rss_idle"]
+        out["serving.mlflow.rss_idle_bytes"] = idle["mlflow"]
         for n in SIZES:
-            for k, v in theirs[n].items():
+            for k, v in got["mlflow", n].items():
                 out[f"serving.mlflow.rows_{n}.{k}"] = v
-            out[f"serving.speedup.rows_{n}"] = theirs[n]["p50_ms"] / ours[n]["p50_ms"]
+            out[f"serving.speedup.rows_{n}"] = got["mlflow", n]["p50_ms"] / got["recd", n]["p50_ms"]
     return out
 
 
@@ -235,20 +262,28 @@ def ranking_figures(model_uri: str, warehouse: str, ds: str) -> dict:
 
     rows = Warehouse(warehouse).read_range("samples", ds, 0, max(CANDIDATES), layout="clustered")
     bodies = ranking_bodies(rows, features_of(saved_meta(model_uri)))
-    requests = {k: RANKING_REQUESTS[k[1]] for k in bodies}
-    out = {}
-    for server, flag, kinds in (
-        ("dedup", "--dedup", ("request", "rows")),
-        ("no_dedup", "--no-dedup", ("request",)),
-    ):
+    servers = {}
+    for name, flag in (("dedup", "--dedup"), ("no_dedup", "--no-dedup")):
         port = free_port()
-        sent = {k: b for k, b in bodies.items() if k[0] in kinds}
-        got = run_server(recd_serve_cmd(model_uri, port, flag), port, requests, sent)
-        for (kind, n), figures in ((k, v) for k, v in got.items() if isinstance(k, tuple)):
-            name = "no_dedup" if server == "no_dedup" else kind
-            for key, v in figures.items():
-                out[f"serving.ranking.{name}_{n}.{key}"] = v
-            out[f"serving.ranking.{name}_{n}.body_bytes"] = len(bodies[(kind, n)])
+        servers[name] = (recd_serve_cmd(model_uri, port, flag), port, None)
+    with started(servers) as procs:
+        # rows and ranking requests to the dedup server; ranking requests to the other
+        targets = {
+            (name, n): (procs[server], servers[server][1], bodies[kind, n], RANKING_REQUESTS[n])
+            for name, server, kind in (
+                ("request", "dedup", "request"),
+                ("rows", "dedup", "rows"),
+                ("no_dedup", "no_dedup", "request"),
+            )
+            for n in CANDIDATES
+        }
+        got = measure(targets)
+    out = {}
+    for (name, n), figures in got.items():
+        for key, v in figures.items():
+            out[f"serving.ranking.{name}_{n}.{key}"] = v
+        kind = "rows" if name == "rows" else "request"
+        out[f"serving.ranking.{name}_{n}.body_bytes"] = len(bodies[kind, n])
     out |= request_breakdown(model_uri, warehouse, ds, max(CANDIDATES))
     for n in CANDIDATES:
         p50 = out[f"serving.ranking.request_{n}.p50_ms"]
@@ -268,10 +303,12 @@ def request_breakdown(model_uri: str, warehouse: str, ds: str, n: int = 1_000) -
     from recd_core.scoring.ranking import ranking_batch
     from recd_core.scoring.scorer import Scorer, features_of
     from recd_core.serving.app import parse_json
+    from recd_core.serving.batching import set_scoring_threads
 
     rows = Warehouse(warehouse).read_range("samples", ds, 0, n, layout="clustered")
     body = ranking_bodies(rows, features_of(saved_meta(model_uri)), (n,))[("request", n)]
     scorer = Scorer(*load_model(model_uri))
+    set_scoring_threads(ServeConfig())  # as `recd serve` does
     times: dict[str, list[float]] = {}
 
     def timed(stage: str, fn, *args):
@@ -281,7 +318,7 @@ def request_breakdown(model_uri: str, warehouse: str, ds: str, n: int = 1_000) -
         return out
 
     def model(batch):
-        with torch.no_grad():
+        with torch.inference_mode():
             return torch.sigmoid(scorer.model(batch)).numpy()
 
     for k in range(23):

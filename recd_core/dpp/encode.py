@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 
-from recd_core.config import DedupConfig, FeatureSet, PreprocessConfig, TransformSpec
+from recd_core.config import DedupConfig, FeatureSet, FeatureSpec, PreprocessConfig, TransformSpec
 from recd_core.dedup.unique import DedupPlan, unique_rows, unique_runs, unique_sessions
 from recd_core.dedup.unique import list_array as _lists
 from recd_core.dedup.unique import list_parts as _list_parts
@@ -50,6 +50,14 @@ class Prepared:
     stats: dict[str, dict]
     cfg: PreprocessConfig
     dedup_method: str = "runs"  # resolved: session | runs | hash
+    # each feature's transform, resolved once (a served request's batch needs all of them)
+    _transforms: dict[str, TransformSpec] = field(default_factory=dict, repr=False, compare=False)
+
+    def transform(self, spec: FeatureSpec) -> TransformSpec:
+        """`cfg.transform_for(spec)`, kept."""
+        if spec.name not in self._transforms:
+            self._transforms[spec.name] = self.cfg.transform_for(spec)
+        return self._transforms[spec.name]
 
     def to_json(self) -> str:
         return json.dumps(
@@ -213,7 +221,7 @@ def transformed_dense(col, spec, prep: Prepared):
     """A dense feature's column transformed as the run's DPP does: [rows, dim] floats, or
     (bucketized) an id list's values and lengths."""
     return transform_dense(
-        dense_matrix(col, spec.dim), prep.cfg.transform_for(spec), prep.stats.get(spec.name)
+        dense_matrix(col, spec.dim), prep.transform(spec), prep.stats.get(spec.name)
     )
 
 
@@ -221,7 +229,7 @@ def feature_ids(col, prep: Prepared, name: str) -> tuple[np.ndarray, np.ndarray]
     """An id feature's column as the model's ids (hashed, truncated): flat values, lengths."""
     spec = prep.raw[name]
     values, lengths = _list_parts(col)
-    return transform_ids(values, lengths, spec, prep.cfg.transform_for(spec))
+    return transform_ids(values, lengths, spec, prep.transform(spec))
 
 
 def batch_ranges(num_rows: int, batch_size: int) -> list[tuple[int, int]]:

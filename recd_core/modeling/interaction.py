@@ -69,8 +69,9 @@ class Split:
         pu = [col(per_sample[a], unique[b]) for a in range(p) for b in range(u)]
         pp = [col(per_sample[a], per_sample[b]) for a, b in upper_pairs(p)]
 
-        def t(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
+        def t(values: list[int]) -> torch.Tensor:  # kept by the model: never an inference
+            with torch.inference_mode(False):  # tensor (scoring's), which training refuses
+                return torch.tensor(values, dtype=torch.long, device=device)
 
         return Split(
             tuple(unique),

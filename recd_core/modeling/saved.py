@@ -384,7 +384,7 @@ def predict(
     `time.monotonic()` value) it stops between batches with TimeoutError."""
     out = []
     model = model.to(device)
-    with torch.no_grad():
+    with torch.inference_mode():
         for batch in batches_of(meta, table, batch_size, trust_sessions):
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError

@@ -300,7 +300,7 @@ def score_ranking(
     user row's embeddings and history encoded for the first batch and kept for the rest
     (`Batch.shared`); past `deadline` (monotonic) it stops between batches (TimeoutError)."""
     out, shared = [], {}  # the user row's results: computed for the first batch, reused
-    with torch.no_grad():
+    with torch.inference_mode():
         for lo in range(0, ranking.size, batch_rows):
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError
@@ -316,7 +316,7 @@ def score_together(
 ) -> list[np.ndarray]:
     """Several requests' candidates in one model call (`rankings_batch`; their candidates
     within the server's batch rows): each request's probabilities."""
-    with torch.no_grad():
+    with torch.inference_mode():
         probs = torch.sigmoid(model(rankings_batch(requests, prep, dedup))).numpy()
     return np.split(probs, np.cumsum([r.size for r in requests])[:-1])
 

@@ -17,7 +17,7 @@ pyfunc (mlops/pyfunc.py) both wrap, so a request scores the same way through eit
 
 A refusal is a `RequestError` (400, 413 past a limit), a score that is not a number a
 `NonFinite`; the wrappers only translate them (HTTP answers, MLflow error codes). Scoring
-holds a lock: one request at a time per scorer, since torch already uses every core.
+holds a lock: one request at a time per scorer (torch's own threads split a model call).
 """
 
 from __future__ import annotations

@@ -50,7 +50,9 @@ Every non-200 body is one JSON line, `{"error_code": ..., "message": ...}` (MLfl
 with no stack trace and no echo of the request. Requests are checked on two worker threads,
 off the event loop (which keeps reading and refusing); one loop scores them on a thread of
 its own (serving/batching.py): ranking requests that arrive together in one model call of up
-to serve.batch_rows rows, torch using every core the process has.
+to serve.batch_rows rows, on serve.threads torch threads (by default the CPU budget less the
+two checking threads', at least one: torch's OpenMP threads wait passively in recd, so a
+second thread on two cores costs each small op a wake-up and gains the large ones little).
 """
 
 from __future__ import annotations

@@ -25,8 +25,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
+from recd_core.config import ServeConfig
+from recd_core.runtime import cpu_budget
 from recd_core.scoring.scorer import Checked, NonFinite, finite
+
+
+def set_scoring_threads(cfg: ServeConfig) -> int:
+    """torch's threads for a model call (`serve.threads`), set for the process and returned:
+    by default the CPU budget less the two threads that read and check requests meanwhile,
+    at least one."""
+    threads = cfg.threads or max(cpu_budget() - 2, 1)
+    torch.set_num_threads(threads)
+    return threads
 
 
 @dataclass
