@@ -533,7 +533,7 @@ def _serve_command() -> None:
         import uvicorn
 
         from recd_core.serving.app import build_app, load_served, log_to_stderr
-        from recd_core.serving.batching import set_scoring_threads
+        from recd_core.serving.batching import set_up_scoring
 
         tracker = ctx.find_root().obj
         try:
@@ -559,7 +559,7 @@ def _serve_command() -> None:
             if err is None:
                 raise
             _fail("serve", str(err), err.exit_code)
-        threads = set_scoring_threads(cfg)
+        threads = set_up_scoring(cfg)
         print_summary(
             "recd serve",
             {

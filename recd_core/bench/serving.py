@@ -303,12 +303,12 @@ def request_breakdown(model_uri: str, warehouse: str, ds: str, n: int = 1_000) -
     from recd_core.scoring.ranking import ranking_batch
     from recd_core.scoring.scorer import Scorer, features_of
     from recd_core.serving.app import parse_json
-    from recd_core.serving.batching import set_scoring_threads
+    from recd_core.serving.batching import set_up_scoring
 
     rows = Warehouse(warehouse).read_range("samples", ds, 0, n, layout="clustered")
     body = ranking_bodies(rows, features_of(saved_meta(model_uri)), (n,))[("request", n)]
     scorer = Scorer(*load_model(model_uri))
-    set_scoring_threads(ServeConfig())  # as `recd serve` does
+    set_up_scoring(ServeConfig())  # as `recd serve` does
     times: dict[str, list[float]] = {}
 
     def timed(stage: str, fn, *args):
