@@ -5,7 +5,7 @@
 serves a trained model with `recd serve` (and, beside it, the same model as an MLflow pyfunc
 under `mlflow models serve`, the reference) on loopback, sends requests of 1, 100 and
 10,000 of day D's sample rows (MLflow's dataframe_split JSON, what both take), one at a
-time, and reports per size the p50 / p99 latency (after two warm-up requests) and the
+time on a keep-alive connection, and reports per size the p50 / p99 latency (after two warm-up requests) and the
 server's peak resident memory while that size was served (the kernel's high-water mark,
 reset before each size). The sizes' timed requests are spread over three passes through the
 sizes (and servers), so a slow spell of the machine weighs on each alike.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import json
 import os
 import subprocess
@@ -89,16 +90,29 @@ def _reset_peak(pid: int) -> None:
         Path(f"/proc/{p}/clear_refs").write_text("5")  # resets VmHWM to the current RSS
 
 
-def _post(port: int, body: bytes) -> float:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/invocations",
-        data=body,
-        headers={"Content-Type": "application/json"},
-    )
-    t0 = time.perf_counter()
-    with urllib.request.urlopen(request, timeout=600) as r:
-        r.read()
-    return time.perf_counter() - t0
+class Client:
+    """One keep-alive connection per server (as a service's client holds a pool of them):
+    `post(port, body)` -> seconds to the whole answer; anything but a 200 is an error."""
+
+    def __init__(self):
+        self.connections: dict[int, http.client.HTTPConnection] = {}
+
+    def post(self, port: int, body: bytes) -> float:
+        if port not in self.connections:
+            self.connections[port] = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        connection = self.connections[port]
+        t0 = time.perf_counter()
+        connection.request("POST", "/invocations", body, {"Content-Type": "application/json"})
+        answer = connection.getresponse()
+        text = answer.read()
+        seconds = time.perf_counter() - t0
+        if answer.status != 200:
+            raise RuntimeError(f"the server answered {answer.status}: {text[:300]!r}")
+        return seconds
+
+    def close(self) -> None:
+        for connection in self.connections.values():
+            connection.close()
 
 
 PASSES = 3  # each target's timed requests are spread over passes through all targets
@@ -106,24 +120,25 @@ PASSES = 3  # each target's timed requests are spread over passes through all ta
 
 def measure(targets: dict) -> dict:
     """Per target (key -> (server, port, body, timed requests)): p50 / p99 latency (ms),
-    requests a second (one at a time) and the server's peak RSS. The peaks first, target
+    requests a second (one at a time, on a keep-alive connection) and the server's peak RSS. The peaks first, target
     after target (the kernel's high-water mark reset before each; two requests, which warm
     the server up); then the latencies in `PASSES` passes through the targets, each a warm-up
     request then its share of the timed ones: a slow spell of a shared machine falls on
     every target alike (the ratios between them hold), and a request is timed after others
     of its own kind."""
-    peaks = {}
+    peaks, client = {}, Client()
     for key, (server, port, body, _) in targets.items():
         _reset_peak(server.pid)
         for _ in range(2):
-            _post(port, body)
+            client.post(port, body)
         peaks[key] = _peak_rss(server.pid)
     timed: dict = {key: [] for key in targets}
     for k in range(PASSES):
         for key, (_, port, body, requests) in targets.items():
-            _post(port, body)
+            client.post(port, body)
             share = requests * (k + 1) // PASSES - requests * k // PASSES
-            timed[key] += [_post(port, body) for _ in range(share)]
+            timed[key] += [client.post(port, body) for _ in range(share)]
+    client.close()
     out = {}
     for key, seconds in timed.items():
         times = np.array(seconds) * 1e3

@@ -62,14 +62,21 @@ def _any(values) -> bool:
     return bool(pc.any(values).as_py())
 
 
+def _bounds(col) -> tuple:
+    """(min, max) of a column in one pass; (None, None) where it has no values."""
+    found = pc.min_max(col)
+    return found["min"].as_py(), found["max"].as_py()
+
+
 def _below(col, bound) -> bool:
     low = pc.min(col).as_py()
     return low is not None and low < bound
 
 
-def _above(col, bound) -> bool:
-    high = pc.max(col).as_py()
-    return high is not None and high > bound
+def _outside(col, low: float, high: float) -> bool:
+    """Whether a value of `col` is below `low` or above `high` (one pass)."""
+    lo, hi = _bounds(col)
+    return lo is not None and (lo < low or hi > high)
 
 
 def semantic_checks(table: pa.Table, features: FeatureSet) -> list[Check]:
@@ -88,7 +95,7 @@ def semantic_checks(table: pa.Table, features: FeatureSet) -> list[Check]:
             )
         if spec is None and name in ENVELOPE_COLUMNS:
             if name == "label":
-                if _below(col, 0) or _above(col, 1):
+                if _outside(col, 0, 1):
                     col = col.combine_chunks()
                     known = np.asarray(pc.is_in(col, pa.array([0, 1], pa.int8())), bool)
                     bad = ~known & ~np.asarray(col.is_null(), bool)
@@ -108,22 +115,23 @@ def semantic_checks(table: pa.Table, features: FeatureSet) -> list[Check]:
         size = spec.table_size or 0
         beyond = f" not below table_size {size} (its ids are row indices: hash false)"
         if spec.kind == "sparse":
-            if _below(col, 0):
+            lo, hi = _bounds(col)
+            if lo is not None and lo < 0:
                 col = col.combine_chunks()
                 bad = np.asarray(pc.less(col, 0).fill_null(False), bool)
                 checks.append(Check(name, bad, _with_value(f"field {name!r}: negative id ", col)))
-            if not spec.hash and _above(col, size - 1):
+            if not spec.hash and hi is not None and hi > size - 1:
                 col = col.combine_chunks()
                 bad = np.asarray(pc.greater_equal(col, size).fill_null(False), bool)
                 msg = _with_value(f"field {name!r}: id{beyond}, got ", col)
                 checks.append(Check(name, bad, msg))
         elif spec.is_list:
             flat = pc.list_flatten(col)
-            lengths = pc.list_value_length(col)
-            too_big = not spec.hash and _above(flat, size - 1)
-            if not (
-                flat.null_count or _below(flat, 0) or too_big or _above(lengths, spec.max_length)
-            ):
+            lo, hi = _bounds(flat)
+            too_big = not spec.hash and hi is not None and hi > size - 1
+            negative = lo is not None and lo < 0
+            longest = pc.max(pc.list_value_length(col)).as_py()
+            if not (flat.null_count or negative or too_big or (longest or 0) > spec.max_length):
                 continue
             col = col.combine_chunks()
             flat = pc.list_flatten(col)
@@ -160,7 +168,7 @@ def semantic_checks(table: pa.Table, features: FeatureSet) -> list[Check]:
         else:
             lengths = pc.list_value_length(col)
             flat = pc.list_flatten(col)
-            wrong_length = _below(lengths, spec.dim) or _above(lengths, spec.dim)
+            wrong_length = _outside(lengths, spec.dim, spec.dim)
             if not (wrong_length or _any(pc.invert(pc.is_finite(flat)))):
                 continue
             col = col.combine_chunks()
