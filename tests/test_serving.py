@@ -20,6 +20,7 @@ from doc_blocks import block_with, run_block
 from mlflow.tracking import MlflowClient
 
 from recd_core.modeling.launch import free_port
+from recd_core.runtime import cpu_budget
 
 BIN = Path(sys.executable).parent
 DAY = "2026-11-01"
@@ -341,8 +342,8 @@ def test_requests_past_the_in_flight_limit_are_told_to_retry(champion):
 def test_concurrent_ranking_requests_share_model_calls_and_score_as_alone(champion, ranking):
     """Eight clients at once, each its own user (`--batch-wait-ms`: a model call waits for
     the requests arriving with it): every answer is the one its request gets alone, and
-    requests were scored together; a request past `--queue-rows` alone is a 413 naming the
-    limit (it could never be held)."""
+    requests were scored together, on `--threads` torch threads; a request past `--queue-rows`
+    alone is a 413 naming the limit (it could never be held)."""
     import concurrent.futures
 
     _, uri, _ = champion
@@ -352,7 +353,7 @@ def test_concurrent_ranking_requests_share_model_calls_and_score_as_alone(champi
         split = json.loads(json.dumps(ranking["dataframe_split"]))
         split["data"][0][columns.index("user_id")] = k + 1
         bodies.append(json.dumps({"dataframe_split": split}).encode())
-    server = recd_serve(uri, "--batch-wait-ms", "300")
+    server = recd_serve(uri, "--batch-wait-ms", "300", "--threads", "2")
     try:
 
         def scores(body: bytes) -> list[float]:
@@ -369,13 +370,15 @@ def test_concurrent_ranking_requests_share_model_calls_and_score_as_alone(champi
         with urllib.request.urlopen(server.url("/stats"), timeout=30) as r:
             stats = json.loads(r.read())
         assert stats["requests_batched"] >= 2 and stats["in_flight"] == stats["rows_held"] == 0
-        assert stats["model_calls"] < 16
+        assert stats["model_calls"] < 16 and stats["scoring_threads"] == 2
     finally:
         server.stop()
     server = recd_serve(uri, "--queue-rows", "1")
     try:
         status, answer = server.post(bodies[0])
         one_line_refusal(status, answer, 413, "serve.queue_rows", "split the request")
+        with urllib.request.urlopen(server.url("/stats"), timeout=30) as r:  # the CPUs, less 2
+            assert json.loads(r.read())["scoring_threads"] == max(cpu_budget() - 2, 1)
     finally:
         server.stop()
 

@@ -9,7 +9,8 @@ MLflow's scoring protocol, so a client of one works with the other:
                           candidate) went through the whole request path to a finite score;
                           the chart's readiness probe
     GET  /version         the recd version, the model served and its registry version
-    GET  /stats           requests and rows held now, model calls, requests batched
+    GET  /stats           requests and rows held now, model calls, requests batched, torch's
+                          threads for a model call (serve.threads)
     /v2/...               KServe's Open Inference Protocol (serving/v2.py): health, the
                           model's metadata, POST /v2/models/{name}/infer
     POST /invocations     application/json: dataframe_split | dataframe_records
@@ -68,6 +69,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import orjson
+import torch
 from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.routing import Route
@@ -396,6 +398,7 @@ class Server:
             "rows_held": self.rows_held,
             "model_calls": self.batcher.calls,
             "requests_batched": self.batcher.batched,
+            "scoring_threads": torch.get_num_threads(),
         }
         return Response(orjson.dumps(about), 200, media_type="application/json")
 
