@@ -90,28 +90,50 @@ def _reset_peak(pid: int) -> None:
         Path(f"/proc/{p}/clear_refs").write_text("5")  # resets VmHWM to the current RSS
 
 
+JSON = "application/json"
+
+
 class Client:
     """One keep-alive connection per server (as a service's client holds a pool of them):
-    `post(port, body)` -> seconds to the whole answer; anything but a 200 is an error."""
+    `post(port, body)` -> seconds to the whole answer; anything but a 200 is an error. A
+    connection idle past `IDLE_S` is opened anew, and one the server closed meanwhile (uvicorn
+    closes idle ones after 5 s) is reopened and the request sent again, as a pool does."""
+
+    IDLE_S = 2.0
 
     def __init__(self):
-        self.connections: dict[int, http.client.HTTPConnection] = {}
+        self.connections: dict[int, tuple[http.client.HTTPConnection, float]] = {}
+
+    def _connection(self, port: int, fresh: bool = False) -> http.client.HTTPConnection:
+        held = self.connections.get(port)
+        if held is not None and (fresh or time.monotonic() - held[1] > self.IDLE_S):
+            held[0].close()
+            held = None
+        if held is None:
+            held = (http.client.HTTPConnection("127.0.0.1", port, timeout=600), 0.0)
+        self.connections[port] = held
+        return held[0]
 
     def post(self, port: int, body: bytes) -> float:
-        if port not in self.connections:
-            self.connections[port] = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-        connection = self.connections[port]
-        t0 = time.perf_counter()
-        connection.request("POST", "/invocations", body, {"Content-Type": "application/json"})
-        answer = connection.getresponse()
-        text = answer.read()
+        for attempt in range(2):
+            connection = self._connection(port, fresh=attempt > 0)
+            t0 = time.perf_counter()
+            try:
+                connection.request("POST", "/invocations", body, {"Content-Type": JSON})
+                answer = connection.getresponse()
+                text = answer.read()
+                break
+            except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+                if attempt:
+                    raise
         seconds = time.perf_counter() - t0
+        self.connections[port] = (connection, time.monotonic())
         if answer.status != 200:
             raise RuntimeError(f"the server answered {answer.status}: {text[:300]!r}")
         return seconds
 
     def close(self) -> None:
-        for connection in self.connections.values():
+        for connection, _ in self.connections.values():
             connection.close()
 
 
