@@ -11,10 +11,11 @@ those dots' share of the first layer. `split_logit` computes that part once a un
     U [G, u, d]   the constant and the group's vectors, per unique row
     P [B, p, d]   the rest (bottom outputs, the item's features, history@item), per sample
 
-    U·U  [G, u(u-1)/2] ─ first layer's columns of those pairs ─ [G, h] ─ by inverse ─┐
-    P·U  [B, p, u]  ┐                                                                 + ─ relu ─ rest of the top MLP ─┐
-    P·P  [B, p(p-1)/2] ┴ with the bottom outputs: the other columns ──── [B, h] ───────┘                               + logit
-    the factorization machine's weights over the dots, split the same way ────────────────────────────────────────────┘
+    U·U  [G, u(u-1)/2] ── their columns of the first layer ── [G, h] ── by inverse ──┐
+    P·U  [B, p, u]     ┐                                                             + ─ relu ─ top
+    P·P  [B, p(p-1)/2] ┴─ with the bottom outputs: the other columns ── [B, h] ──────┘
+
+and the factorization machine's weights over the dots split the same way.
 
 For one ranking request (one user row, 1,000 candidates: u = 13, p = 9 of 22 vectors) the
 user's 78 dots and their share of the first layer are computed once, not 1,000 times, and

@@ -411,13 +411,6 @@ class DLRM(Calibrated):
             out[f"{name}@item"] = target_attention(x, valid, out[item], inverse)
         return out, grouped
 
-    def embed_features(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """[B, d] per id feature and `<history>@item` (`embedded`, the groups' expanded)."""
-        out, grouped = self.embedded(batch)
-        for inverse, rows in grouped.values():
-            out |= {n: v.index_select(0, inverse) for n, v in rows.items() if n not in out}
-        return out
-
     def member_logits(self, batch: Batch) -> torch.Tensor:
         return self.raw_logit(batch).unsqueeze(0)  # [1, B]: one model, one loss
 
