@@ -19,7 +19,7 @@ and 8 clients of 1,000-candidate requests, as ranking requests and as the same s
 the row format (dedup's gain under load); with the model calls and the requests that shared
 one (`/stats`) and the server's peak RSS per scenario; keys `serving.load.closed.c<C>.*`, `serving.load.open.x<rate>.*`. The clients
 run on the same cores as the server (Python threads, one keep-alive connection each; the
-open loop up to 1,024 at once).
+open loop up to 1,024 at once), their process's collector off while they time.
 """
 
 from __future__ import annotations
@@ -34,7 +34,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from recd_core.bench.serving import _peak_rss, _reset_peak, _wait, recd_serve_cmd, served_model_args
+from recd_core.bench.serving import (
+    _peak_rss,
+    _reset_peak,
+    _wait,
+    client_collector_off,
+    recd_serve_cmd,
+    served_model_args,
+)
 from recd_core.modeling.launch import free_port
 from recd_core.report import print_summary
 from recd_core.runtime import owned_child, stop_group
@@ -182,17 +189,18 @@ def load_figures(model_uri: str, warehouse: str, ds: str) -> dict:
         c = _Client(port)
         for b in bodies[:4]:  # warm-up
             c.send(b)
-        for clients in CLIENTS:
-            for k, v in closed_loop(port, server.pid, bodies, clients).items():
-                out[f"serving.load.closed.c{clients}.{k}"] = v
-        peak = out[f"serving.load.closed.c{max(CLIENTS)}.requests_per_s"]
-        for x in RATES:
-            for k, v in open_loop(port, server.pid, bodies, x * peak).items():
-                out[f"serving.load.open.x{x:g}.{k}"] = v
-            out[f"serving.load.open.x{x:g}.rate"] = x * peak
-        for kind, b in big.items():
-            for k, v in closed_loop(port, server.pid, b, 8, LARGE).items():
-                out[f"serving.load.closed.c8.n{LARGE}.{kind}.{k}"] = v
+        with client_collector_off():  # the clients' own pauses are not the server's
+            for clients in CLIENTS:
+                for k, v in closed_loop(port, server.pid, bodies, clients).items():
+                    out[f"serving.load.closed.c{clients}.{k}"] = v
+            peak = out[f"serving.load.closed.c{max(CLIENTS)}.requests_per_s"]
+            for x in RATES:
+                for k, v in open_loop(port, server.pid, bodies, x * peak).items():
+                    out[f"serving.load.open.x{x:g}.{k}"] = v
+                out[f"serving.load.open.x{x:g}.rate"] = x * peak
+            for kind, b in big.items():
+                for k, v in closed_loop(port, server.pid, b, 8, LARGE).items():
+                    out[f"serving.load.closed.c8.n{LARGE}.{kind}.{k}"] = v
     finally:
         stop_group(server)
     big_ratio = f"serving.load.closed.c8.n{LARGE}"
