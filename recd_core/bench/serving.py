@@ -5,10 +5,11 @@
 serves a trained model with `recd serve` (and, beside it, the same model as an MLflow pyfunc
 under `mlflow models serve`, the reference) on loopback, sends requests of 1, 100 and
 10,000 of day D's sample rows (MLflow's dataframe_split JSON, what both take), one at a
-time on a keep-alive connection, and reports per size the p50 / p99 latency (after two warm-up requests) and the
-server's peak resident memory while that size was served (the kernel's high-water mark,
-reset before each size). The sizes' timed requests are spread over three passes through the
-sizes (and servers), so a slow spell of the machine weighs on each alike.
+time on a keep-alive connection, and reports per size the p50 / p99 latency (after
+warm-up requests) and the server's peak resident memory while that size was served (the
+kernel's high-water mark, reset before each size). The sizes' timed requests are spread
+over three passes through the sizes (and servers), so a slow spell of the machine weighs
+on each alike.
 
 Then ranking (`serving.ranking.*`): one user and 1, 100 or 1,000 candidates, sent to
 `recd serve` as a ranking request (the user side once: scoring/ranking.py), as the same
@@ -155,9 +156,9 @@ PASSES = 3  # each target's timed requests are spread over passes through all ta
 
 def measure(targets: dict) -> dict:
     """Per target (key -> (server, port, body, timed requests)): p50 / p99 latency (ms),
-    requests a second (one at a time, on a keep-alive connection) and the server's peak RSS. The peaks first, target
-    after target (the kernel's high-water mark reset before each; two requests, which warm
-    the server up); then the latencies in `PASSES` passes through the targets, each a warm-up
+    requests a second (one at a time, on a keep-alive connection) and the server's peak
+    RSS. The peaks first, target after target (the kernel's high-water mark reset before
+    each; two requests, which warm the server up); then the latencies in `PASSES` passes through the targets, each a warm-up
     request then its share of the timed ones: a slow spell of a shared machine falls on
     every target alike (the ratios between them hold), and a request is timed after others
     of its own kind."""
