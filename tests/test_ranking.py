@@ -26,7 +26,7 @@ from recd_core.scoring.ranking import (
     score_together,
     user_side,
 )
-from recd_core.scoring.request import RequestError, request_columns
+from recd_core.scoring.request import RequestError, request_columns, request_table
 from recd_core.warehouse import Warehouse
 
 N = 300
@@ -145,13 +145,19 @@ def test_a_malformed_request_is_refused_naming_where(served, features, change, w
 
 
 def test_the_readiness_request_is_valid_and_scored(served, features):
-    model, _, prep, _ = served
+    model, meta, prep, _ = served
     schema = events_schema(features)
     columns, n = request_columns(probe_request(schema, features), 10)
     (ranking,) = ranking_requests(columns, n, schema, features, 10)
     assert ranking.size == 1
     (score,) = score_ranking(model, prep, ranking)
     assert 0.0 < score < 1.0
+    # its one sample as a row (what the server also scores before its first client)
+    columns, n = request_columns(probe_request(schema, features, as_row=True), 10)
+    assert CANDIDATES not in columns and n == 1
+    table = request_table(columns, n, schema, features)
+    (as_row,) = predict(model, meta, table, trust_sessions=False)
+    assert as_row == pytest.approx(score, abs=1e-6)
 
 
 def test_the_user_side_is_encoded_once_a_request_whatever_its_batches(served, features):

@@ -272,9 +272,10 @@ def _rows_of(parts: tuple[np.ndarray, np.ndarray], rows: np.ndarray):
     return values[first + np.arange(int(picked.sum()))], picked
 
 
-def probe_request(schema: pa.Schema, features: FeatureSet) -> dict:
+def probe_request(schema: pa.Schema, features: FeatureSet, as_row: bool = False) -> dict:
     """The smallest valid ranking request for a model (ids 0, empty lists, zeros; one
-    candidate): what the readiness check scores through the whole request path."""
+    candidate): what the readiness check scores through the whole request path (`as_row`:
+    its one sample in the row format)."""
 
     def value(name: str):
         f = schema.field(name)
@@ -285,6 +286,8 @@ def probe_request(schema: pa.Schema, features: FeatureSet) -> dict:
 
     candidate = {c: value(c) for c in candidate_side(features)}
     request = {c: value(c) for c in user_side(features)}
+    if as_row:
+        return {"dataframe_records": [{**request, **candidate}]}
     return {"dataframe_records": [{**request, CANDIDATES: [candidate]}]}
 
 

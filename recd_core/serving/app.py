@@ -79,6 +79,7 @@ from recd_core.config import ServeConfig
 from recd_core.errors import BadInput, TrackingError, first_line
 from recd_core.lineage import code_version
 from recd_core.modeling.saved import load_model
+from recd_core.scoring.ranking import probe_request
 from recd_core.scoring.request import RequestError, request_columns
 from recd_core.scoring.scorer import Checked, NonFinite, Scorer
 from recd_core.serving import v2
@@ -440,10 +441,9 @@ class Server:
     def warm_up(self) -> None:
         """The readiness request scored, and its one sample as a row: what a first request
         of each format imports and builds is then loaded before the first client's."""
-        probe = self.served.scorer.probe
-        record = json.loads(probe)["dataframe_records"][0]
-        row = {k: v for k, v in record.items() if k != "candidates"} | record["candidates"][0]
-        for body in (probe, json.dumps({"dataframe_records": [row]}).encode()):
+        scorer = self.served.scorer
+        row = json.dumps(probe_request(scorer.schema, scorer.features, as_row=True)).encode()
+        for body in (scorer.probe, row):
             self.work(body, time.monotonic() + self.cfg.timeout_s)
 
     @contextlib.asynccontextmanager
