@@ -288,23 +288,34 @@ def serving_figures(model_uri: str, warehouse: str, ds: str, reference: bool = T
     return out
 
 
-def ranking_bodies(rows, features, sizes=CANDIDATES) -> dict:
-    """Per candidate count: the ranking request (the first row's user side, the first rows'
-    item and context features as candidates) and the same request as sample rows."""
+def user_bodies(rows, features, users: int, n: int, as_rows: bool = False) -> list[bytes]:
+    """`users` ranking requests of n candidates, each another row's user side (the first:
+    row 0's, with rows 0..n-1's item and context features as candidates; `as_rows`: the
+    same samples in the row format, the user side in every row)."""
+    from recd_core.scoring.ranking import CANDIDATES as CANDIDATES_KEY
     from recd_core.scoring.ranking import candidate_side, user_side
 
-    users, cands = user_side(features), candidate_side(features)
-    user = {c: rows[c][0].as_py() for c in users}
-    records = rows.select(cands).to_pylist()
-    out = {}
-    for n in sizes:
-        out[("request", n)] = json.dumps(
-            {"dataframe_records": [{**user, "candidates": records[:n]}]}
-        ).encode()
-        out[("rows", n)] = json.dumps(
-            {"dataframe_records": [{**user, **cand} for cand in records[:n]]}
-        ).encode()
+    cands = rows.select(candidate_side(features)).to_pylist()
+    out = []
+    for u in range(users):
+        lo = (u * n) % max(rows.num_rows - n, 1)
+        user = {c: rows[c][lo].as_py() for c in user_side(features)}
+        if as_rows:
+            body = {"dataframe_records": [{**user, **c} for c in cands[lo : lo + n]]}
+        else:
+            body = {"dataframe_records": [{**user, CANDIDATES_KEY: cands[lo : lo + n]}]}
+        out.append(json.dumps(body).encode())
     return out
+
+
+def ranking_bodies(rows, features, sizes=CANDIDATES) -> dict:
+    """Per candidate count: the ranking request of one user (`user_bodies`' first) and the
+    same request as sample rows."""
+    return {
+        (kind, n): user_bodies(rows, features, 1, n, as_rows=kind == "rows")[0]
+        for n in sizes
+        for kind in ("request", "rows")
+    }
 
 
 def ranking_figures(model_uri: str, warehouse: str, ds: str) -> dict:

@@ -17,8 +17,9 @@ candidates of the 50 rows from it).
 
 and 8 clients of 1,000-candidate requests, as ranking requests and as the same samples in
 the row format (dedup's gain under load); with the model calls and the requests that shared
-one (`/stats`) and the server's peak RSS per scenario; keys `serving.load.closed.c<C>.*`, `serving.load.open.x<rate>.*`. The clients
-run on the same cores as the server (Python threads, one keep-alive connection each; the
+one (`/stats`) and the server's peak RSS per scenario; keys `serving.load.closed.c<C>.*`,
+`serving.load.open.x<rate>.*`, `serving.load.closed.c8.n1000.*`. The clients run on the
+same cores as the server (Python threads, one keep-alive connection each; the
 open loop up to 1,024 at once), their process's collector off while they time.
 """
 
@@ -41,6 +42,7 @@ from recd_core.bench.serving import (
     client_collector_off,
     recd_serve_cmd,
     served_model_args,
+    user_bodies,
 )
 from recd_core.modeling.launch import free_port
 from recd_core.report import print_summary
@@ -55,24 +57,6 @@ SECONDS = 6.0
 # the open loop's connections: more than the server's default in-flight limit, so past
 # saturation the requests pile up at the server (and its 503s show), not in the client
 OPEN_CONNECTIONS = 1024
-
-
-def user_bodies(rows, features, users: int, n: int = CANDIDATES, as_rows=False) -> list[bytes]:
-    """`users` ranking requests of n candidates, each another row's user side (`as_rows`:
-    the same samples in the row format, the user side in every row)."""
-    from recd_core.scoring.ranking import candidate_side, user_side
-
-    cands = rows.select(candidate_side(features)).to_pylist()
-    out = []
-    for u in range(users):
-        lo = (u * n) % max(rows.num_rows - n, 1)
-        user = {c: rows[c][lo].as_py() for c in user_side(features)}
-        if as_rows:
-            body = {"dataframe_records": [{**user, **c} for c in cands[lo : lo + n]]}
-        else:
-            body = {"dataframe_records": [{**user, "candidates": cands[lo : lo + n]}]}
-        out.append(json.dumps(body).encode())
-    return out
 
 
 class _Client:
@@ -171,7 +155,7 @@ def load_figures(model_uri: str, warehouse: str, ds: str) -> dict:
 
     rows = Warehouse(warehouse).read_range("samples", ds, 0, 64 * CANDIDATES, layout="clustered")
     features = features_of(saved_meta(model_uri))
-    bodies = user_bodies(rows, features, 64)
+    bodies = user_bodies(rows, features, 64, CANDIDATES)
     big = {  # 1,000 candidates, as a ranking request and as rows: 8 clients
         kind: user_bodies(rows, features, 8, LARGE, as_rows=kind == "rows")
         for kind in ("request", "rows")
