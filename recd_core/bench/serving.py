@@ -371,7 +371,6 @@ def request_breakdown(model_uri: str, warehouse: str, ds: str, n: int = 1_000) -
     rows = Warehouse(warehouse).read_range("samples", ds, 0, n, layout="clustered")
     body = ranking_bodies(rows, features_of(saved_meta(model_uri)), (n,))[("request", n)]
     scorer = Scorer(*load_model(model_uri))
-    set_up_scoring(ServeConfig())  # as `recd serve` does
     times: dict[str, list[float]] = {}
 
     def timed(stage: str, fn, *args):
@@ -384,15 +383,23 @@ def request_breakdown(model_uri: str, warehouse: str, ds: str, n: int = 1_000) -
         with torch.inference_mode():
             return torch.sigmoid(scorer.model(batch)).numpy()
 
-    for k in range(23):
-        parsed = timed("parse", parse_json, body)
-        columns, rows_n = request_columns(parsed, 10 * n)
-        checked = timed("check", scorer.checked, columns, rows_n, 10 * n)
-        batch = timed("batch", ranking_batch, checked.rankings[0], scorer.prep)
-        probs = timed("model", model, batch)
-        timed("answer", lambda p: orjson.dumps({"predictions": p.tolist()}), probs)
-        if k < 3:  # warm-up
-            times = {}
+    # set up as `recd serve` sets its process up, for the breakdown only: the bench's
+    # process goes on with its own threads and switch interval
+    threads, interval = torch.get_num_threads(), sys.getswitchinterval()
+    set_up_scoring(ServeConfig())
+    try:
+        for k in range(23):
+            parsed = timed("parse", parse_json, body)
+            columns, rows_n = request_columns(parsed, 10 * n)
+            checked = timed("check", scorer.checked, columns, rows_n, 10 * n)
+            batch = timed("batch", ranking_batch, checked.rankings[0], scorer.prep)
+            probs = timed("model", model, batch)
+            timed("answer", lambda p: orjson.dumps({"predictions": p.tolist()}), probs)
+            if k < 3:  # warm-up
+                times = {}
+    finally:
+        torch.set_num_threads(threads)
+        sys.setswitchinterval(interval)
     return {
         f"serving.ranking.breakdown_{n}.{stage}_ms": 1e3 * float(np.median(v))
         for stage, v in times.items()
